@@ -1,0 +1,198 @@
+"""Content-defined chunking and fingerprints over token ids (paper §4, Appendix B).
+
+The chunker is a Gear rolling hash with a 64-bit state, fed one *gear value* per token:
+
+    state_t = (state_{t-1} << 1) + gear(token_t)   (mod 2**64),   state_{-1} = 0
+
+so state_t = sum_{i<64} gear(token_{t-i}) << i depends only on the last 64 tokens. A chunk may end
+after token t when the low ``mask_bits`` bits of state_t are zero (expected spacing 2**mask_bits),
+with chunk sizes clamped to [min_size, max_size]. A *reset* at offset r forces a boundary there and
+restarts the state from zero, so content after a reset chunks identically wherever it sits.
+
+``gear(id)`` is the SplitMix64 finaliser of the token id (see :func:`gear_values`); ids reach 130k+,
+so a 256-entry byte table does not apply.
+
+Vectorisation: the low b bits of state_t only involve the terms i < b (the others are shifted past
+bit b), so they equal the low b bits of H_b[t] = sum_{i<b} gear(token_{t-i}) << i, which numpy builds
+by doubling, H_{2m}[t] = H_m[t] + (H_m[t-m] << m): ceil(log2 b) vectorised passes in a b-bit integer
+type. Only the choice among candidate cuts (the min/max clamp) is sequential; it runs once per
+*chunk*, never per token.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+
+import numpy as np
+import xxhash
+
+GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+# Multiplier of the polynomial window fingerprint (odd, so it is invertible mod 2**64).
+_POLY = 0xD6E8FEB86659FD93
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser, elementwise on a uint64 array (wrapping arithmetic)."""
+    z = x + np.uint64(GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+class _GearTable:
+    """gear(id) for every id below a power-of-two bound, grown on demand, one copy per dtype."""
+
+    def __init__(self) -> None:
+        self._tables: dict[np.dtype, np.ndarray] = {}
+        self._size = 0
+
+    def lookup(self, tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        needed = int(tokens.max()) + 1 if tokens.size else 1
+        if needed > self._size:
+            self._size = 1 << max(17, (needed - 1).bit_length())
+            full = splitmix64(np.arange(self._size, dtype=np.uint64))
+            self._tables = {np.dtype(np.uint64): full}
+        dtype = np.dtype(dtype)
+        if dtype not in self._tables:
+            self._tables[dtype] = self._tables[np.dtype(np.uint64)].astype(dtype)
+        return self._tables[dtype][tokens]
+
+
+_GEAR = _GearTable()
+
+
+def as_token_array(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Validate a 1-D array of token ids in [0, 2**32) and return it as a numpy integer array."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"token ids must be >= 0, got {int(arr.min())} at {int(arr.argmin())}")
+    if arr.dtype.itemsize > 4 and int(arr.max()) >= 1 << 32:
+        raise ValueError(f"token ids must be < 2**32, got {int(arr.max())} at {int(arr.argmax())}")
+    return arr
+
+
+def gear_values(tokens: np.ndarray) -> np.ndarray:
+    """The 64-bit gear value of every token: ``splitmix64(id)``."""
+    return _GEAR.lookup(as_token_array(tokens), np.uint64)
+
+
+def _normalise_resets(resets: Iterable[int] | np.ndarray, n: int) -> np.ndarray:
+    r = np.unique(np.asarray(list(resets) if not isinstance(resets, np.ndarray) else resets,
+                             dtype=np.int64))
+    if r.size and (r[0] < 0 or r[-1] > n):
+        raise ValueError(f"reset offsets must lie in [0, {n}], got {r[0]}..{r[-1]}")
+    return r[(r > 0) & (r < n)]
+
+
+def _low_state_bits(tokens: np.ndarray, bits: int, resets: np.ndarray) -> np.ndarray:
+    """Low ``bits`` bits of the Gear state after every token (higher bits of the result are junk)."""
+    dtype = np.uint16 if bits <= 16 else np.uint32 if bits <= 32 else np.uint64
+    gear = _GEAR.lookup(tokens, dtype)
+    h = gear.copy()
+    span = 1
+    while span < bits:
+        h[span:] += h[:-span] << dtype(span)
+        span *= 2
+    if resets.size:
+        # The first bits-1 states after a reset must not see tokens before it: rebuild them from a
+        # zero state, stopping at the next reset (which rebuilds its own).
+        limit = np.append(resets[1:], tokens.size)
+        state = np.zeros(resets.size, dtype=dtype)
+        for j in range(bits - 1):
+            pos = resets + j
+            live = pos < limit
+            if not live.any():
+                break
+            state = (state << dtype(1)) + gear[np.minimum(pos, tokens.size - 1)]
+            h[pos[live]] = state[live]
+    return h
+
+
+def chunk_boundaries(tokens: Iterable[int] | np.ndarray, *, mask_bits: int = 7, min_size: int = 32,
+                     max_size: int = 512, resets: Iterable[int] | np.ndarray = ()) -> np.ndarray:
+    """Chunk end offsets (int64, strictly increasing, last == len(tokens)) of a token-id array.
+
+    A chunk ends after token t when the low ``mask_bits`` bits of the Gear state are zero and the
+    chunk holds at least ``min_size`` tokens, or when it reaches ``max_size`` tokens, or at a reset
+    offset, or at the end of the array (the last two may give chunks shorter than ``min_size``).
+    """
+    arr = as_token_array(tokens)
+    n = int(arr.size)
+    if not 1 <= mask_bits <= 64:
+        raise ValueError(f"mask_bits must be in [1, 64], got {mask_bits}")
+    if not 1 <= min_size <= max_size:
+        raise ValueError(f"need 1 <= min_size <= max_size, got {min_size}, {max_size}")
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    cuts = _normalise_resets(resets, n)
+    state = _low_state_bits(arr, mask_bits, cuts)
+    mask = state.dtype.type((1 << mask_bits) - 1)
+    candidates = (np.flatnonzero((state & mask) == 0) + 1).tolist()
+    bounds: list[int] = []
+    pos = 0
+    for seg_end in cuts.tolist() + [n]:
+        while pos < seg_end:
+            lo, hi = pos + min_size, min(pos + max_size, seg_end)
+            cut = hi
+            if lo < hi:
+                i = bisect_left(candidates, lo)
+                if i < len(candidates) and candidates[i] <= hi:
+                    cut = candidates[i]
+            bounds.append(cut)
+            pos = cut
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def fingerprints(tokens: Iterable[int] | np.ndarray, boundaries: np.ndarray, *,
+                 seed: int = 0) -> np.ndarray:
+    """One xxHash64 per chunk, over the chunk's token ids as little-endian uint32, seeded.
+
+    ``boundaries`` are chunk end offsets as returned by :func:`chunk_boundaries`; the seed carries
+    the model and tenant namespace, so equal content in two namespaces never shares a fingerprint.
+    """
+    buf = memoryview(np.ascontiguousarray(as_token_array(tokens), dtype="<u4")).cast("B")
+    digest = xxhash.xxh64_intdigest
+    out: list[int] = []
+    start = 0
+    for end in np.asarray(boundaries, dtype=np.int64).tolist():
+        out.append(digest(buf[4 * start:4 * end], seed))
+        start = end
+    return np.asarray(out, dtype=np.uint64)
+
+
+def window_fingerprints(tokens: Iterable[int] | np.ndarray, width: int, *,
+                        seed: int = 0) -> np.ndarray:
+    """Fingerprint of every ``width``-token sliding window (``width`` a power of two).
+
+    Element t fingerprints tokens[t : t + width]. A polynomial hash of the gear values,
+    sum_i gear(tok[t+i]) * P**(width-1-i) mod 2**64, built by doubling in log2(width) passes, then
+    mixed with the seed through SplitMix64. It finds repeated windows at any offset in O(n) numpy
+    work; unlike :func:`fingerprints` it is not xxHash, so anything served from a window hit must
+    still be verified token by token (the registry does).
+    """
+    if width < 1 or width & (width - 1):
+        raise ValueError(f"window width must be a power of two, got {width}")
+    arr = as_token_array(tokens)
+    if arr.size < width:
+        return np.zeros(0, dtype=np.uint64)
+    h = _GEAR.lookup(arr, np.uint64)
+    span = 1
+    while span < width:
+        # h[t] covers tokens[t : t + span]; extend to 2*span by appending the window that follows.
+        h = h[:-span] * np.uint64(pow(_POLY, span, 1 << 64)) + h[span:]
+        span *= 2
+    return splitmix64(h ^ np.uint64(seed & (2**64 - 1)))
+
+
+def namespace_seed(*parts: str) -> int:
+    """A 64-bit fingerprint seed for a namespace (model id, tenant salt, ...)."""
+    return xxhash.xxh64_intdigest("\x1f".join(parts).encode("utf-8"))
