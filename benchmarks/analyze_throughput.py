@@ -1,0 +1,41 @@
+"""Time `irminsul analyze` on a whole request log (default: the shared mini-swe-agent log).
+
+Target (issue #2): the full mini-swe-agent log, 20,163 requests / ~3e8 prompt tokens, in <= 10
+minutes on the 2-core CI machine. Prints requests, prompt tokens, wall time, tokens/s and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+from irminsul.analysis.analyze import analyze_log
+from irminsul.traffic.render import ChatRenderer
+
+DEFAULT_LOG = "../shared/traces/mini-swe-agent-gemini3pro.requests.jsonl.xz"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", nargs="?", default=DEFAULT_LOG)
+    parser.add_argument("--json", help="also write the analyze report here")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    report = analyze_log(args.log, ChatRenderer.default())
+    seconds = time.perf_counter() - started
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"log            {args.log}")
+    print(f"requests       {report['requests']:,}")
+    print(f"prompt tokens  {report['prompt_tokens']:,}")
+    print(f"wall time      {seconds:.1f} s  (target <= 600 s on 2 cores)")
+    print(f"throughput     {report['prompt_tokens'] / seconds / 1e6:.2f} M prompt tokens/s")
+    print(f"peak RSS       {peak_gb:.2f} GB")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

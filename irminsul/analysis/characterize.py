@@ -1,0 +1,87 @@
+"""Workload characterisation (paper §3): where each prompt token could come from.
+
+Every call's prompt tokens fall into exactly one class:
+
+    exact_prefix  served by a radix cache holding every earlier prompt (unbounded)
+    shifted       past the exact prefix, but inside a 64-token window seen before (anywhere, at any
+                  position); split into *within*-session (the window first appeared in this session)
+                  and *cross*-session (it first appeared in another)
+    novel         the rest
+
+Windows are found with sliding-window fingerprints (:func:`~irminsul.cache.cdc.window_fingerprints`).
+Per-session fractions give the p50/p95 the paper reports.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from ..cache.cdc import window_fingerprints
+from ..cache.radix import PrefixMatch, RadixTree
+from .prompt import Prompt
+
+WINDOW = 64
+
+
+class Characterisation:
+    """Streams prompts in log order; keeps the unbounded radix tree the other passes share."""
+
+    def __init__(self) -> None:
+        self.radix = RadixTree()
+        self._first_session: dict[int, int] = {}  # window fingerprint -> first session index
+        self._sessions: dict[str, int] = {}
+        # per session: [prompt, exact_prefix, within, cross] token counts
+        self._per_session: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(4, np.int64))
+
+    def add(self, prompt: Prompt) -> PrefixMatch:
+        """Classify one prompt's tokens, then remember it. Returns its exact-prefix match."""
+        session = self._sessions.setdefault(prompt.session, len(self._sessions))
+        tokens, n = prompt.tokens, prompt.size
+        match = self.radix.match_prefix(tokens)
+        first = max(0, match.length - WINDOW + 1)  # windows that reach past the prefix
+        fps = window_fingerprints(tokens[first:], WINDOW).tolist()
+        owner = self._first_session
+        seen = np.fromiter((owner.get(fp, -1) for fp in fps), dtype=np.int64, count=len(fps))
+        within = _covered(seen == session, n - first)[match.length - first:]
+        cross = _covered((seen >= 0) & (seen != session), n - first)[match.length - first:]
+        cross &= ~within
+        for fp in fps:
+            owner.setdefault(fp, session)
+        self.radix.insert(tokens, np.zeros(n, dtype=np.int64))
+        self._per_session[session] += (n, match.length, int(within.sum()), int(cross.sum()))
+        return match
+
+    def result(self) -> dict:
+        """Fractions of all prompt tokens, and per-session p50/p95 of the shifted fractions."""
+        counts = np.array(list(self._per_session.values()), dtype=np.int64).reshape(-1, 4)
+        total = max(int(counts[:, 0].sum()), 1)
+        prompt, prefix, within, cross = counts.sum(axis=0).tolist() if counts.size else [0] * 4
+        per = counts[:, 1:] / np.maximum(counts[:, :1], 1)
+        shifted = per[:, 1] + per[:, 2]
+
+        def pct(values: np.ndarray) -> dict:
+            if not values.size:
+                return {"p50": 0.0, "p95": 0.0}
+            return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
+
+        return {
+            "sessions": int(counts.shape[0]),
+            "exact_prefix": prefix / total,
+            "shifted": (within + cross) / total,
+            "shifted_within": within / total,
+            "shifted_cross": cross / total,
+            "novel": (prompt - prefix - within - cross) / total,
+            "per_session": {"exact_prefix": pct(per[:, 0]), "shifted": pct(shifted),
+                            "shifted_within": pct(per[:, 1]), "shifted_cross": pct(per[:, 2])},
+        }
+
+
+def _covered(window_seen: np.ndarray, n: int) -> np.ndarray:
+    """Tokens of [0, n) covered by at least one flagged window (window t covers [t, t + WINDOW))."""
+    edges = np.zeros(n + 1, dtype=np.int32)
+    starts = np.flatnonzero(window_seen)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, starts + WINDOW, -1)
+    return np.cumsum(edges[:n]) > 0
