@@ -174,7 +174,7 @@ class Registry:
         if not bucket:
             del table[entry.fingerprint]
         windows = self._windows.get(entry.namespace, {})
-        for fp in entry.window_keys:
+        for fp in set(entry.window_keys):  # a chunk may repeat a window: one key, two offsets
             wbucket = windows[fp]
             wbucket[:] = [(e, o) for e, o in wbucket if e is not entry]
             if not wbucket:

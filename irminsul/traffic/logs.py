@@ -13,12 +13,12 @@ import logging
 import lzma
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LogError", "Request", "read_requests", "sample_logs"]
+__all__ = ["LogError", "Request", "read_requests", "sample_logs", "write_requests"]
 
 _log = logging.getLogger(__name__)
 
@@ -51,14 +51,14 @@ class LogError(ValueError):
         self.problem = problem
 
 
-def _open_binary(path: str) -> IO[bytes]:
+def _open_binary(path: str, mode: str = "rb") -> IO[bytes]:
     # Binary, not text mode: each line is decoded as UTF-8 on its own, so a bad byte spoils
     # only its line (reported with its number) instead of failing a whole decoder chunk.
     if path.endswith(".xz"):
-        return lzma.open(path, "rb")
+        return lzma.open(path, mode)
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+        return gzip.open(path, mode)
+    return open(path, mode)
 
 
 def _stem(path: str) -> str:
@@ -158,6 +158,16 @@ def read_requests(
                 continue
             # Yield outside the try so errors thrown into the generator are not swallowed.
             yield request
+
+
+def write_requests(path: str | os.PathLike[str], requests: Iterable[dict[str, Any]]) -> int:
+    """Write request bodies as a JSON Lines log (``.gz``/``.xz`` by suffix); returns the count."""
+    count = 0
+    with _open_binary(os.fspath(path), "wb") as f:
+        for request in requests:
+            f.write(json.dumps(request, ensure_ascii=False).encode("utf-8") + b"\n")
+            count += 1
+    return count
 
 
 def sample_logs() -> list[Path]:
