@@ -1,0 +1,108 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into :class:`MLAModel`.
+
+Single-file or sharded (``model.safetensors.index.json``) safetensors, bf16/fp16/fp32, and FP8
+block-quantized weights (``X.weight`` float8_e4m3fn with ``X.weight_scale_inv``), dequantized
+on load. Tensors of multi-token-prediction layers (index >= num_hidden_layers) are skipped. A
+missing, unexpected or mis-shaped tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import MLAConfig, QuantConfig, load_config
+from .model import MLAModel
+from .rope import audit_rotary
+
+log = logging.getLogger(__name__)
+
+FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # routers stay float32
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match what its config.json describes."""
+
+
+def _shards(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text("utf-8")).get("weight_map", {})
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
+    """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols]."""
+    rows, cols = quant.block
+    scale = scale_inv.float().repeat_interleave(rows, 0)[: weight.shape[0]]
+    scale = scale.repeat_interleave(cols, 1)[:, : weight.shape[1]]
+    return weight.float() * scale
+
+
+def read_tensors(path: str | os.PathLike, config: MLAConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor the model uses, FP8 dequantized, MTP layers skipped."""
+    for shard in _shards(Path(path)):
+        with safe_open(str(shard), framework="pt") as f:
+            names = list(f.keys())
+            for name in names:
+                layer = _layer_index(name)
+                if layer is not None and layer >= config.num_hidden_layers:
+                    continue  # multi-token-prediction layers: not used for decoding
+                if name.endswith(".weight_scale_inv"):
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    if config.quantization is None:
+                        raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
+                                              "quantization_config")
+                    scale_name = name + "_scale_inv"
+                    if scale_name not in names:
+                        raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
+                    tensor = _dequantize(tensor, f.get_tensor(scale_name), config.quantization)
+                yield name, tensor
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> MLAModel:
+    """Build the model from ``path``/config.json and load its safetensors weights."""
+    config = load_config(path)
+    with torch.device("meta"):
+        model = MLAModel(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in read_tensors(path, config):
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {name} {tuple(tensor.shape)}")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                  f"config.json implies {expected[name]}")
+        target = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+        state[name] = tensor.to(device=device, dtype=target)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    audit_rotary(model.rotary, config)
+    return model.eval()

@@ -1,0 +1,97 @@
+"""Multi-head latent attention over the cache row ``[c_KV (kv_lora_rank) | k_r (qk_rope_head_dim)]``.
+
+Two forms, equal in exact arithmetic (DeepSeek-V2 §2.1, the V3 reference's ``attn_impl="absorb"``):
+
+* absorbed: W_UK is folded into the query (q̃ = W_UKᵀ q_nope, [kv_lora_rank] per head), every head
+  attends to the *shared* latent rows as one MQA key/value head (keys 576 wide, values = c_KV, 512),
+  and W_UV is applied after. This is how cached context is read — decode, and prefill against
+  reused or cached rows — and why a cached row needs no per-head expansion.
+* naive: per-head K = [W_UK c | k_r] and V = W_UV c, ordinary attention; cheaper for a fresh prefill
+  with no context (head dim 192 instead of 576).
+
+New tokens attend to every context row and causally to each other; a token's RoPE position is
+whatever the caller says (context rows carry their own rotation inside k_r).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MLAConfig
+from .norm import RMSNorm
+from .rope import Rotary, softmax_scale
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
+
+
+class MLAttention(nn.Module):
+    """One layer's attention; parameter names follow the Hugging Face checkpoints."""
+
+    def __init__(self, config: MLAConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope_dim = (config.num_attention_heads, config.qk_nope_head_dim,
+                                                config.qk_rope_head_dim)
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        qk, bias, d = config.qk_head_dim, config.attention_bias, config.hidden_size
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, self.heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, d, bias=bias)
+        self.rotary = rotary
+        self.scale = softmax_scale(config)
+
+    def _query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
+            self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        return q_nope, self.rotary.apply(q_rope, positions)
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache rows of these tokens: [normed c_KV | k_r rotated to ``positions``], [T, L+R]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_pe, positions)], dim=-1)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, P, L] and W_UV [H, V, L] from kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                context: torch.Tensor | None = None, *,
+                absorbed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output [T, D] and the new tokens' latent rows [T, L+R].
+
+        ``context`` holds the latent rows of everything before these tokens ([C, L+R]); by default
+        the absorbed form runs when there is context and the naive form when there is none.
+        """
+        q_nope, q_rope = self._query(x, positions)
+        rows = self.latent(x, positions)
+        keys = rows if context is None or context.shape[0] == 0 else torch.cat([context, rows])
+        n_new, n_ctx = x.shape[0], keys.shape[0] - x.shape[0]
+        # Token i sees every context row and new rows 0..i.
+        mask = torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=x.device).tril(n_ctx)
+        w_uk, w_uv = self._weights()
+        c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
+        if absorbed if absorbed is not None else n_ctx > 0:
+            q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), keys[None, None], c[None, None],
+                attn_mask=mask, scale=self.scale, enable_gqa=True)[0]  # [H, T, L]
+            out = torch.einsum("htl,hvl->thv", out, w_uv)
+        else:
+            k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
+                           k_r[None].expand(self.heads, -1, -1)], dim=-1)
+            v = torch.einsum("sl,hvl->hsv", c, w_uv)
+            q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                 scale=self.scale)[0].transpose(0, 1)
+        return self.o_proj(out.reshape(n_new, self.heads * self.v_dim)), rows

@@ -1,0 +1,112 @@
+"""Feed-forward blocks: SwiGLU MLPs, DeepSeek-V2 and V3-style routers, and the MoE that dispatches
+tokens to experts by sorting assignments by expert (one batched call per expert, no token loop)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MLAConfig
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice, in float32.
+
+    deepseek_v2: p = softmax(logits); greedy top-k, or group-limited (keep the ``topk_group`` groups
+    with the highest max p, zero the rest); then renormalise if ``norm_topk_prob`` else scale by
+    ``routed_scaling_factor`` (the checkpoints' own modelling code; official V2 configs scale).
+    deepseek_v3 (noaux_tc): s = sigmoid(logits); choose by s + e_score_correction_bias (the bias only
+    selects), groups ranked by the sum of their top-2 biased scores, losers masked to -inf; weights
+    are the unbiased s, renormalised if ``norm_topk_prob``, then scaled by ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        assert config.n_routed_experts is not None
+        self.experts = config.n_routed_experts
+        self.k, self.groups, self.topk_group = (config.num_experts_per_tok, config.n_group,
+                                                config.topk_group)
+        self.v3 = config.model_type == "deepseek_v3"
+        self.method = config.topk_method
+        self.norm, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.experts, config.hidden_size))
+        if self.v3:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.experts),
+                                                        requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights [T, k] (float32) and expert ids [T, k] for tokens x [T, D]."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.v3:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            grouped = choice.view(-1, self.groups, self.experts // self.groups)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            choice = self._keep_groups(choice, group_score, float("-inf"))
+            ids = choice.topk(self.k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if self.norm:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return weights * self.scaling, ids
+        scores = logits.softmax(dim=-1)
+        if self.method == "group_limited_greedy":
+            group_score = scores.view(-1, self.groups, self.experts // self.groups).amax(-1)
+            scores = self._keep_groups(scores, group_score, 0.0)
+        weights, ids = scores.topk(self.k, dim=-1)
+        if self.k > 1 and self.norm:
+            return weights / (weights.sum(-1, keepdim=True) + 1e-20), ids
+        return weights * self.scaling, ids
+
+    def _keep_groups(self, scores: torch.Tensor, group_score: torch.Tensor,
+                     fill: float) -> torch.Tensor:
+        if self.groups == 1:
+            return scores
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+        keep = keep.repeat_interleave(self.experts // self.groups, dim=1)
+        return scores.masked_fill(~keep, fill)
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (one MLP of width moe_intermediate * n_shared)."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.n_routed_experts or 0))
+        self.shared_experts = (MLP(config.hidden_size,
+                                   config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x, dtype=torch.float32)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                sel = order[start:start + count]
+                tokens = sel // k
+                y = self.experts[expert](x[tokens]).float() * weights.reshape(-1)[sel, None]
+                out.index_add_(0, tokens, y)
+                start += count
+        out = out.to(x.dtype)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out

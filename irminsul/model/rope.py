@@ -1,0 +1,148 @@
+"""Rotary embedding of the 64-dim RoPE slice: frequencies, layout, scales, and the δ-rotation.
+
+Frequencies are computed once from the config in float64 (plain RoPE, or static YaRN). Rotation
+pairs follow the checkpoint: interleaved (GPT-J, pairs (2i, 2i+1)) unless ``rope_interleave`` is
+false (half-split, pairs (i, i + R/2)); the cache keeps ``k_r`` in that same layout, so re-rotating a
+cached key is a pure rotation of the stored vector by ``delta * inv_freq`` — never scaled by the cos/sin
+magnitude again (YaRN's magnitude is already inside the key), angles in float64, rotation in float32,
+any sign of delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from .config import MLAConfig, RopeConfig
+
+log = logging.getLogger(__name__)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """float64 inverse frequencies of the ``dim``-wide rotary (dim/2 values)."""
+    base = rope.theta
+    extra = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if rope.kind == "default":
+        return extra
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (2 * math.pi * rotations)) / (
+            2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: keep the original frequency (extrapolate); 0: divide by factor
+    return extra / rope.factor * (1.0 - keep) + extra * keep
+
+
+def cos_sin_magnitude(rope: RopeConfig) -> float:
+    """YaRN's attention factor on cos/sin (applied to q_r and k_r); 1.0 for every real checkpoint."""
+    if rope.kind == "default":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def softmax_scale(config: MLAConfig) -> float:
+    """(qk_nope + qk_rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when set."""
+    scale = config.qk_head_dim ** -0.5
+    rope = config.rope
+    if rope.kind != "default" and rope.mscale_all_dim:
+        scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
+class Rotary:
+    """Applies RoPE at absolute positions and re-rotates cached keys by a position delta."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        self.dim = config.qk_rope_head_dim
+        self.interleaved = config.rope_interleave
+        self.inv_freq = inv_freq(config.rope, self.dim)  # float64 numpy [dim/2]
+        self._inv_freq_t = torch.from_numpy(self.inv_freq)
+        self.magnitude = cos_sin_magnitude(config.rope)
+        self.rope = config.rope
+
+    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor,
+                                                                               torch.Tensor]:
+        angles = positions.to(torch.float64).reshape(-1, 1).cpu() * self._inv_freq_t
+        return (angles.cos().to(device=device, dtype=torch.float32),
+                angles.sin().to(device=device, dtype=torch.float32))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate pairs of the last dim of x [T, ..., dim] by per-row angles cos/sin [T, dim/2]."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+        xf = x.float()
+        if self.interleaved:
+            a, b = xf[..., 0::2], xf[..., 1::2]
+            return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+        half = self.dim // 2
+        a, b = xf[..., :half], xf[..., half:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE at absolute ``positions`` [T] on x [T, ..., dim], times the cos/sin magnitude."""
+        cos, sin = self._cos_sin(positions, x.device)
+        return self._rotate(x, cos * self.magnitude, sin * self.magnitude)
+
+    def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Re-rotate cached keys k_r [T, dim] (or [dim]) by ``delta`` positions (scalar or [T])."""
+        squeeze = k_r.dim() == 1
+        k = k_r.reshape(1, -1) if squeeze else k_r
+        delta = torch.as_tensor(delta, dtype=torch.float64).reshape(-1).expand(k.shape[0])
+        cos, sin = self._cos_sin(delta, k.device)
+        out = self._rotate(k, cos, sin)
+        return out.reshape(-1) if squeeze else out
+
+    def describe(self) -> str:
+        r = self.rope
+        scaling = ("none" if r.kind == "default" else
+                   f"yarn(factor={r.factor:g}, original_max={r.original_max_position}, "
+                   f"beta_fast={r.beta_fast:g}, beta_slow={r.beta_slow:g}, mscale={r.mscale}, "
+                   f"mscale_all_dim={r.mscale_all_dim})")
+        layout = "interleaved (2i, 2i+1)" if self.interleaved else "half-split (i, i+R/2)"
+        return (f"rotary: dim={self.dim} theta={r.theta:g} scaling={scaling} layout={layout} "
+                f"magnitude={self.magnitude:.6g}")
+
+
+def audit_rotary(rotary: Rotary, config: MLAConfig) -> None:
+    """Check the rotary against a from-first-principles computation and log what it uses.
+
+    Recomputes theta^(-2i/d) and, for YaRN, the ramp element by element in plain Python, and checks
+    that a rotation by p then by delta equals one by p + delta on a probe vector. Raises on mismatch.
+    """
+    r, dim = config.rope, rotary.dim
+    expected = []
+    for i in range(dim // 2):
+        base = r.theta ** (-2.0 * i / dim)
+        if r.kind == "yarn":
+            def cdim(rot: float) -> float:
+                return dim * math.log(r.original_max_position / (2 * math.pi * rot)) / (
+                    2 * math.log(r.theta))
+            lo, hi = max(math.floor(cdim(r.beta_fast)), 0), min(math.ceil(cdim(r.beta_slow)), dim - 1)
+            hi = hi + 0.001 if lo == hi else hi
+            ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)
+            base = base / r.factor * ramp + base * (1.0 - ramp)
+        expected.append(base)
+    err = float(np.max(np.abs(np.asarray(expected) - rotary.inv_freq) / np.asarray(expected)))
+    if err > 1e-12:
+        raise RuntimeError(f"rotary audit failed: inv_freq deviates from first principles by {err:.3g}")
+    probe = torch.linspace(-1.0, 1.0, dim, dtype=torch.float32)
+    once = rotary.rotate(probe, 1234 + 5678)
+    twice = rotary.rotate(rotary.rotate(probe, 1234), 5678)
+    if not torch.allclose(once, twice, atol=1e-5):
+        raise RuntimeError("rotary audit failed: rotations do not compose")
+    log.info("%s softmax_scale=%.9g (audited: inv_freq rel err %.1e)", rotary.describe(),
+             softmax_scale(config), err)
