@@ -15,8 +15,8 @@ so a 256-entry byte table does not apply.
 Vectorisation: the low b bits of state_t only involve the terms i < b (the others are shifted past
 bit b), so they equal the low b bits of H_b[t] = sum_{i<b} gear(token_{t-i}) << i, which numpy builds
 by doubling, H_{2m}[t] = H_m[t] + (H_m[t-m] << m): ceil(log2 b) vectorised passes in a b-bit integer
-type. Only the choice among candidate cuts (the min/max clamp) is sequential; it runs once per
-*chunk*, never per token.
+type. Only the choice among candidate cuts (the min/max clamp) is sequential; it runs at most twice
+per chunk, never per token.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 class _GearTable:
-    """gear(id) for every id below a power-of-two bound, grown on demand, one copy per dtype."""
+    """gear(id) for every id below a power-of-two bound, grown on demand, one copy per dtype.
+
+    Ids at or above ``LIMIT`` (valid up to 2**32, but no real vocabulary is that large) are hashed
+    directly instead: a table indexed by them would take up to 32 GiB.
+    """
+
+    LIMIT = 1 << 22  # 4M ids: a 32 MiB uint64 table
 
     def __init__(self) -> None:
         self._tables: dict[np.dtype, np.ndarray] = {}
@@ -51,6 +57,8 @@ class _GearTable:
 
     def lookup(self, tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
         needed = int(tokens.max()) + 1 if tokens.size else 1
+        if needed > self.LIMIT:
+            return splitmix64(tokens.astype(np.uint64)).astype(dtype)
         if needed > self._size:
             self._size = 1 << max(17, (needed - 1).bit_length())
             full = splitmix64(np.arange(self._size, dtype=np.uint64))
@@ -138,17 +146,28 @@ def chunk_boundaries(tokens: Iterable[int] | np.ndarray, *, mask_bits: int = 7, 
     mask = state.dtype.type((1 << mask_bits) - 1)
     candidates = (np.flatnonzero((state & mask) == 0) + 1).tolist()
     bounds: list[int] = []
-    pos = 0
+    append = bounds.append
+    pos, i, count = 0, 0, len(candidates)
     for seg_end in cuts.tolist() + [n]:
-        while pos < seg_end:
-            lo, hi = pos + min_size, min(pos + max_size, seg_end)
-            cut = hi
-            if lo < hi:
-                i = bisect_left(candidates, lo)
-                if i < len(candidates) and candidates[i] <= hi:
-                    cut = candidates[i]
-            bounds.append(cut)
-            pos = cut
+        while i < count and (end := candidates[i]) <= seg_end:
+            if end - pos < min_size:
+                # Skip candidates too close to the last cut in one step: candidates are distinct
+                # and increasing, so the next usable one is among the next min_size of them.
+                i = bisect_left(candidates, pos + min_size, i, min(count, i + min_size))
+                continue
+            while end - pos > max_size:  # no candidate in time: forced cuts at max_size
+                pos += max_size
+                append(pos)
+            if end - pos >= min_size:
+                append(end)
+                pos = end
+                i += 1
+        while seg_end - pos > max_size:
+            pos += max_size
+            append(pos)
+        if pos < seg_end:
+            append(seg_end)
+            pos = seg_end
     return np.asarray(bounds, dtype=np.int64)
 
 

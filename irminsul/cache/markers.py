@@ -49,8 +49,11 @@ def find_markers(tokens: np.ndarray, marker: np.ndarray) -> np.ndarray:
     for j in range(1, width):
         starts = starts[tokens[starts + j] == marker[j]]
     # With the default tokenizer the first token ("IR", no leading space) occurs once per marker,
-    # so matches cannot overlap; another tokenizer's marker might, so keep the earlier of two.
-    keep = np.ones(starts.size, dtype=bool)
-    keep[1:] = np.diff(starts) >= width
-    starts = starts[keep]
+    # so matches cannot overlap; another tokenizer's marker might: scan left to right and keep each
+    # match that does not overlap the last one kept (a chain 0, 2, 4 of width 3 keeps 0 and 4).
+    kept: list[int] = []
+    for s in starts.tolist():
+        if not kept or s >= kept[-1] + width:
+            kept.append(s)
+    starts = np.asarray(kept, dtype=np.int64)
     return np.sort(np.concatenate([starts, starts + width])).astype(np.int64)
