@@ -21,22 +21,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 from tokenizers import Tokenizer
 
 # DeepSeek-V3-style template, rendered strictly in message order (so it is incremental); the tool
 # schemas follow the first message (the system prompt), DeepSeek-V3.1 style, since V3's own template
-# drops them.
+# drops them. Text after a block tag sits inside {{ }} so trim_blocks cannot eat its newlines.
 DEEPSEEK_V3_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' or message.role == 'developer' %}{{ message.content }}"
     "{%- endif %}"
-    "{%- if loop.first and tools %}\n\n## Tools\n\nYou have access to the following tools:"
-    "{%- for tool in tools %}\n\n### {{ tool.function.name }}\nDescription: "
-    "{{ tool.function.description }}\n\nParameters: {{ tool.function.parameters | tojson }}"
-    "{%- endfor %}\n\n"
+    "{%- if loop.first and tools %}"
+    "{{ '\\n\\n## Tools\\n\\nYou have access to the following tools:' }}"
+    "{%- for tool in tools %}"
+    "{{ '\\n\\n### ' + tool.function.name + '\\nDescription: ' + (tool.function.description or '')"
+    " + '\\n\\nParameters: ' + (tool.function.parameters | tojson) }}"
+    "{%- endfor %}"
+    "{{ '\\n\\n' }}"
     "{%- endif %}"
     "{%- if message.role == 'user' %}<｜User｜>{{ message.content }}"
     "{%- elif message.role == 'assistant' %}<｜Assistant｜>{{ message.content }}"
@@ -98,7 +102,7 @@ def _normalise(message: dict) -> dict:
 def _message_key(message: dict) -> tuple:
     calls = message.get("tool_calls")
     return (message["role"], message["content"], message.get("name"), message.get("tool_call_id"),
-            json.dumps(calls, sort_keys=True) if calls else None)
+            json.dumps(calls) if calls else None)  # key order shows through tojson: keep it
 
 
 @dataclass
@@ -118,10 +122,17 @@ class ChatRenderer:
                  eos_token: str = "", name: str = "custom") -> None:
         self.tokenizer = tokenizer
         self.name = name
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # Hugging Face's chat-template environment: loop controls, and a tojson that keeps key order
+        # and does not HTML-escape (Jinja's own sorts keys and turns ' < > & into \u0027 ...).
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: ""  # deterministic: no wall-clock in prompts
-        self._template = env.from_string(chat_template)
+        try:
+            self._template = env.from_string(chat_template)
+        except jinja2.TemplateSyntaxError as err:
+            raise TemplateError(f"chat template {name!r} does not compile: {err}") from err
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
         self._prefixes: dict[tuple, tuple[int, _Prefix]] = {}
         self._pieces: dict[str, np.ndarray] = {}
@@ -170,7 +181,7 @@ class ChatRenderer:
         """Token ids of the prompt and each message's token span."""
         normalised = [_normalise(m) for m in messages]
         tools = tools or None
-        root_key = ("tools", json.dumps(tools, sort_keys=True) if tools else None)
+        root_key = ("tools", json.dumps(tools) if tools else None)  # key order matters too
         node_id, node = self._prefix(root_key, None, [], tools)
         parts, spans, offset = [node.piece], [], len(node.piece)
         for i, message in enumerate(normalised):
@@ -223,3 +234,10 @@ class ChatRenderer:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` filter for chat templates: plain ``json.dumps``."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
