@@ -219,6 +219,6 @@ def load_config(path: str | os.PathLike) -> MLAConfig:
         raw = json.loads(path.read_text("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
     return parse_config(raw, str(path))

@@ -24,6 +24,9 @@ from .rope import audit_rotary
 log = logging.getLogger(__name__)
 
 FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # routers stay float32
+FLOAT8_DTYPES = tuple(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name))
 
 
 class CheckpointError(ValueError):
@@ -34,7 +37,12 @@ def _shards(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text("utf-8")).get("weight_map", {})
-        return [path / name for name in sorted(set(weight_map.values()))]
+        shards = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [shard.name for shard in shards if not shard.is_file()]
+        if absent:
+            raise CheckpointError(f"{index}: shard file(s) listed in the index are missing: "
+                                  f"{', '.join(absent)}")
+        return shards
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -48,9 +56,22 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
-    """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols]."""
+def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
+                name: str = "weight") -> torch.Tensor:
+    """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols].
+
+    ``scale_inv`` must be exactly [ceil(M / block_rows), ceil(N / block_cols)]: a scale grid of
+    another shape (a block size in config.json that is not the one the checkpoint was quantized
+    with, a truncated tensor) would otherwise be silently cropped or broadcast into wrong weights.
+    """
     rows, cols = quant.block
+    if weight.dim() != 2:
+        raise CheckpointError(f"{name} is float8 but {weight.dim()}-D; expected a 2-D weight")
+    expected = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}, but {name} "
+                              f"{tuple(weight.shape)} with weight_block_size [{rows}, {cols}] "
+                              f"needs {expected}")
     scale = scale_inv.float().repeat_interleave(rows, 0)[: weight.shape[0]]
     scale = scale.repeat_interleave(cols, 1)[:, : weight.shape[1]]
     return weight.float() * scale
@@ -58,24 +79,38 @@ def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfi
 
 def read_tensors(path: str | os.PathLike, config: MLAConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor the model uses, FP8 dequantized, MTP layers skipped."""
-    for shard in _shards(Path(path)):
+    shards = _shards(Path(path))
+    home: dict[str, Path] = {}  # tensor name -> shard holding it (a scale may sit in another)
+    for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
-            names = list(f.keys())
-            for name in names:
+            for name in f.keys():
+                home.setdefault(name, shard)
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
                 layer = _layer_index(name)
                 if layer is not None and layer >= config.num_hidden_layers:
                     continue  # multi-token-prediction layers: not used for decoding
                 if name.endswith(".weight_scale_inv"):
                     continue
                 tensor = f.get_tensor(name)
-                if tensor.dtype == torch.float8_e4m3fn:
+                if tensor.dtype in FLOAT8_DTYPES:
+                    if tensor.dtype != torch.float8_e4m3fn:
+                        raise CheckpointError(f"{shard}: {name} is {tensor.dtype}; only "
+                                              "float8_e4m3fn block-scaled weights are supported")
                     if config.quantization is None:
                         raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
                                               "quantization_config")
                     scale_name = name + "_scale_inv"
-                    if scale_name not in names:
+                    scale_shard = home.get(scale_name)
+                    if scale_shard is None:
                         raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
-                    tensor = _dequantize(tensor, f.get_tensor(scale_name), config.quantization)
+                    if scale_shard == shard:
+                        scale = f.get_tensor(scale_name)
+                    else:
+                        with safe_open(str(scale_shard), framework="pt") as g:
+                            scale = g.get_tensor(scale_name)
+                    tensor = _dequantize(tensor, scale, config.quantization, f"{shard}: {name}")
                 yield name, tensor
 
 
