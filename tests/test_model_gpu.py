@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import build
 
 from irminsul.model import load_model
-from tiny_models import build
 
 pytestmark = pytest.mark.gpu
 

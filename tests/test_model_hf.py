@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import CASES, build
 
 from irminsul.model import load_model
-from tiny_models import CASES, build
 
 TOL = 1e-4
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import build
 
 from irminsul.cache.planner import Planner
 from irminsul.model import load_model
-from tiny_models import build
 
 
 def _serve(model, planner: Planner, store: list[torch.Tensor], tokens: np.ndarray,

@@ -83,7 +83,7 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     assert plan.prefix.handles.size == L
     if L:
         decoded = [history.source(h) for h in plan.prefix.handles.tolist()]
-        for i, (ns, src, p) in enumerate(decoded):
+        for i, (ns, _src, p) in enumerate(decoded):
             assert ns == namespace and p == i
         last_of: dict[int, int] = {}
         for i, h in enumerate(plan.prefix.handles.tolist()):

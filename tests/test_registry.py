@@ -259,7 +259,7 @@ def test_lru_eviction_hand_built():
     a locked C is skipped (A goes instead) and stays evictable after unlock."""
     reg = Registry(capacity=60)
     a = reg.register(0, 1, np.arange(10), np.arange(100, 110), 0)
-    b = reg.register(0, 2, np.arange(20), np.arange(200, 220), 0)
+    reg.register(0, 2, np.arange(20), np.arange(200, 220), 0)
     c = reg.register(0, 3, np.arange(30), np.arange(300, 330), 0)
     assert reg.total_tokens == 60 and reg.evict_to_capacity() == []
     reg.touch(a)

@@ -93,9 +93,15 @@ def gear_values(tokens: np.ndarray) -> np.ndarray:
     return _GEAR.lookup(as_token_array(tokens), np.uint64)
 
 
+def as_offsets(offsets: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Offsets (any iterable of ints) as a sorted, duplicate-free int64 array."""
+    if not isinstance(offsets, np.ndarray):
+        offsets = np.fromiter(offsets, dtype=np.int64)
+    return np.unique(offsets.astype(np.int64, copy=False))
+
+
 def _normalise_resets(resets: Iterable[int] | np.ndarray, n: int) -> np.ndarray:
-    r = np.unique(np.asarray(list(resets) if not isinstance(resets, np.ndarray) else resets,
-                             dtype=np.int64))
+    r = as_offsets(resets)
     if r.size and (r[0] < 0 or r[-1] > n):
         raise ValueError(f"reset offsets must lie in [0, {n}], got {r[0]}..{r[-1]}")
     return r[(r > 0) & (r < n)]

