@@ -81,12 +81,20 @@ class Plan:
         return [s for s in self.segments if s.kind == "hit"]
 
 
+@dataclass
+class Commit:
+    """What a commit changed in the indexes' references to handles."""
+
+    held: list[np.ndarray]  # handles the radix tree or registry now references (new entries)
+    freed: list[np.ndarray]  # handles evicted from either index
+
+
 class Planner:
     """Exact-prefix radix tree + content registry, combined as in Algorithm 1."""
 
     def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
                  max_size: int = 512, carve_out: int = 32, s1: bool = True,
-                 s1_window: int = 128) -> None:
+                 s1_window: int = 128, pic: bool = True) -> None:
         self.radix = RadixTree()
         self.registry = Registry(capacity, window=s1_window)
         self.capacity = capacity
@@ -94,6 +102,7 @@ class Planner:
         self.carve_out = carve_out
         self.s1 = s1
         self.s1_window = s1_window
+        self.pic = pic  # False: exact-prefix only (the baseline); the tail is one miss
 
     def plan(self, tokens: Iterable[int] | np.ndarray, resets: Iterable[int] | np.ndarray = (), *,
              namespace: int = 0) -> Plan:
@@ -107,6 +116,9 @@ class Planner:
         """Algorithm 1 after line 1: chunk and look up everything past a given exact prefix."""
         start = prefix.length
         segments = [Segment("prefix", 0, start)] if start else []
+        if not self.pic:
+            tail_segments = [Segment("miss", start, tokens.size)] if start < tokens.size else []
+            return Plan(tokens, namespace, prefix, segments + tail_segments, [])
         tail = tokens[start:]
         resets = as_offsets(resets)
         bounds = chunk_boundaries(tail, mask_bits=self.mask_bits, min_size=self.min_size,
@@ -163,31 +175,56 @@ class Planner:
         for seg in plan.hits:
             self.registry.unlock(seg.entry)
 
-    def register_misses(self, plan: Plan, handles: np.ndarray) -> None:
-        """Algorithm 1 line 13: register each missed chunk at its position; refresh reused entries."""
+    def register_misses(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
+        """Algorithm 1 line 13: register each missed chunk at its position; refresh reused entries.
+
+        Returns the handle arrays of the entries this created (content already registered is
+        not registered twice), which the registry now references.
+        """
         for seg in plan.hits:
             self.registry.touch(seg.entry)
+        held = []
         for chunk in plan.chunks:
             if chunk.kind == "miss":
-                self.registry.register(plan.namespace, chunk.fingerprint,
-                                       plan.tokens[chunk.start:chunk.end],
-                                       handles[chunk.start:chunk.end], chunk.start)
+                before = self.registry.num_entries
+                entry = self.registry.register(plan.namespace, chunk.fingerprint,
+                                               plan.tokens[chunk.start:chunk.end],
+                                               handles[chunk.start:chunk.end], chunk.start)
+                if self.registry.num_entries > before:
+                    held.append(entry.handles)
+        return held
 
-    def commit(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
+    def commit(self, plan: Plan, handles: np.ndarray) -> Commit:
         """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
 
         ``handles`` holds one handle per prompt token (what the engine now stores for each).
-        Returns the handle arrays evicted from either index, for the engine to release.
+        The result says which handles the indexes took a reference to and which they dropped,
+        so an engine can keep its slot reference counts exact.
         """
         handles = np.asarray(handles, dtype=np.int64)
         if handles.shape != plan.tokens.shape:
             raise ValueError(f"need one handle per prompt token: {handles.shape} vs "
                              f"{plan.tokens.shape}")
-        self.register_misses(plan, handles)
-        self.radix.insert(plan.tokens, handles, plan.namespace)
+        held = self.register_misses(plan, handles)
+        done = self.remember(plan.tokens, handles, plan.namespace)
+        return Commit(held + done.held, done.freed)
+
+    def remember(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0) -> Commit:
+        """Insert a sequence into the radix tree (a finished request's prompt and output) and
+        evict both indexes down to capacity."""
+        present = self.radix.insert(tokens, handles, namespace)
         freed = self.registry.evict_to_capacity()
         if self.capacity is not None and self.radix.total_tokens > self.capacity:
             freed += self.radix.evict(self.radix.total_tokens - self.capacity)
+        return Commit([np.asarray(handles, dtype=np.int64)[present:]], freed)
+
+    def evict(self, num_tokens: int) -> list[np.ndarray]:
+        """Free at least ``num_tokens`` index tokens if possible (registry first, then radix,
+        least recently used first, never anything held); returns the dropped handles."""
+        freed = self.registry.evict(num_tokens)
+        dropped = sum(len(h) for h in freed)
+        if dropped < num_tokens:
+            freed += self.radix.evict(num_tokens - dropped)
         return freed
 
 

@@ -8,6 +8,7 @@ compares whole edges with vectorized numpy, so cost is per edge, not per token.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 import itertools
 from dataclasses import dataclass
 
@@ -171,6 +172,15 @@ class RadixTree:
             if parent.parent is not None and parent.is_leaf and parent.lock_ref == 0:
                 self._push(parent)
         return evicted
+
+    def values(self) -> Iterator[np.ndarray]:
+        """The handle array of every stored edge, all namespaces (what the tree references)."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.parent is not None:
+                yield node.value
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any structural, lock, LRU or counter invariant is broken."""

@@ -1,0 +1,6 @@
+"""The serving engine: the split KV pool and the serve path with live PIC."""
+
+from .engine import MODES, Engine, Mode, Sequence, ServeStats
+from .kv_pool import KVPool, PoolExhausted
+
+__all__ = ["MODES", "Engine", "KVPool", "Mode", "PoolExhausted", "Sequence", "ServeStats"]

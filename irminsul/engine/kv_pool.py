@@ -1,0 +1,131 @@
+"""The split, token-granular latent KV pool (the paper's Appendix C).
+
+Every layer's cache row ``[c_KV | k_r]`` is stored in two places with two slot spaces:
+
+    ckv  [layers, slots, kv_lora_rank]   position-free; one slot is shared by every request, radix
+                                         node and registry entry holding that content
+    kr   [layers, slots, rope_dim]       position-carrying; a request reusing a chunk at a new
+                                         position gets its own slots holding k_r rotated by δ
+
+A token's place in the pool is a pair (ckv slot, kr slot), packed into one int64 *handle* — the
+opaque per-token value the radix tree and registry store. Slots are reference-counted; a slot
+is free exactly when nothing references it, which :meth:`KVPool.check` verifies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_LOW = np.int64((1 << 32) - 1)
+
+
+def pack(ckv: np.ndarray, kr: np.ndarray) -> np.ndarray:
+    """Handles from (ckv slot, kr slot) pairs."""
+    return (np.asarray(ckv, dtype=np.int64) << 32) | np.asarray(kr, dtype=np.int64)
+
+
+def unpack(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ckv slots, kr slots) of handles."""
+    handles = np.asarray(handles, dtype=np.int64)
+    return handles >> 32, handles & _LOW
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free slots; the caller should evict or wait."""
+
+
+class _Slots:
+    """A free list with reference counts."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.name = name
+        self.refs = np.zeros(size, dtype=np.int32)
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out low slots first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise PoolExhausted(f"{self.name}: need {n} slots, {len(self._free)} free")
+        slots = np.asarray([self._free.pop() for _ in range(n)], dtype=np.int64)
+        self.refs[slots] = 1
+        return slots
+
+    def retain(self, slots: np.ndarray) -> None:
+        np.add.at(self.refs, slots, 1)
+
+    def release(self, slots: np.ndarray) -> None:
+        np.add.at(self.refs, slots, -1)
+        if (self.refs[slots] < 0).any():
+            raise RuntimeError(f"{self.name}: a slot was released more often than retained")
+        dead = np.unique(slots[self.refs[slots] == 0])
+        self._free.extend(dead.tolist())
+
+
+class KVPool:
+    """Latent KV rows of ``num_slots`` tokens per slot space, for every layer."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_lora_rank: int, rope_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.ckv = torch.zeros(num_layers, num_slots, kv_lora_rank, dtype=dtype, device=device)
+        self.kr = torch.zeros(num_layers, num_slots, rope_dim, dtype=dtype, device=device)
+        self.ckv_slots = _Slots(num_slots, "c_KV pool")
+        self.kr_slots = _Slots(num_slots, "k_r pool")
+        self.rank = kv_lora_rank
+
+    @property
+    def free(self) -> int:
+        """Tokens that can be allocated fresh (both slot spaces)."""
+        return min(self.ckv_slots.free, self.kr_slots.free)
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Handles of ``n`` fresh tokens (a new c_KV and a new k_r slot each, one reference)."""
+        if n > self.free:
+            raise PoolExhausted(f"need {n} token slots, {self.free} free")
+        return pack(self.ckv_slots.alloc(n), self.kr_slots.alloc(n))
+
+    def alloc_kr(self, ckv: np.ndarray) -> np.ndarray:
+        """Handles sharing existing c_KV slots (one more reference each) with fresh k_r slots."""
+        kr = self.kr_slots.alloc(len(ckv))
+        self.ckv_slots.retain(np.asarray(ckv, dtype=np.int64))
+        return pack(ckv, kr)
+
+    def retain(self, handles: np.ndarray) -> None:
+        ckv, kr = unpack(handles)
+        self.ckv_slots.retain(ckv)
+        self.kr_slots.retain(kr)
+
+    def release(self, handles: np.ndarray) -> None:
+        ckv, kr = unpack(handles)
+        self.ckv_slots.release(ckv)
+        self.kr_slots.release(kr)
+
+    def write(self, handles: np.ndarray, rows: list[torch.Tensor]) -> None:
+        """Store per-layer latent rows [n, L+R] of tokens at their handles."""
+        ckv, kr = (torch.from_numpy(s).to(self.ckv.device) for s in unpack(handles))
+        for layer, row in enumerate(rows):
+            self.ckv[layer, ckv] = row[:, :self.rank].to(self.ckv.dtype)
+            self.kr[layer, kr] = row[:, self.rank:].to(self.kr.dtype)
+
+    def rows(self, handles: np.ndarray) -> list[torch.Tensor]:
+        """Per-layer latent rows [n, L+R] of tokens, gathered from both stores."""
+        ckv, kr = (torch.from_numpy(s).to(self.ckv.device) for s in unpack(handles))
+        return [torch.cat([self.ckv[layer, ckv], self.kr[layer, kr]], dim=-1)
+                for layer in range(self.ckv.shape[0])]
+
+    def check(self, references: list[np.ndarray]) -> None:
+        """Raise unless every slot's count equals its references and free means unreferenced."""
+        for space, slots in ((self.ckv_slots, 0), (self.kr_slots, 1)):
+            expected = np.zeros_like(space.refs)
+            for handles in references:
+                np.add.at(expected, unpack(handles)[slots], 1)
+            if not np.array_equal(expected, space.refs):
+                bad = np.flatnonzero(expected != space.refs)[:5].tolist()
+                raise AssertionError(f"{space.name}: reference counts off at slots {bad}")
+            free = np.zeros(space.refs.size, dtype=bool)
+            free[space._free] = True
+            if not np.array_equal(free, space.refs == 0):
+                raise AssertionError(f"{space.name}: free list disagrees with reference counts")
