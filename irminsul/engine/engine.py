@@ -190,6 +190,15 @@ class Engine:
         self.finish(seq)
         return out, seq
 
+    def fork(self, seq: Sequence) -> Sequence:
+        """A second sequence sharing every KV slot of ``seq`` so far (one more reference each)."""
+        if seq.finished:
+            raise ValueError("cannot fork a finished sequence")
+        twin = Sequence(list(seq.tokens), seq.handles.copy(), seq.namespace, seq.stats)
+        self.pool.retain(twin.handles)
+        self.sequences.append(twin)
+        return twin
+
     def finish(self, seq: Sequence, *, remember: bool = True) -> None:
         """Insert the finished sequence into the radix tree, then drop its own references."""
         if seq.finished:
