@@ -2,5 +2,7 @@
 
 from .engine import MODES, Engine, Mode, Sequence, ServeStats
 from .kv_pool import KVPool, PoolExhausted
+from .scheduler import Request, SamplingParams, Scheduler, StepOutput
 
-__all__ = ["MODES", "Engine", "KVPool", "Mode", "PoolExhausted", "Sequence", "ServeStats"]
+__all__ = ["MODES", "Engine", "KVPool", "Mode", "PoolExhausted", "Request", "SamplingParams",
+           "Scheduler", "Sequence", "ServeStats", "StepOutput"]

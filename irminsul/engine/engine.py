@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..cache.planner import Commit, Planner
+from ..cache.planner import Commit, Plan, Planner, Segment
 from ..model import MLAModel
 from .kv_pool import KVPool, PoolExhausted, unpack
 
@@ -55,6 +55,16 @@ class Sequence:
     finished: bool = False
 
 
+@dataclass
+class Prefill:
+    """A prompt being served: its plan and the runs still to do."""
+
+    seq: Sequence
+    plan: Plan
+    prompt: np.ndarray
+    runs: list[tuple[str, int, int, Segment | None]]
+
+
 class Engine:
     """Prefill through the planner, decode against the split pool, keep slot accounting exact."""
 
@@ -73,9 +83,9 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    def prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
-                namespace: int = 0) -> tuple[Sequence, torch.Tensor]:
-        """Serve a prompt; returns its sequence and the logits [vocab] after its last token."""
+    def start_prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
+                      namespace: int = 0) -> Prefill:
+        """Plan a prompt and hold what the plan reuses; the work is done by :meth:`advance`."""
         prompt = np.asarray(list(tokens), dtype=np.int64)
         if prompt.size == 0:
             raise ValueError("empty prompt")
@@ -86,61 +96,87 @@ class Engine:
         self.planner.acquire(plan)
         seq = Sequence(prompt.tolist(), np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
+        seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
         self.sequences.append(seq)
+        return Prefill(seq, plan, prompt, list(self._runs(plan)))
+
+    def advance(self, prefill: Prefill, budget: int) -> tuple[np.ndarray, int] | None:
+        """Serve the prefill's cached runs up to its next computed span; return that span
+        (tokens, start position), at most ``budget`` tokens of it, or None when nothing is left
+        to compute. Call :meth:`run_batch` on the span, then :meth:`advance` again."""
+        seq = prefill.seq
+        while prefill.runs:
+            kind, start, end, seg = prefill.runs[0]
+            start = max(start, len(seq.handles))
+            if start >= end:
+                prefill.runs.pop(0)
+                continue
+            if kind == "compute":
+                stop = min(end, start + max(budget, 1))
+                seq.stats.prefilled_tokens += stop - start
+                return prefill.prompt[start:stop], start
+            prefill.runs.pop(0)
+            if kind == "prefix":
+                handles = prefill.plan.prefix.handles[start:end].copy()
+                self.pool.retain(handles)
+                seq.stats.prefix_tokens += end - start
+            else:
+                first = seg.offset + (start - seg.start)
+                handles = self._reuse(seg.entry.handles[first:first + end - start], seg.delta)
+                seq.stats.pic_tokens += end - start
+            seq.handles = np.concatenate([seq.handles, handles])
+        return None
+
+    def complete_prefill(self, prefill: Prefill) -> None:
+        """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
+        try:
+            self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
+        finally:
+            self.planner.release(prefill.plan)
+
+    def abort_prefill(self, prefill: Prefill) -> None:
+        """Give up a prefill: drop its references, keep the indexes as they were."""
+        self.planner.release(prefill.plan)
+        self.finish(prefill.seq, remember=False)
+
+    def prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
+                namespace: int = 0) -> tuple[Sequence, torch.Tensor]:
+        """Serve a prompt; returns its sequence and the logits [vocab] after its last token."""
+        prefill = self.start_prefill(tokens, resets, namespace=namespace)
         logits = None
         try:
-            kind = "compute"
-            for kind, start, end, seg in self._runs(plan):
-                if kind == "prefix":
-                    handles = plan.prefix.handles.copy()
-                    self.pool.retain(handles)
-                    seq.stats.prefix_tokens += end - start
-                elif kind == "reuse":
-                    handles = self._reuse(seg.entry.handles[seg.offset:seg.offset + seg.size],
-                                          seg.delta)
-                    seq.stats.pic_tokens += end - start
-                else:
-                    logits, handles = self._compute(seq, prompt[start:end], start)
-                    seq.stats.prefilled_tokens += end - start
-                seq.handles = np.concatenate([seq.handles, handles])
-            seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
-            if kind != "compute":
-                # The prompt's last token came from a cache, but its logits are needed:
-                # recompute that one token.
-                self.pool.release(seq.handles[-1:])
-                seq.handles = seq.handles[:-1]
-                logits, handles = self._compute(seq, prompt[-1:], prompt.size - 1)
-                seq.handles = np.concatenate([seq.handles, handles])
-            self._apply(self.planner.commit(plan, seq.handles))
+            while (span := self.advance(prefill, prefill.prompt.size)) is not None:
+                logits = self.run_batch([(prefill.seq, *span)])[0]
+            self.complete_prefill(prefill)
         except BaseException:
-            self.finish(seq, remember=False)
+            if not prefill.seq.finished:
+                self.abort_prefill(prefill)
             raise
-        finally:
-            self.planner.release(plan)
-        return seq, logits[-1]
+        return prefill.seq, logits[-1]
 
-    def _runs(self, plan) -> Iterable[tuple[str, int, int, object]]:
+    def _runs(self, plan: Plan) -> list[tuple[str, int, int, Segment | None]]:
         """The plan as (kind, start, end, segment) runs: "prefix", "reuse" (a live PIC hit) or
-        "compute". Adjacent computed segments fuse into one forward, so observer mode runs exactly
-        the forwards that off mode runs."""
-        pending = None
+        "compute". Adjacent computed segments fuse into one span, so observer mode runs exactly
+        the forwards that off mode runs; and the last token is always computed, since its logits
+        start the generation."""
+        runs: list[tuple[str, int, int, Segment | None]] = []
         for seg in plan.segments:
             kind = ("prefix" if seg.kind == "prefix" else
                     "reuse" if seg.kind == "hit" and self.mode == "live" else "compute")
-            if kind == "compute":
-                pending = (pending[0], seg.end) if pending else (seg.start, seg.end)
-                continue
-            if pending:
-                yield "compute", pending[0], pending[1], None
-                pending = None
-            yield kind, seg.start, seg.end, seg
-        if pending:
-            yield "compute", pending[0], pending[1], None
+            if kind == "compute" and runs and runs[-1][0] == "compute":
+                runs[-1] = ("compute", runs[-1][1], seg.end, None)
+            else:
+                runs.append((kind, seg.start, seg.end, None if kind == "compute" else seg))
+        kind, start, end, seg = runs[-1]
+        if kind != "compute":
+            runs[-1] = (kind, start, end - 1, seg)
+            runs.append(("compute", end - 1, end, None))
+        return runs
 
     def _reuse(self, source: np.ndarray, delta: int) -> np.ndarray:
         """Share the source tokens' c_KV slots; give the sequence k_r rotated by δ (or, for the
         naive-reuse study, copied unrotated) in fresh k_r slots."""
-        self._make_room(len(source))
+        self.make_room(len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv)
         _, kr_dst = unpack(handles)
@@ -152,16 +188,20 @@ class Engine:
                                         else base)
         return handles
 
-    def _compute(self, seq: Sequence, tokens: np.ndarray,
-                 start: int) -> tuple[torch.Tensor, np.ndarray]:
-        """Run tokens at positions start.. after every row the sequence has; store their rows."""
-        self._make_room(len(tokens))
-        context = self.pool.rows(seq.handles) if seq.handles.size else None
-        out = self.model.forward(torch.from_numpy(tokens),
-                                 torch.arange(start, start + len(tokens)), context)
-        handles = self.pool.alloc(len(tokens))
-        self.pool.write(handles, out.latents)
-        return out.logits, handles
+    def run_batch(self, work: list[tuple[Sequence, np.ndarray, int]]) -> list[torch.Tensor]:
+        """One ragged forward: each (sequence, tokens, start) runs its tokens at positions
+        start.. after every row the sequence has; their rows are stored and appended to the
+        sequence. Returns each item's logits [n, vocab]."""
+        self.make_room(sum(len(tokens) for _, tokens, _ in work))
+        outs = self.model.forward_batch(
+            [torch.from_numpy(np.asarray(tokens, dtype=np.int64)) for _, tokens, _ in work],
+            [torch.arange(start, start + len(tokens)) for _, tokens, start in work],
+            [self.pool.rows(seq.handles) if seq.handles.size else None for seq, _, _ in work])
+        for (seq, tokens, _), out in zip(work, outs):
+            handles = self.pool.alloc(len(tokens))
+            self.pool.write(handles, out.latents)
+            seq.handles = np.concatenate([seq.handles, handles])
+        return [out.logits for out in outs]
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -170,8 +210,7 @@ class Engine:
         new = np.asarray(list(tokens), dtype=np.int64)
         if seq.finished:
             raise ValueError("sequence already finished")
-        logits, handles = self._compute(seq, new, len(seq.tokens))
-        seq.handles = np.concatenate([seq.handles, handles])
+        logits = self.run_batch([(seq, new, len(seq.tokens))])[0]
         seq.tokens.extend(new.tolist())
         return logits
 
@@ -217,7 +256,7 @@ class Engine:
         for handles in commit.freed:
             self.pool.release(handles)
 
-    def _make_room(self, n: int) -> None:
+    def make_room(self, n: int) -> None:
         """Evict index entries (never what a sequence holds) until n fresh tokens fit."""
         while self.pool.free < n:
             freed = self.planner.evict(n - self.pool.free)

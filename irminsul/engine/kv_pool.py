@@ -77,6 +77,11 @@ class KVPool:
         self.rank = kv_lora_rank
 
     @property
+    def capacity(self) -> int:
+        """Tokens the pool holds when empty."""
+        return int(self.ckv_slots.refs.size)
+
+    @property
     def free(self) -> int:
         """Tokens that can be allocated fresh (both slot spaces)."""
         return min(self.ckv_slots.free, self.kr_slots.free)

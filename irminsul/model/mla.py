@@ -15,6 +15,8 @@ whatever the caller says (context rows carry their own rotation inside k_r).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,19 +68,32 @@ class MLAttention(nn.Module):
         return w[:, :self.nope], w[:, self.nope:]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                context: torch.Tensor | None = None, *,
+                contexts: Sequence[torch.Tensor | None], lengths: Sequence[int], *,
                 absorbed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention output [T, D] and the new tokens' latent rows [T, L+R].
+        """Attention output [T, D] and the new tokens' latent rows [T, L+R] for a ragged batch.
 
-        ``context`` holds the latent rows of everything before these tokens ([C, L+R]); by default
-        the absorbed form runs when there is context and the naive form when there is none.
+        ``x`` holds the new tokens of several sequences back to back (``lengths`` of them each);
+        ``contexts[i]`` holds the latent rows of everything before sequence i's new tokens
+        ([C_i, L+R], or None). Projections run over the whole batch; attention per sequence. By
+        default the absorbed form runs when a sequence has context and the naive form when not.
         """
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
+        outs, offset = [], 0
+        for context, n in zip(contexts, lengths):
+            span = slice(offset, offset + n)
+            outs.append(self._attend(q_nope[span], q_rope[span], rows[span], context, absorbed))
+            offset += n
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
+                context: torch.Tensor | None, absorbed: bool | None) -> torch.Tensor:
+        """One sequence: its new tokens' queries against its context and new rows; [T, H, V]."""
         keys = rows if context is None or context.shape[0] == 0 else torch.cat([context, rows])
-        n_new, n_ctx = x.shape[0], keys.shape[0] - x.shape[0]
+        n_new, n_ctx = rows.shape[0], keys.shape[0] - rows.shape[0]
         # Token i sees every context row and new rows 0..i.
-        mask = torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=x.device).tril(n_ctx)
+        mask = torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx)
         w_uk, w_uv = self._weights()
         c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
         if absorbed if absorbed is not None else n_ctx > 0:
@@ -86,12 +101,10 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), keys[None, None], c[None, None],
                 attn_mask=mask, scale=self.scale, enable_gqa=True)[0]  # [H, T, L]
-            out = torch.einsum("htl,hvl->thv", out, w_uv)
-        else:
-            k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
-                           k_r[None].expand(self.heads, -1, -1)], dim=-1)
-            v = torch.einsum("sl,hvl->hsv", c, w_uv)
-            q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                                 scale=self.scale)[0].transpose(0, 1)
-        return self.o_proj(out.reshape(n_new, self.heads * self.v_dim)), rows
+            return torch.einsum("htl,hvl->thv", out, w_uv)
+        k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
+                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
+        v = torch.einsum("sl,hvl->hsv", c, w_uv)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                              scale=self.scale)[0].transpose(0, 1)

@@ -34,9 +34,11 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoE(config) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                contexts: Sequence[torch.Tensor | None], lengths: Sequence[int],
                 absorbed: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, rows = self.self_attn(self.input_layernorm(x), positions, context, absorbed=absorbed)
+        attn, rows = self.self_attn(self.input_layernorm(x), positions, contexts, lengths,
+                                    absorbed=absorbed)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), rows
 
@@ -70,22 +72,36 @@ class MLAModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 context: Sequence[torch.Tensor] | None = None, *,
                 absorbed: bool | None = None) -> ForwardOutput:
         """Run new tokens at absolute ``positions`` after ``context`` (one [C, L+R] per layer)."""
-        if context is not None and len(context) != len(self.model.layers):
-            raise ValueError(f"context has {len(context)} layers, model has "
-                             f"{len(self.model.layers)}")
+        return self.forward_batch([token_ids], [positions], [context], absorbed=absorbed)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
+                      contexts: Sequence[Sequence[torch.Tensor] | None], *,
+                      absorbed: bool | None = None) -> list[ForwardOutput]:
+        """A ragged batch: sequence i's new tokens at ``positions[i]`` after ``contexts[i]``.
+
+        Embeddings, projections and the MoE run once over all new tokens; attention per sequence.
+        """
+        layers = len(self.model.layers)
+        for context in contexts:
+            if context is not None and len(context) != layers:
+                raise ValueError(f"context has {len(context)} layers, model has {layers}")
         device = self.lm_head.weight.device
-        token_ids, positions = token_ids.to(device), positions.to(device)
-        x = self.model.embed_tokens(token_ids)
+        lengths = [int(t.shape[0]) for t in token_ids]
+        x = self.model.embed_tokens(torch.cat(list(token_ids)).to(device))
+        pos = torch.cat(list(positions)).to(device)
         latents = []
         for i, layer in enumerate(self.model.layers):
-            x, rows = layer(x, positions, None if context is None else context[i], absorbed)
-            latents.append(rows)
-        return ForwardOutput(self.lm_head(self.model.norm(x)).float(), latents)
+            per_seq = [None if c is None else c[i] for c in contexts]
+            x, rows = layer(x, pos, per_seq, lengths, absorbed)
+            latents.append(rows.split(lengths))
+        logits = self.lm_head(self.model.norm(x)).float().split(lengths)
+        return [ForwardOutput(logits[b], [latents[i][b] for i in range(layers)])
+                for b in range(len(lengths))]
 
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of a full forward from position 0 without cache."""

@@ -1,0 +1,221 @@
+"""Continuous batching: requests move waiting → prefill → decode → finished, one step at a time.
+
+Each :meth:`Scheduler.step` builds one ragged batch: a token for every decoding request, then
+prefill spans (long prompts in chunks of at most ``chunk_tokens``) up to ``batch_tokens`` in all,
+and runs it as a single forward. A request is admitted only when the pool can hold its whole
+prompt and ``max_tokens`` on top of what running requests may still need (the engine evicts index
+entries to make room, never anything a request holds), so an admitted request never runs out of
+slots mid-flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from .engine import Engine, Prefill, Sequence, ServeStats
+from .kv_pool import PoolExhausted
+
+State = Literal["waiting", "prefill", "decode", "finished"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens: greedy at temperature 0, else softmax(logits / T) cut by top-k/top-p."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits [vocab]."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    resets: tuple[int, ...] = ()
+    namespace: int = 0
+    state: State = "waiting"
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prefill: Prefill | None = None
+    seq: Sequence | None = None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: ServeStats | None  # where the prompt came from, once prefilled
+    ttft: float | None
+
+
+class Scheduler:
+    """Admits, batches and finishes requests over one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, *, batch_tokens: int = 2048, chunk_tokens: int = 512,
+                 max_running: int = 64) -> None:
+        self.engine = engine
+        self.batch_tokens, self.chunk_tokens, self.max_running = (batch_tokens, chunk_tokens,
+                                                                  max_running)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+
+    def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
+            namespace: int = 0, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for a prompt that can never run."""
+        prompt = [int(t) for t in prompt]
+        context = self.engine.model.config.max_position_embeddings
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) + params.max_tokens > context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context of {context} tokens")
+        if len(prompt) + params.max_tokens > self.engine.pool.capacity:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the KV pool of {self.engine.pool.capacity} tokens")
+        request = Request(request_id or f"req-{next(self._ids)}", prompt, params, tuple(resets),
+                          namespace)
+        if params.seed is not None:
+            request.generator.manual_seed(params.seed)
+        else:
+            request.generator.seed()
+        self.waiting.append(request)
+        return request.id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
+        and free its slots. Returns whether it was found."""
+        for request in self.waiting:
+            if request.id == request_id:
+                self.waiting.remove(request)
+                request.state, request.finish_reason = "finished", reason
+                return True
+        for request in self.running:
+            if request.id == request_id:
+                self._finish(request, reason)
+                return True
+        return False
+
+    def _reserved(self) -> int:
+        """Slots running requests may still allocate."""
+        total = 0
+        for r in self.running:
+            done = r.seq.handles.size if r.seq is not None else 0
+            total += len(r.prompt) + r.params.max_tokens - done
+        return total
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            need = self._reserved() + len(request.prompt) + request.params.max_tokens
+            try:
+                self.engine.make_room(need)
+            except PoolExhausted:
+                return  # wait for running requests to finish
+            self.waiting.pop(0)
+            request.prefill = self.engine.start_prefill(request.prompt, request.resets,
+                                                        namespace=request.namespace)
+            request.seq, request.state = request.prefill.seq, "prefill"
+            self.running.append(request)
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, run one batch, sample, and report what changed."""
+        self._admit()
+        work: list[tuple[Request, np.ndarray, int]] = []
+        budget = self.batch_tokens
+        for request in self.running:
+            if request.state == "decode":
+                work.append((request, np.asarray(request.output[-1:]), len(request.seq.tokens)))
+                budget -= 1
+        for request in self.running:
+            if request.state == "prefill" and budget > 0:
+                span = self.engine.advance(request.prefill, min(budget, self.chunk_tokens))
+                if span is not None:
+                    work.append((request, *span))
+                    budget -= len(span[0])
+        outputs: list[StepOutput] = []
+        if not work:
+            return outputs
+        logits = self.engine.run_batch([(r.seq, tokens, start) for r, tokens, start in work])
+        for (request, tokens, _), out in zip(work, logits):
+            if request.state == "decode":
+                request.seq.tokens.extend(tokens.tolist())
+            elif request.seq.handles.size < len(request.prompt):
+                continue  # more prompt to prefill (the last prompt token is always computed)
+            else:
+                self.engine.complete_prefill(request.prefill)
+                request.state, request.first_token_time = "decode", time.perf_counter()
+            outputs.append(self._emit(request, sample(out[-1], request.params,
+                                                      request.generator)))
+        return outputs
+
+    def _emit(self, request: Request, token: int) -> StepOutput:
+        request.output.append(token)
+        stats = request.seq.stats if len(request.output) == 1 else None
+        reason = ("stop" if token in request.params.stop_token_ids else
+                  "length" if len(request.output) >= request.params.max_tokens else None)
+        if reason:
+            self._finish(request, reason)
+        return StepOutput(request.id, [token], reason is not None, reason, stats, request.ttft)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.state == "prefill":
+            self.engine.abort_prefill(request.prefill)
+        elif request.seq is not None:
+            self.engine.finish(request.seq)
+        request.state, request.finish_reason = "finished", reason
+        self.running.remove(request)
