@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from irminsul.analysis.characterize import WINDOW, Characterisation
-from irminsul.analysis.prompt import Prompt
 from irminsul.analysis.recoverability import Recoverability
 from irminsul.analysis.replay import STRATEGIES, Replay
+from irminsul.traffic.prompt import Prompt
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -7,11 +7,10 @@ import time
 
 from tqdm import tqdm
 
-from ..cache.markers import MARKER_BODY, find_markers
 from ..traffic.logs import LogError, read_requests
+from ..traffic.prompt import render_prompt
 from ..traffic.render import ChatRenderer
 from .characterize import Characterisation
-from .prompt import Prompt
 from .recoverability import Recoverability
 from .replay import DEFAULT_CAPACITY, Replay
 
@@ -21,15 +20,13 @@ def analyze_log(path: str | os.PathLike, renderer: ChatRenderer, *,
                 progress: bool = True) -> dict:
     """Run the three analyses over one log in a single streaming pass; returns the JSON report."""
     characterisation, recoverability, replay = Characterisation(), Recoverability(), Replay(capacity)
-    marker = renderer.encode(MARKER_BODY)
     errors: list[LogError] = []
     requests = marked = 0
     started = time.perf_counter()
     bar = tqdm(desc=os.path.basename(path), unit=" req", disable=not progress, leave=False)
     for request in read_requests(path, strict=strict, on_error=errors.append):
-        rendered = renderer.render(request.messages, request.tools)
-        prompt = Prompt(request.session, rendered.tokens, rendered.message_starts,
-                        find_markers(rendered.tokens, marker))
+        prompt = render_prompt(renderer, request.messages, request.tools,
+                               session=request.session)
         marked += bool(prompt.markers.size)
         prefix = characterisation.add(prompt)
         recoverability.add(prompt, prefix)

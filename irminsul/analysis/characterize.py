@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cache.cdc import window_fingerprints
 from ..cache.radix import PrefixMatch, RadixTree
-from .prompt import Prompt
+from ..traffic.prompt import Prompt
 
 WINDOW = 64
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..cache.cdc import fingerprints
 from ..cache.planner import Planner
 from ..cache.radix import PrefixMatch
-from .prompt import Prompt
+from ..traffic.prompt import Prompt
 
 BLOCK = 128
 MASK_SWEEP = range(5, 17)

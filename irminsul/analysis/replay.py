@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cache.planner import Planner
-from .prompt import Prompt
+from ..traffic.prompt import Prompt
 
 STRATEGIES = ("cdc", "cdc+s1", "s2", "s2+s1", "msg", "msg+s1")
 DEFAULT_STRATEGY = "msg+s1"
@@ -31,7 +31,7 @@ def resets_for(strategy: str, prompt: Prompt) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if base == "s2":
         return prompt.markers
-    return np.union1d(prompt.message_starts, prompt.markers)
+    return prompt.resets
 
 
 class Replay:

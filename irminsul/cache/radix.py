@@ -8,8 +8,8 @@ compares whole edges with vectorized numpy, so cost is per edge, not per token.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
@@ -25,6 +26,8 @@ import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 from tokenizers import Tokenizer
+
+from ..cache.markers import MARKER_BODY
 
 # DeepSeek-V3-style template, rendered strictly in message order (so it is incremental); the tool
 # schemas follow the first message (the system prompt), DeepSeek-V3.1 style, since V3's own template
@@ -171,6 +174,11 @@ class ChatRenderer:
 
         return cls(Tokenizer.from_file(str(tok_file)), template, bos_token=special("bos_token"),
                    eos_token=special("eos_token"), name=path.name)
+
+    @cached_property
+    def marker(self) -> np.ndarray:
+        """Token ids of the S2 boundary marker's body in this tokenizer."""
+        return self.encode(MARKER_BODY)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of a text, special tokens recognised, nothing added."""

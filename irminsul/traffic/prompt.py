@@ -1,0 +1,38 @@
+"""A rendered request: prompt tokens plus the chunker resets its assembler knows about."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..cache.markers import find_markers
+from .render import ChatRenderer
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Prompt tokens, where each chat message begins, and S2 marker edges found in them."""
+
+    session: str
+    tokens: np.ndarray  # int32 [n]
+    message_starts: np.ndarray  # int64
+    markers: np.ndarray  # int64 (empty when the prompt has none)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.size)
+
+    @cached_property
+    def resets(self) -> np.ndarray:
+        """The engine's default chunker restarts: every message start and every marker edge."""
+        return np.union1d(self.message_starts, self.markers)
+
+
+def render_prompt(renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None = None,
+                  *, session: str = "") -> Prompt:
+    """Render a chat request (with the generation prompt) and find its resets."""
+    rendered = renderer.render(messages, tools)
+    return Prompt(session, rendered.tokens, rendered.message_starts,
+                  find_markers(rendered.tokens, renderer.marker))
