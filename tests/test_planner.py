@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from irminsul.cache.cdc import chunk_boundaries
 from irminsul.cache.planner import Plan, Planner
 
 CARVE_OUT = 32
@@ -60,8 +61,14 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
         pos = s.end
     assert pos == n
     assert sum(s.size for s in segs) == n
-    # Chunks cover the tail [prefix, n) likewise.
-    pos = plan.prefix.length
+    # Chunks cover the tail likewise, anchored at the last reset at or before the prefix end
+    # (or at the prefix end when there is none); the first one reaches past the prefix.
+    L = plan.prefix.length
+    earlier = [r for r in resets if r <= L]
+    anchor = max(earlier) if earlier else L
+    pos = plan.chunks[0].start if plan.chunks else L
+    assert anchor <= pos <= L
+    assert not plan.chunks or plan.chunks[0].end > L
     for c in plan.chunks:
         assert c.start == pos and c.end > c.start
         pos = c.end
@@ -106,19 +113,19 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
         assert first_pos == e.p_source + s.offset
         assert s.delta == s.start - first_pos
     # (d) carve-out: nothing reused from below position 32 of the tail; chunks starting there are
-    # carve-outs (prefilled, segment of their own).
+    # carve-outs (their part past the exact prefix prefilled as a segment of its own).
     carve = {(s.start, s.end) for s in segs if s.kind == "carve_out"}
     for s in segs:
         if s.kind == "hit":
             assert s.start >= planner.carve_out
-        if s.kind == "carve_out":
-            assert s.start < planner.carve_out
     for c in plan.chunks:
         assert (c.start < planner.carve_out) == (c.kind == "carve_out")
+        past = (max(c.start, L), c.end)  # the chunk's part past the exact prefix
         if c.kind == "carve_out":
-            assert (c.start, c.end) in carve
+            assert past in carve
         if c.kind == "hit":  # a whole-chunk hit is one segment
-            assert any(s.kind == "hit" and (s.start, s.end) == (c.start, c.end) for s in segs)
+            assert any(s.kind == "hit" and (s.start, s.end) == past for s in segs)
+    assert len(carve) == sum(c.kind == "carve_out" for c in plan.chunks)
     # Misses are merged: no two adjacent miss segments.
     for a, b in zip(segs, segs[1:]):
         assert not (a.kind == "miss" and b.kind == "miss")
@@ -314,7 +321,12 @@ def test_prefix_then_tail():
     # Resets are prompt offsets (not tail offsets): the tail is cut at 900 and 1000.
     plan = planner.plan(longer, [100, 800, 900, 1000, 1100])
     assert {900, 1000} <= {c.start for c in plan.chunks}
-    assert planner.plan(longer, [50]).chunks == planner.plan(longer).chunks  # inside the prefix
+    # A reset inside the prefix anchors the chunking there (so chunks keep their alignment);
+    # only chunks reaching past the prefix are listed.
+    expected = [int(e) + 50 for e in chunk_boundaries(longer[50:])]
+    got = planner.plan(longer, [50]).chunks
+    assert [c.end for c in got] == [e for e in expected if e > 800]
+    assert got[0].start < 800 < got[0].end
 
 
 def test_s1_windows_never_overlap_hand_built():

@@ -119,23 +119,32 @@ class Planner:
         if not self.pic:
             tail_segments = [Segment("miss", start, tokens.size)] if start < tokens.size else []
             return Plan(tokens, namespace, prefix, segments + tail_segments, [])
-        tail = tokens[start:]
+        # Chunk from the last reset at or before the prefix end, not from the prefix end itself:
+        # an exact prefix often runs a few tokens into the next message (a shared role token),
+        # and chunking from there would misalign every chunk of that message. A chunk that
+        # straddles the prefix end is looked up whole and serves only its part past the prefix.
         resets = as_offsets(resets)
+        earlier = resets[resets <= start]
+        anchor = int(earlier[-1]) if earlier.size else start
+        tail = tokens[anchor:]
         bounds = chunk_boundaries(tail, mask_bits=self.mask_bits, min_size=self.min_size,
-                                  max_size=self.max_size, resets=resets[resets > start] - start)
+                                  max_size=self.max_size, resets=resets[resets > anchor] - anchor)
         chunks: list[Chunk] = []
         fps = fingerprints(tail, bounds, seed=namespace).tolist()
-        for end, fp in zip((bounds + start).tolist(), fps):
-            if start < self.carve_out:
-                chunks.append(Chunk(start, end, fp, "carve_out"))
-                segments.append(Segment("carve_out", start, end))
-            elif (entry := self.registry.lookup(namespace, fp, tokens[start:end])) is not None:
-                chunks.append(Chunk(start, end, fp, "hit"))
-                segments.append(Segment("hit", start, end, entry))
-            else:
-                chunks.append(Chunk(start, end, fp, "miss"))
-                segments.extend(self._probe_windows(tokens, start, end, namespace))
-            start = end
+        first = anchor
+        for end, fp in zip((bounds + anchor).tolist(), fps):
+            if end > start:
+                at = max(first, start)  # where the part past the exact prefix begins
+                if first < self.carve_out:
+                    chunks.append(Chunk(first, end, fp, "carve_out"))
+                    segments.append(Segment("carve_out", at, end))
+                elif (entry := self.registry.lookup(namespace, fp, tokens[first:end])) is not None:
+                    chunks.append(Chunk(first, end, fp, "hit"))
+                    segments.append(Segment("hit", at, end, entry, at - first))
+                else:
+                    chunks.append(Chunk(first, end, fp, "miss"))
+                    segments.extend(self._probe_windows(tokens, at, end, namespace))
+            first = end
         return Plan(tokens, namespace, prefix, _merge_misses(segments), chunks)
 
     def _probe_windows(self, tokens: np.ndarray, start: int, end: int,

@@ -44,7 +44,7 @@ class ServeStats:
     prefilled_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two sequences with equal tokens are still two sequences
 class Sequence:
     """A request's tokens and the pool handles of their KV rows (one reference each)."""
 
@@ -147,10 +147,13 @@ class Engine:
         try:
             while (span := self.advance(prefill, prefill.prompt.size)) is not None:
                 logits = self.run_batch([(prefill.seq, *span)])[0]
-            self.complete_prefill(prefill)
         except BaseException:
-            if not prefill.seq.finished:
-                self.abort_prefill(prefill)
+            self.abort_prefill(prefill)
+            raise
+        try:
+            self.complete_prefill(prefill)  # releases the plan whatever happens
+        except BaseException:
+            self.finish(prefill.seq, remember=False)
             raise
         return prefill.seq, logits[-1]
 

@@ -58,11 +58,12 @@ class _Slots:
         np.add.at(self.refs, slots, 1)
 
     def release(self, slots: np.ndarray) -> None:
-        np.add.at(self.refs, slots, -1)
-        if (self.refs[slots] < 0).any():
+        # Check before changing anything, so a bad release leaves the counts as they were.
+        unique, counts = np.unique(slots, return_counts=True)
+        if (self.refs[unique] < counts).any():
             raise RuntimeError(f"{self.name}: a slot was released more often than retained")
-        dead = np.unique(slots[self.refs[slots] == 0])
-        self._free.extend(dead.tolist())
+        self.refs[unique] -= counts
+        self._free.extend(unique[self.refs[unique] == 0].tolist())
 
 
 class KVPool:
