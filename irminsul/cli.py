@@ -93,6 +93,52 @@ def cmd_demo(args: argparse.Namespace) -> None:
     _write_json(args.json, reports)
 
 
+def cmd_consistency(args: argparse.Namespace) -> None:
+    """Output consistency of PIC and naive reuse against full recomputation on a request log."""
+    from itertools import islice
+
+    # torch and the model runtime load only here, so the other commands start fast without them.
+    import torch
+
+    from .analysis.consistency import consistency, render_consistency
+    from .engine import PoolExhausted
+    from .model import load_model
+    from .traffic.render import TemplateError
+
+    # The model's own tokenizer and chat template unless another is named (after the subcommand,
+    # or as the global --tokenizer).
+    tokenizer = args.consistency_tokenizer or args.tokenizer or args.model
+    try:
+        renderer = ChatRenderer.from_dir(tokenizer)
+    except (FileNotFoundError, TemplateError) as err:
+        raise ValueError(f"{err} (consistency renders prompts with the model directory's "
+                         "tokenizer.json and chat template; pass --tokenizer DIR to use "
+                         "another)") from err
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    requests = islice(read_requests(args.workload), args.requests)
+    try:
+        report = consistency(model, renderer, requests, tokens=args.tokens,
+                             num_slots=args.slots, progress=not args.quiet)
+    except PoolExhausted as err:
+        raise ValueError(f"{err}; give the engines more --slots") from err
+    print(render_consistency(report))
+    _write_json(args.json, [report])
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API until interrupted."""
+    # torch, the model runtime and the web stack load only here.
+    import torch
+
+    from .server import serve
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if device.startswith("cuda") else "float32")
+    serve(args.model, host=args.host, port=args.port, mode=args.pic, slots=args.slots,
+          dtype=getattr(torch, dtype), device=device, model_name=args.served_model_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="irminsul", description=__doc__)
     parser.add_argument("--tokenizer", metavar="DIR",
@@ -125,6 +171,46 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--capacity", type=_capacity, default=DEFAULT_CAPACITY)
     _workload_options(demo)
     demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("consistency",
+                           help="KL, argmax-match and first divergence of PIC and naive reuse "
+                                "against full recomputation")
+    check.add_argument("--model", required=True, metavar="DIR",
+                       help="Hugging Face checkpoint directory (config.json + safetensors)")
+    check.add_argument("--workload", required=True, metavar="LOG", help="JSON Lines request log")
+    check.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    check.add_argument("--tokens", type=int, default=16,
+                       help="continuation tokens per request (default 16)")
+    check.add_argument("--requests", type=int, default=None,
+                       help="first N requests of the log (default all)")
+    check.add_argument("--slots", type=int, default=None,
+                       help="KV pool size per engine in tokens (default: the whole workload, "
+                            "so nothing is evicted)")
+    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    check.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    check.add_argument("--tokenizer", dest="consistency_tokenizer", metavar="DIR",
+                       help="tokenizer directory with a chat template (default: --model)")
+    check.set_defaults(func=cmd_consistency)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", required=True, metavar="DIR",
+                       help="Hugging Face checkpoint directory (config.json, safetensors, "
+                            "tokenizer.json and a chat template)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--pic", choices=("off", "observer", "live"), default="live",
+                       help="position-independent caching: off (exact prefix only), observer "
+                            "(record would-be hits), live (serve them; default)")
+    serve.add_argument("--slots", type=int, default=None,
+                       help="KV pool size in tokens (default: 4x the context, at most 65536)")
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       default="auto", help="weights and KV (auto: bfloat16 on CUDA, else "
+                                            "float32)")
+    serve.add_argument("--device", default=None,
+                       help="torch device (default: cuda when available, else cpu)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send (default: the directory's name)")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import build
 
 from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.engine.scheduler import sample
 from irminsul.model import load_model
-from tiny_models import build
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,86 @@
+"""One request's token stream turned into text: detokenized, cut at stop strings, accounted.
+
+Both endpoints, streaming or not, consume :meth:`Generation.text_deltas`; the non-streaming
+answer is the concatenation of what a stream would have sent, so the two are equal by
+construction. When a stop string appears the request is aborted with reason "stop" (its slots
+are freed at once, not after ``max_tokens``); when the consumer goes away (a disconnected client
+cancels it) the request is aborted too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from ..engine import ServeStats
+from .async_engine import EngineError, RequestHandle
+from .detokenizer import IncrementalDetokenizer, StopStrings
+from .metrics import ServerMetrics
+
+
+@dataclass
+class Usage:
+    """Token counts for the response's ``usage`` block."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    stats: ServeStats | None  # where the prompt came from; None if it was never served
+
+    def to_json(self) -> dict:
+        prefix = self.stats.prefix_tokens if self.stats else 0
+        pic = self.stats.pic_tokens if self.stats else 0
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": prefix + pic},
+                "irminsul": {"prefix_cached_tokens": prefix, "pic_cached_tokens": pic}}
+
+
+class Generation:
+    """Iterate :meth:`text_deltas`; afterwards ``finish_reason`` and :meth:`usage` are set."""
+
+    def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, prompt: Sequence[int],
+                 stops: Sequence[str], metrics: ServerMetrics) -> None:
+        self.handle = handle
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt)
+        self._stops = StopStrings(stops)
+        self._metrics = metrics
+        self._generated = 0
+        self._stats: ServeStats | None = None
+        self._start = time.perf_counter()
+
+    def usage(self) -> Usage:
+        return Usage(self.handle.prompt_tokens, self._generated, self._stats)
+
+    async def text_deltas(self) -> AsyncIterator[str]:
+        """Non-empty pieces of the completion text, in order."""
+        try:
+            async for out in self.handle:
+                if out.stats is not None:
+                    self._stats = out.stats
+                    self._metrics.prompt_served(out.stats, out.ttft)
+                self._generated += len(out.new_tokens)
+                text = self._stops.push(self._detok.push(out.new_tokens))
+                if not self._stops.stopped and out.finished:
+                    text += self._stops.push(self._detok.flush(), final=True)
+                if self._stops.stopped:
+                    self.handle.abort("stop")  # frees the slots now, not at max_tokens
+                    self.finish_reason = "stop"
+                elif out.finished:
+                    self.finish_reason = out.finish_reason or "stop"
+                if text:
+                    yield text
+                if self.finish_reason is not None:
+                    break
+        except EngineError:
+            self.finish_reason = "error"
+            raise
+        finally:
+            self.handle.abort()  # a consumer that left early: free the request's slots
+            self._metrics.finished(self.finish_reason or "abort", self._generated,
+                                   time.perf_counter() - self._start)
+

@@ -1,0 +1,82 @@
+"""Prometheus metrics of the server: where prompt tokens came from, latency, engine load.
+
+Names use the ``irminsul:`` prefix (colons are legal in Prometheus metric names and mark them as
+the server's own, as ``vllm:`` does). Every app gets its own registry, so several apps in one
+process (tests) do not collide in the global one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..engine import ServeStats
+from .async_engine import EngineSnapshot
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    """The counters, histograms and gauges, and the hooks that update them."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"irminsul:{name}", doc, labels, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests")
+        self.prefix_cached_tokens = counter(
+            "prefix_cached_tokens", "Prompt tokens served from the exact-prefix radix tree")
+        self.pic_cached_tokens = counter(
+            "pic_cached_tokens", "Prompt tokens served from the position-independent registry")
+        self.would_be_pic_tokens = counter(
+            "would_be_pic_tokens", "Registry hits prefilled anyway (observer mode)")
+        self.prefilled_tokens = counter("prefilled_tokens", "Prompt tokens computed")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.requests_finished = counter("requests_finished", "Requests finished, by reason",
+                                         ("reason",))
+        self.request_errors = counter("request_errors", "Requests answered with an error, "
+                                      "by HTTP status", ("status",))
+        self.ttft = Histogram("irminsul:time_to_first_token_seconds",
+                              "Time from admission request to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("irminsul:e2e_request_latency_seconds",
+                             "Time from submission to the last token", buckets=LATENCY_BUCKETS,
+                             registry=r)
+
+        # Gauges read the engine's latest published snapshot when scraped, never the engine.
+        def gauge(name: str, doc: str, read: Callable[[EngineSnapshot], float]) -> None:
+            Gauge(f"irminsul:{name}", doc, registry=r).set_function(lambda: read(snapshot()))
+
+        gauge("kv_pool_usage_ratio", "Share of KV pool slots referenced (requests and indexes)",
+              lambda s: s.pool_usage)
+        gauge("kv_pool_free_slots", "KV pool slots free", lambda s: s.pool_free)
+        gauge("kv_pool_capacity_slots", "KV pool slots in all", lambda s: s.pool_capacity)
+        gauge("num_requests_running", "Requests being prefilled or decoded", lambda s: s.running)
+        gauge("num_requests_waiting", "Requests waiting for admission", lambda s: s.waiting)
+        gauge("engine_step_errors", "Engine steps that raised", lambda s: s.step_errors)
+
+    def prompt_served(self, stats: ServeStats, ttft: float | None) -> None:
+        """A request's prompt was served (its first token arrived)."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_cached_tokens.inc(stats.prefix_tokens)
+        self.pic_cached_tokens.inc(stats.pic_tokens)
+        self.would_be_pic_tokens.inc(stats.would_be_pic_tokens)
+        self.prefilled_tokens.inc(stats.prefilled_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def finished(self, reason: str, generated: int, latency: float) -> None:
+        self.generation_tokens.inc(generated)
+        self.requests_finished.labels(reason=reason).inc()
+        self.e2e.observe(latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,83 @@
+"""Requests to prompt tokens and chunker resets, and the model's stop tokens.
+
+Chat messages are rendered by the model's chat template with :func:`render_prompt`, which gives
+the engine's default resets: every message start and every S2 marker edge (markers are honoured
+wherever the client put them). A completion prompt is plain text (or token ids) with no message
+structure, so only marker edges reset the chunker there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..cache.markers import find_markers
+from ..traffic.prompt import render_prompt
+from ..traffic.render import ChatRenderer, TemplateError
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """What the scheduler needs from a request's prompt."""
+
+    tokens: list[int]
+    resets: list[int]
+
+
+def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> PromptTokens:
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    try:
+        prompt = render_prompt(renderer, messages, request.tools)
+    except TemplateError as err:
+        raise RequestError(f"cannot render the messages: {err}", param="messages") from err
+    except (KeyError, TypeError) as err:  # a template or message shape the renderer rejects
+        raise RequestError(f"malformed messages: {err!r}", param="messages") from err
+    return PromptTokens(prompt.tokens.tolist(), prompt.resets.tolist())
+
+
+def completion_prompt(renderer: ChatRenderer, request: CompletionRequest,
+                      vocab_size: int) -> PromptTokens:
+    if isinstance(request.prompt, str):
+        tokens = renderer.encode(request.prompt)
+    else:
+        tokens = np.asarray(request.prompt, dtype=np.int64)
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+        if bad.size:
+            raise RequestError(f"token id {int(bad[0])} is outside the vocabulary "
+                               f"[0, {vocab_size})", param="prompt")
+    return PromptTokens(tokens.tolist(), find_markers(tokens, renderer.marker).tolist())
+
+
+def stop_token_ids(model_dir: str | os.PathLike, renderer: ChatRenderer) -> tuple[int, ...]:
+    """End-of-generation ids: generation_config.json's and config.json's ``eos_token_id``
+    (an id or a list), and tokenizer_config.json's ``eos_token`` looked up in the tokenizer."""
+    path = Path(model_dir)
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(path / name).get("eos_token_id")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int):
+                ids.add(item)
+    eos = _read_json(path / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if isinstance(eos, str) and eos:
+        token_id = renderer.tokenizer.token_to_id(eos)
+        if token_id is not None:
+            ids.add(token_id)
+    return tuple(sorted(ids))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
