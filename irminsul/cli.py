@@ -103,17 +103,8 @@ def cmd_consistency(args: argparse.Namespace) -> None:
     from .analysis.consistency import consistency, render_consistency
     from .engine import PoolExhausted
     from .model import load_model
-    from .traffic.render import TemplateError
 
-    # The model's own tokenizer and chat template unless another is named (after the subcommand,
-    # or as the global --tokenizer).
-    tokenizer = args.consistency_tokenizer or args.tokenizer or args.model
-    try:
-        renderer = ChatRenderer.from_dir(tokenizer)
-    except (FileNotFoundError, TemplateError) as err:
-        raise ValueError(f"{err} (consistency renders prompts with the model directory's "
-                         "tokenizer.json and chat template; pass --tokenizer DIR to use "
-                         "another)") from err
+    renderer = _model_renderer(args, args.consistency_tokenizer)
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     requests = islice(read_requests(args.workload), args.requests)
     try:
@@ -123,6 +114,48 @@ def cmd_consistency(args: argparse.Namespace) -> None:
         raise ValueError(f"{err}; give the engines more --slots") from err
     print(render_consistency(report))
     _write_json(args.json, [report])
+
+
+def _model_renderer(args: argparse.Namespace, override: str | None) -> ChatRenderer:
+    """The model directory's tokenizer and chat template, unless another directory is named."""
+    from .traffic.render import TemplateError
+
+    try:
+        return ChatRenderer.from_dir(override or args.tokenizer or args.model)
+    except (FileNotFoundError, TemplateError) as err:
+        raise ValueError(f"{err} (prompts are rendered with the model directory's "
+                         "tokenizer.json and chat template; pass --tokenizer DIR to use "
+                         "another)") from err
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Replay workload logs against the engine in each cache mode."""
+    import torch
+
+    from .analysis.bench import bench
+    from .analysis.report import table
+    from .model import load_model
+    from .traffic.prompt import render_prompt
+
+    renderer = _model_renderer(args, args.bench_tokenizer)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    reports, rows = [], []
+    for log in args.workload:
+        prompts = [render_prompt(renderer, r.messages, r.tools, session=r.session)
+                   for r in read_requests(log)][: args.requests]
+        slots = args.slots or sum(p.size for p in prompts) + 1
+        report = {"log": log, **bench(model, prompts, num_slots=slots)}
+        reports.append(report)
+        for mode in ("off", "observer", "live"):
+            r = report[mode]
+            rows.append([Path(log).name, mode, f"{100 * r['exact_prefix']:.1f}%",
+                         f"{100 * r['pic_unique']:.1f}%", f"{100 * r['total']:.1f}%",
+                         f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p95_ms']:.1f}",
+                         f"{r['kl_first_token']:.2e}"])
+    print(table("Engine replay per cache mode (observer: PIC share would-be, served by prefill)",
+                ["workload", "mode", "exact-prefix", "PIC", "total", "TTFT p50 ms",
+                 "TTFT p95 ms", "KL vs full"], rows))
+    _write_json(args.json, reports)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -191,6 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tokenizer", dest="consistency_tokenizer", metavar="DIR",
                        help="tokenizer directory with a chat template (default: --model)")
     check.set_defaults(func=cmd_consistency)
+
+    bench_p = sub.add_parser("bench", help="replay workloads against the engine per cache mode")
+    bench_p.add_argument("--model", required=True, metavar="DIR")
+    bench_p.add_argument("--workload", required=True, nargs="+", metavar="LOG")
+    bench_p.add_argument("--json", metavar="OUT", help="write the reports as JSON")
+    bench_p.add_argument("--requests", type=int, default=None, help="first N requests of each")
+    bench_p.add_argument("--slots", type=int, default=None,
+                         help="KV pool size in tokens (default: the whole workload)")
+    bench_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    bench_p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    bench_p.add_argument("--tokenizer", dest="bench_tokenizer", metavar="DIR",
+                         help="tokenizer directory with a chat template (default: --model)")
+    bench_p.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", required=True, metavar="DIR",
