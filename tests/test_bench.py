@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from tiny_chat_model import build, workload
 
 from irminsul.cli import main
 from irminsul.traffic.logs import write_requests
-from tiny_chat_model import build, workload
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from tiny_models import BASE, CASES
 
 from irminsul.cache.markers import MARKER_TEXT
 
-BOS, EOS = "<|bos|>", "<|eos|>"
+BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Role tokens and the message end are special tokens, so BPE never merges across a message edge
 # and each message renders to the same tokens wherever it lands (the renderer relies on it).
-SPECIALS = [BOS, EOS, "<|end|>", *(f"<|{role}|>" for role in ROLES)]
+SPECIALS = [BOS, EOS, END, *(f"<|{role}|>" for role in ROLES)]
 # Incremental: messages[:i+1] renders to messages[:i]'s text plus message i's own piece.
 TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message.role }}|>"
             "{{ message.content }}<|end|>{% endfor %}"
@@ -62,20 +62,21 @@ def write_tokenizer(directory: Path, *, vocab_size: int = 400) -> int:
     return tokenizer.get_vocab_size()
 
 
-def write_model(directory: Path, vocab_size: int, *, layers: int = 1, seed: int = 0) -> None:
-    """Save a random DeepSeek-V2 (YaRN rope, as tests/tiny_models.py's v2_lite_like)."""
+def random_model(vocab_size: int, *, layers: int = 1, seed: int = 0, **config):
+    """A random DeepSeek-V2 (YaRN rope, as tests/tiny_models.py's v2_lite_like), weights re-drawn
+    from N(0, 0.2) — far from the init's near-uniform logits, so argmaxes are clear."""
     import transformers
 
     family, overrides = CASES["v2_lite_like"]
     cfg = {**BASE, **overrides, "vocab_size": vocab_size, "num_hidden_layers": layers,
-           "first_k_dense_replace": min(1, layers - 1)}
-    config = getattr(transformers, f"{family}Config")(**cfg)
+           "first_k_dense_replace": min(1, layers - 1), **config}
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(
+        getattr(transformers, f"{family}Config")(**cfg)).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.2)  # far from the init's near-uniform logits: clear argmaxes
-    model.save_pretrained(directory)
+            p.normal_(0.0, 0.2)
+    return model
 
 
 def build(directory: Path, *, layers: int = 1, seed: int = 0, vocab_size: int | None = None,
@@ -83,7 +84,7 @@ def build(directory: Path, *, layers: int = 1, seed: int = 0, vocab_size: int | 
     """A model directory: tokenizer files (unless ``tokenizer`` is False) and random weights with
     the tokenizer's vocabulary (or ``vocab_size``)."""
     size = write_tokenizer(directory) if tokenizer else 0
-    write_model(directory, vocab_size or size or 400, layers=layers, seed=seed)
+    random_model(vocab_size or size or 400, layers=layers, seed=seed).save_pretrained(directory)
     return directory
 
 
