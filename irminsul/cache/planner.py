@@ -124,6 +124,9 @@ class Planner:
         # and chunking from there would misalign every chunk of that message. A chunk that
         # straddles the prefix end is looked up whole and serves only its part past the prefix.
         resets = as_offsets(resets)
+        if resets.size and (resets[0] < 0 or resets[-1] > tokens.size):
+            raise ValueError(f"reset offsets must lie in [0, {tokens.size}], "
+                             f"got {int(resets[0])}..{int(resets[-1])}")
         earlier = resets[resets <= start]
         anchor = int(earlier[-1]) if earlier.size else start
         tail = tokens[anchor:]

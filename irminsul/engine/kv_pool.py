@@ -57,13 +57,17 @@ class _Slots:
     def retain(self, slots: np.ndarray) -> None:
         np.add.at(self.refs, slots, 1)
 
-    def release(self, slots: np.ndarray) -> None:
-        # Check before changing anything, so a bad release leaves the counts as they were.
+    def releasable(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, counts) of a release, checked against the counts before anything changes."""
         unique, counts = np.unique(slots, return_counts=True)
         if (self.refs[unique] < counts).any():
             raise RuntimeError(f"{self.name}: a slot was released more often than retained")
-        self.refs[unique] -= counts
-        self._free.extend(unique[self.refs[unique] == 0].tolist())
+        return unique, counts
+
+    def release(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """Drop references to distinct ``slots`` (from :meth:`releasable`)."""
+        self.refs[slots] -= counts
+        self._free.extend(slots[self.refs[slots] == 0].tolist())
 
 
 class KVPool:
@@ -106,8 +110,10 @@ class KVPool:
 
     def release(self, handles: np.ndarray) -> None:
         ckv, kr = unpack(handles)
-        self.ckv_slots.release(ckv)
-        self.kr_slots.release(kr)
+        # Check both slot spaces before touching either: a bad release changes nothing.
+        ckv_release, kr_release = self.ckv_slots.releasable(ckv), self.kr_slots.releasable(kr)
+        self.ckv_slots.release(*ckv_release)
+        self.kr_slots.release(*kr_release)
 
     def write(self, handles: np.ndarray, rows: list[torch.Tensor]) -> None:
         """Store per-layer latent rows [n, L+R] of tokens at their handles."""
