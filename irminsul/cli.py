@@ -104,7 +104,7 @@ def cmd_consistency(args: argparse.Namespace) -> None:
     from .engine import PoolExhausted
     from .model import load_model
 
-    renderer = _model_renderer(args, args.consistency_tokenizer)
+    renderer = _model_renderer(args)
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     requests = islice(read_requests(args.workload), args.requests)
     try:
@@ -116,12 +116,12 @@ def cmd_consistency(args: argparse.Namespace) -> None:
     _write_json(args.json, [report])
 
 
-def _model_renderer(args: argparse.Namespace, override: str | None) -> ChatRenderer:
+def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
     """The model directory's tokenizer and chat template, unless another directory is named."""
     from .traffic.render import TemplateError
 
     try:
-        return ChatRenderer.from_dir(override or args.tokenizer or args.model)
+        return ChatRenderer.from_dir(args.model_tokenizer or args.tokenizer or args.model)
     except (FileNotFoundError, TemplateError) as err:
         raise ValueError(f"{err} (prompts are rendered with the model directory's "
                          "tokenizer.json and chat template; pass --tokenizer DIR to use "
@@ -137,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from .model import load_model
     from .traffic.prompt import render_prompt
 
-    renderer = _model_renderer(args, args.bench_tokenizer)
+    renderer = _model_renderer(args)
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     reports, rows = [], []
     for log in args.workload:
@@ -208,34 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("consistency",
                            help="KL, argmax-match and first divergence of PIC and naive reuse "
                                 "against full recomputation")
-    check.add_argument("--model", required=True, metavar="DIR",
-                       help="Hugging Face checkpoint directory (config.json + safetensors)")
-    check.add_argument("--workload", required=True, metavar="LOG", help="JSON Lines request log")
-    check.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    _model_workload_options(check, many=False)
     check.add_argument("--tokens", type=int, default=16,
                        help="continuation tokens per request (default 16)")
-    check.add_argument("--requests", type=int, default=None,
-                       help="first N requests of the log (default all)")
-    check.add_argument("--slots", type=int, default=None,
-                       help="KV pool size per engine in tokens (default: the whole workload, "
-                            "so nothing is evicted)")
-    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    check.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    check.add_argument("--tokenizer", dest="consistency_tokenizer", metavar="DIR",
-                       help="tokenizer directory with a chat template (default: --model)")
     check.set_defaults(func=cmd_consistency)
 
     bench_p = sub.add_parser("bench", help="replay workloads against the engine per cache mode")
-    bench_p.add_argument("--model", required=True, metavar="DIR")
-    bench_p.add_argument("--workload", required=True, nargs="+", metavar="LOG")
-    bench_p.add_argument("--json", metavar="OUT", help="write the reports as JSON")
-    bench_p.add_argument("--requests", type=int, default=None, help="first N requests of each")
-    bench_p.add_argument("--slots", type=int, default=None,
-                         help="KV pool size in tokens (default: the whole workload)")
-    bench_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench_p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    bench_p.add_argument("--tokenizer", dest="bench_tokenizer", metavar="DIR",
-                         help="tokenizer directory with a chat template (default: --model)")
+    _model_workload_options(bench_p, many=True)
     bench_p.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -258,6 +237,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients send (default: the directory's name)")
     serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> None:
+    """Options of the commands that run a model over a workload log."""
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="Hugging Face checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--workload", required=True, nargs="+" if many else None, metavar="LOG",
+                        help="JSON Lines request log" + ("(s)" if many else ""))
+    parser.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="first N requests of the log (default all)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="KV pool size per engine in tokens (default: the whole workload, "
+                             "so nothing is evicted)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--tokenizer", dest="model_tokenizer", metavar="DIR",
+                        help="tokenizer directory with a chat template (default: --model)")
 
 
 def _workload_options(parser: argparse.ArgumentParser) -> None:
