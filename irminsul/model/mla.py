@@ -92,19 +92,23 @@ class MLAttention(nn.Module):
         """One sequence: its new tokens' queries against its context and new rows; [T, H, V]."""
         keys = rows if context is None or context.shape[0] == 0 else torch.cat([context, rows])
         n_new, n_ctx = rows.shape[0], keys.shape[0] - rows.shape[0]
-        # Token i sees every context row and new rows 0..i.
-        mask = torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx)
+        # Token i sees every context row and new rows 0..i. Without context that is plain causal
+        # attention, which SDPA's fused kernels run without materialising a mask.
+        mask = (None if n_ctx == 0 else
+                torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx))
         w_uk, w_uv = self._weights()
         c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
         if absorbed if absorbed is not None else n_ctx > 0:
             q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), keys[None, None], c[None, None],
-                attn_mask=mask, scale=self.scale, enable_gqa=True)[0]  # [H, T, L]
+                attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=True)[0]  # [H, T, L]
             return torch.einsum("htl,hvl->thv", out, w_uv)
         k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
                        k_r[None].expand(self.heads, -1, -1)], dim=-1)
         v = torch.einsum("sl,hvl->hsv", c, w_uv)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                              is_causal=mask is None,
                                               scale=self.scale)[0].transpose(0, 1)
