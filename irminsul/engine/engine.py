@@ -121,9 +121,17 @@ class Engine:
                 self.pool.retain(handles)
                 seq.stats.prefix_tokens += end - start
             else:
-                first = seg.offset + (start - seg.start)
-                handles = self._reuse(seg.entry.handles[first:first + end - start], seg.delta)
-                seq.stats.pic_tokens += end - start
+                # Consecutive hits are reused in one gather-rotate-scatter, one δ per token.
+                sources, deltas = [], []
+                while True:
+                    first = seg.offset + (start - seg.start)
+                    sources.append(seg.entry.handles[first:first + end - start])
+                    deltas.append(np.full(end - start, seg.delta, dtype=np.int64))
+                    if not prefill.runs or prefill.runs[0][0] != "reuse":
+                        break
+                    _, start, end, seg = prefill.runs.pop(0)
+                handles = self._reuse(np.concatenate(sources), np.concatenate(deltas))
+                seq.stats.pic_tokens += len(handles)
             seq.handles = np.concatenate([seq.handles, handles])
         return None
 
@@ -176,19 +184,19 @@ class Engine:
             runs.append(("compute", end - 1, end, None))
         return runs
 
-    def _reuse(self, source: np.ndarray, delta: int) -> np.ndarray:
-        """Share the source tokens' c_KV slots; give the sequence k_r rotated by δ (or, for the
-        naive-reuse study, copied unrotated) in fresh k_r slots."""
+    def _reuse(self, source: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+        """Share the source tokens' c_KV slots; give the sequence their k_r rotated by ``deltas``
+        (one per token; or, for the naive-reuse study, copied unrotated) in fresh k_r slots, all
+        layers at once."""
         self.make_room(len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv)
         _, kr_dst = unpack(handles)
         src = torch.from_numpy(kr_src).to(self.pool.kr.device)
         dst = torch.from_numpy(kr_dst).to(self.pool.kr.device)
-        for layer in range(self.pool.kr.shape[0]):
-            base = self.pool.kr[layer, src]
-            self.pool.kr[layer, dst] = (self.model.rotary.rotate(base, delta) if self.rotate
-                                        else base)
+        base = self.pool.kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
+        rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
+        self.pool.kr[:, dst] = rotated.transpose(0, 1)
         return handles
 
     def run_batch(self, work: list[tuple[Sequence, np.ndarray, int]]) -> list[torch.Tensor]:

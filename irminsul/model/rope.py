@@ -98,7 +98,8 @@ class Rotary:
         return self._rotate(x, cos * self.magnitude, sin * self.magnitude)
 
     def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
-        """Re-rotate cached keys k_r [T, dim] (or [dim]) by ``delta`` positions (scalar or [T])."""
+        """Re-rotate cached keys k_r [T, ..., dim] (or [dim]) by ``delta`` positions (a scalar
+        or one per row [T])."""
         squeeze = k_r.dim() == 1
         k = k_r.reshape(1, -1) if squeeze else k_r
         delta = torch.as_tensor(delta, dtype=torch.float64).reshape(-1).expand(k.shape[0])
