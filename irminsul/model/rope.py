@@ -70,15 +70,18 @@ class Rotary:
         self.dim = config.qk_rope_head_dim
         self.interleaved = config.rope_interleave
         self.inv_freq = inv_freq(config.rope, self.dim)  # float64 numpy [dim/2]
-        self._inv_freq_t = torch.from_numpy(self.inv_freq)
+        self._inv_freq_t: dict[torch.device, torch.Tensor] = {}  # float64, per device
         self.magnitude = cos_sin_magnitude(config.rope)
         self.rope = config.rope
 
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor,
                                                                                torch.Tensor]:
-        angles = positions.to(torch.float64).reshape(-1, 1).cpu() * self._inv_freq_t
-        return (angles.cos().to(device=device, dtype=torch.float32),
-                angles.sin().to(device=device, dtype=torch.float32))
+        # Angles in float64 on the device itself: no host round trip per call.
+        freq = self._inv_freq_t.get(device)
+        if freq is None:
+            freq = self._inv_freq_t[device] = torch.from_numpy(self.inv_freq).to(device)
+        angles = positions.to(device=device, dtype=torch.float64).reshape(-1, 1) * freq
+        return angles.cos().float(), angles.sin().float()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate pairs of the last dim of x [T, ..., dim] by per-row angles cos/sin [T, dim/2]."""
