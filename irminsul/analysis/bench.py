@@ -18,13 +18,7 @@ import torch
 from ..engine import MODES, Engine
 from ..model import MLAModel
 from ..traffic.prompt import Prompt
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) of two logit vectors, in nats."""
-    p = p_logits.float().log_softmax(-1)
-    q = q_logits.float().log_softmax(-1)
-    return float((p.exp() * (p - q)).sum())
+from .consistency import kl_per_step
 
 
 def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
@@ -44,7 +38,7 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
             engine.finish(seq)
             s = seq.stats
             counts += (s.prefix_tokens, s.pic_tokens + s.would_be_pic_tokens, s.prompt_tokens)
-            kl.append(_kl(reference, logits))
+            kl.append(float(kl_per_step(reference[None], logits[None])[0]))
         engine.check()
         prefix, pic, total = counts.tolist()
         result[mode] = {

@@ -96,9 +96,6 @@ def serve(engine: Engine, prompt: Prompt, continuation: list[int],
             if divergence < len(continuation):
                 step_logits = engine.extend(twin, [want])[-1]
     finally:
-        # seq before twin: Engine.finish removes by list equality (dataclass __eq__), which
-        # raises when an earlier live sequence has equal tokens but other handle arrays; seq is
-        # listed first, so finishing it first finds each sequence by identity.
         engine.finish(seq)
         engine.finish(twin)
     stats = seq.stats
