@@ -62,6 +62,7 @@ def random_model(device: str) -> MLAModel:
     for name, p in model.named_parameters():
         if ".mlp.gate." in name:
             p.data = p.data.float()  # routers stay float32, as the loader keeps them
+    model.fuse_experts()
     return model.eval()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -60,6 +61,28 @@ IDS = torch.tensor([5, 17, 3, 96, 0, 42, 42, 8, 61, 29, 77, 13, 50, 2])
 # helpers
 # ---------------------------------------------------------------------------------------------
 
+
+
+FUSED = re.compile(r"(model\.layers\.\d+\.mlp)\.(w13|w2)")
+
+
+def unfused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A loaded model's state dict in the checkpoint's names: the fused expert stacks w13[e] =
+    [gate_proj; up_proj] and w2[e] = down_proj split back into mlp.experts.{e}.*_proj.weight."""
+    out = {}
+    for key, t in state.items():
+        m = FUSED.fullmatch(key)
+        if m is None:
+            out[key] = t
+            continue
+        for e, w in enumerate(t):
+            if m.group(2) == "w2":
+                out[f"{m.group(1)}.experts.{e}.down_proj.weight"] = w
+            else:
+                half = w.shape[0] // 2
+                out[f"{m.group(1)}.experts.{e}.gate_proj.weight"] = w[:half]
+                out[f"{m.group(1)}.experts.{e}.up_proj.weight"] = w[half:]
+    return out
 
 def build_hf(case: tuple[str, dict], seed: int = 0, **overrides):
     """A tiny random transformers model (eval) for ``case``; 2-D weights ~ N(0, 0.2), 1-D norm
@@ -232,10 +255,11 @@ def test_sharded_checkpoint_matches_transformers(saved, tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_loaded_weights_equal_checkpoint_tensors(saved, name):
-    """Every checkpoint tensor lands, bit for bit, in the parameter of the same name."""
+    """Every checkpoint tensor lands, bit for bit, in the parameter of the same name (routed
+    experts in their fused stacks, read back per expert)."""
     _, directory, _ = saved[name]
     tensors = read_all(directory)
-    state = load_model(directory).state_dict()
+    state = unfused(load_model(directory).state_dict())
     assert set(state) == set(tensors)
     for key, t in tensors.items():
         assert torch.equal(state[key], t), key
@@ -278,7 +302,7 @@ def test_fp8_weights_equal_naive_dequantization(fp8):
     """FP8 checkpoint: every dequantized weight equals the per-element formula exactly, and the
     non-quantized tensors (norms, router, embeddings, lm_head) are loaded unchanged."""
     directory, expected = fp8.directory, fp8.expected
-    state = load_model(directory).state_dict()
+    state = unfused(load_model(directory).state_dict())
     assert set(state) == set(expected)
     for name, want in expected.items():
         assert state[name].dtype == torch.float32
@@ -302,7 +326,7 @@ def test_fp8_non_square_blocks(fp8, tmp_path):
         else:
             out[name] = expected[name] = t
     config = dict(config_of(src), quantization_config=dict(FP8_QUANT, weight_block_size=[8, 32]))
-    state = load_model(write_checkpoint(tmp_path / "ckpt", out, config)).state_dict()
+    state = unfused(load_model(write_checkpoint(tmp_path / "ckpt", out, config)).state_dict())
     for name, want in expected.items():
         assert torch.equal(state[name], want), name
 
@@ -333,7 +357,7 @@ def test_fp8_scale_in_another_shard(fp8, tmp_path):
     index = {"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     shutil.copy(directory / "config.json", out / "config.json")
-    state = load_model(out).state_dict()
+    state = unfused(load_model(out).state_dict())
     for name, want in expected.items():
         assert torch.equal(state[name], want), name
 
@@ -448,7 +472,7 @@ def test_mtp_fp8_layer_without_scales_is_skipped(fp8, tmp_path):
     tensors = load_file(str(directory / "model.safetensors"))
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(72, 144).to(torch.float8_e4m3fn)
     path = write_checkpoint(tmp_path / "ckpt", tensors, config_of(directory))
-    state = load_model(path).state_dict()
+    state = unfused(load_model(path).state_dict())
     assert torch.equal(state["model.layers.2.self_attn.o_proj.weight"],
                        expected["model.layers.2.self_attn.o_proj.weight"])
 

@@ -73,4 +73,8 @@ def test_routing_and_dispatch_match_naive(name: str) -> None:
     expected = torch.stack([
         sum(w * moe.experts[e](x[t]) for e, w in route.items()) + moe.shared_experts(x[t])
         for t, route in enumerate(routes)])
+    with pytest.raises(RuntimeError, match="not fused"):
+        moe(x)
+    moe.fuse()  # stack the experts for grouped GEMM, as load_model does
+    assert moe.experts is None
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-4)

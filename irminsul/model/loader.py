@@ -139,5 +139,6 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse_experts()
     audit_rotary(model.rotary, config)
     return model.eval()

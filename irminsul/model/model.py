@@ -103,6 +103,12 @@ class MLAModel(nn.Module):
         return [ForwardOutput(logits[b], [latents[i][b] for i in range(layers)])
                 for b in range(len(lengths))]
 
+    def fuse_experts(self) -> None:
+        """Stack every MoE layer's experts for grouped GEMM (after the weights are loaded)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.fuse()
+
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of a full forward from position 0 without cache."""
         positions = torch.arange(token_ids.shape[0])

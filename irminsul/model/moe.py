@@ -1,5 +1,6 @@
-"""Feed-forward blocks: SwiGLU MLPs, DeepSeek-V2 and V3-style routers, and the MoE that dispatches
-tokens to experts by sorting assignments by expert (one batched call per expert, no token loop)."""
+"""Feed-forward blocks: SwiGLU MLPs, DeepSeek-V2 and V3-style routers, and the MoE, which sorts
+token-expert assignments by expert and runs all experts as two grouped GEMMs (no loop over tokens
+or experts, no host synchronisation)."""
 
 from __future__ import annotations
 
@@ -82,31 +83,48 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts (one MLP of width moe_intermediate * n_shared)."""
+    """Routed experts plus shared experts (one MLP of width moe_intermediate * n_shared).
+
+    The experts load as a ModuleList in the checkpoint's layout (``experts.{e}.gate_proj`` ...);
+    :meth:`fuse` then stacks them into ``w13`` [E, 2*I, D] (gate and up) and ``w2`` [E, D, I] for
+    grouped GEMM, which the forward needs (``load_model`` fuses every MoE layer).
+    """
 
     def __init__(self, config: MLAConfig) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.n_routed_experts or 0))
+        self.experts: nn.ModuleList | None = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.n_routed_experts or 0))
         self.shared_experts = (MLP(config.hidden_size,
                                    config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        self.w13: nn.Parameter | None = None
+        self.w2: nn.Parameter | None = None
+
+    def fuse(self) -> None:
+        """Stack the per-expert weights for grouped GEMM and drop the per-expert copies."""
+        if self.experts is None:
+            return
+        self.w13 = nn.Parameter(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                                             for e in self.experts]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack([e.down_proj.weight for e in self.experts]),
+                               requires_grad=False)
+        self.experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is None or self.w2 is None:
+            raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         weights, ids = self.gate(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x, dtype=torch.float32)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                sel = order[start:start + count]
-                tokens = sel // k
-                y = self.experts[expert](x[tokens]).float() * weights.reshape(-1)[sel, None]
-                out.index_add_(0, tokens, y)
-                start += count
+        ends = torch.bincount(flat, minlength=self.w13.shape[0]).cumsum(0).to(torch.int32)
+        tokens = order // k
+        gate_up = torch._grouped_mm(x[tokens], self.w13.transpose(-2, -1), offs=ends)
+        g, u = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(g) * u, self.w2.transpose(-2, -1), offs=ends)
+        y = y.float() * weights.reshape(-1)[order, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
         out = out.to(x.dtype)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
