@@ -64,3 +64,15 @@ def test_absorbed_equals_naive(pair) -> None:
     tail_naive = ours.forward(ids[20:], torch.arange(20, 48), head.latents, absorbed=False).logits
     assert (tail_abs - tail_naive).abs().max() <= TOL
     assert (tail_abs - naive[20:]).abs().max() <= TOL
+
+
+def test_single_token_decode_both_forms(pair) -> None:
+    """One new token after context (the decode shape, which runs without a mask) gives the full
+    forward's logits in both attention forms."""
+    _, ours = pair
+    ids = _ids()
+    full = ours.logits(ids)
+    head = ours.forward(ids[:-1], torch.arange(47))
+    for absorbed in (True, False):
+        step = ours.forward(ids[-1:], torch.tensor([47]), head.latents, absorbed=absorbed)
+        assert (step.logits[0] - full[-1]).abs().max() <= TOL

@@ -93,22 +93,27 @@ class MLAttention(nn.Module):
         keys = rows if context is None or context.shape[0] == 0 else torch.cat([context, rows])
         n_new, n_ctx = rows.shape[0], keys.shape[0] - rows.shape[0]
         # Token i sees every context row and new rows 0..i. Without context that is plain causal
-        # attention, which SDPA's fused kernels run without materialising a mask.
-        mask = (None if n_ctx == 0 else
+        # attention, which SDPA's fused kernels run without a mask; a single new token sees
+        # everything, so it needs none either.
+        mask = (None if n_ctx == 0 or n_new == 1 else
                 torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx))
         w_uk, w_uv = self._weights()
         c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
         if absorbed if absorbed is not None else n_ctx > 0:
+            # One shared KV head: fold the query heads into the query length (rows h*T + t) and
+            # run single-head attention, so the 576-wide keys are never expanded per head.
             q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)
+            if mask is None and n_new > 1:
+                mask = torch.ones(n_new, n_new, dtype=torch.bool, device=rows.device).tril()
+            folded = None if mask is None else mask.repeat(self.heads, 1)
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), keys[None, None], c[None, None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=True)[0]  # [H, T, L]
-            return torch.einsum("htl,hvl->thv", out, w_uv)
+                q.transpose(0, 1).reshape(1, 1, self.heads * n_new, -1), keys[None, None],
+                c[None, None], attn_mask=folded, scale=self.scale)  # [1, 1, H*T, L]
+            return torch.einsum("htl,hvl->thv", out.view(self.heads, n_new, -1), w_uv)
         k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
                        k_r[None].expand(self.heads, -1, -1)], dim=-1)
         v = torch.einsum("sl,hvl->hsv", c, w_uv)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                              is_causal=mask is None,
+                                              is_causal=n_ctx == 0,
                                               scale=self.scale)[0].transpose(0, 1)
