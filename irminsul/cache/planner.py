@@ -157,10 +157,15 @@ class Planner:
         table = self.registry.window_table(namespace)
         if not self.s1 or end - start < width or not table:
             return [Segment("miss", start, end)]
-        fps = window_fingerprints(tokens[start:end], width, seed=namespace).tolist()
+        fps = window_fingerprints(tokens[start:end], width, seed=namespace)
+        known = table.keys() & set(fps.tolist())  # set algebra in C, not a loop over offsets
+        if not known:
+            return [Segment("miss", start, end)]
+        candidates = np.flatnonzero(np.isin(fps, np.fromiter(known, dtype=np.uint64)))
+        fps = fps.tolist()
         out: list[Segment] = []
         pos = start
-        for offset in (i for i, fp in enumerate(fps) if fp in table):
+        for offset in candidates.tolist():
             at = start + offset
             if at < pos:
                 continue  # overlaps the window just taken
