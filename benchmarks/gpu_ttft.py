@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from datetime import datetime, timezone
+from functools import partial
 
 import numpy as np
 import torch
@@ -136,6 +137,31 @@ def cell(model: MLAModel, text: np.ndarray, length: int, header: int, requests: 
     return result
 
 
+def transformers_ttft(lengths: list[int], text: np.ndarray, requests: int) -> dict[int, dict]:
+    """What a user would otherwise run: transformers' DeepseekV2ForCausalLM with the same random
+    shapes (its own initialisation), a full prefill per request; median/p95 ms per length."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**V2_LITE)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.DeepseekV2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    out = {}
+    for length in lengths:
+        ids = torch.from_numpy(text[:length]).cuda()[None]
+        with torch.inference_mode():
+            prefill = partial(model, ids, logits_to_keep=1)
+            values = [timed(prefill)[0] for _ in range(requests + 1)][1:]  # first: warm-up
+        out[length] = {"p50_ms": 1e3 * statistics.median(values),
+                       "p95_ms": 1e3 * float(np.percentile(values, 95))}
+        print(f"L={length:>6} transformers full prefill {out[length]['p50_ms']:8.1f} ms",
+              flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint directory (default: random V2-Lite)")
@@ -144,7 +170,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--transformers", action="store_true",
+                        help="only the transformers baseline row (full prefill per length)")
     args = parser.parse_args()
+    if args.transformers:
+        rows = transformers_ttft(args.lengths, agent_text(V2_LITE["vocab_size"]), args.requests)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "transformers_full_prefill": rows}, f, indent=1)
+        return
     model = (load_model(args.model, dtype=torch.bfloat16, device="cuda") if args.model
              else random_model("cuda"))
     text = agent_text(model.config.vocab_size)
