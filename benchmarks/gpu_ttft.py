@@ -162,6 +162,35 @@ def transformers_ttft(lengths: list[int], text: np.ndarray, requests: int) -> di
     return out
 
 
+def decode_rate(model: MLAModel, text: np.ndarray, length: int, header: int, batch: int,
+                tokens: int) -> dict[str, float]:
+    """Decode tokens/s of ``batch`` concurrent agent_meta requests, PIC live vs off: every
+    request is prefilled first (timed apart), then the decode steps alone are timed."""
+    from irminsul.engine import SamplingParams, Scheduler
+
+    body = text[:length - header]
+    out = {}
+    for mode in ("off", "live"):
+        scheduler = Scheduler(Engine(model, num_slots=(length + tokens) * (batch + 1), mode=mode),
+                              batch_tokens=length + batch, chunk_tokens=length)
+        for i in range(batch):
+            start = length + i * header
+            scheduler.add(np.concatenate([text[start:start + header], body]),
+                          SamplingParams(max_tokens=tokens), resets=[header])
+        while scheduler.waiting or any(r.state == "prefill" for r in scheduler.running):
+            scheduler.step()
+        produced, seconds = 0, 0.0
+        while scheduler.has_work():
+            elapsed, outputs = timed(scheduler.step)
+            seconds += elapsed
+            produced += sum(len(o.new_tokens) for o in outputs)
+        out[mode] = produced / seconds
+    out["live_over_off"] = out["live"] / out["off"]
+    print(f"decode, {batch} requests x {tokens} tokens at L={length}: off {out['off']:.1f} "
+          f"tok/s, live {out['live']:.1f} tok/s ({out['live_over_off']:.3f}x)", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint directory (default: random V2-Lite)")
@@ -170,9 +199,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--decode", action="store_true",
+                        help="only decode throughput, PIC live vs off (8 requests x 32 tokens)")
     parser.add_argument("--transformers", action="store_true",
                         help="only the transformers baseline row (full prefill per length)")
     args = parser.parse_args()
+    if args.decode:
+        model = random_model("cuda")
+        rows = [decode_rate(model, agent_text(V2_LITE["vocab_size"]), length, 250, 8, 32)
+                for length in args.lengths]
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "decode_tokens_per_s": dict(zip(args.lengths, rows))}, f, indent=1)
+        return
     if args.transformers:
         rows = transformers_ttft(args.lengths, agent_text(V2_LITE["vocab_size"]), args.requests)
         if args.out:
