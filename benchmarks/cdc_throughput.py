@@ -19,7 +19,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
 import numpy as np  # noqa: E402
 
 from irminsul.cache.cdc import chunk_boundaries, fingerprints  # noqa: E402
-from irminsul.traffic.logs import read_requests, sample_logs  # noqa: E402
+from irminsul.traffic.logs import sample_logs  # noqa: E402
+from irminsul.traffic.prompt import message_tokens  # noqa: E402
 from irminsul.traffic.render import ChatRenderer  # noqa: E402
 
 
@@ -33,18 +34,7 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def _real_tokens(size: int) -> np.ndarray:
-    renderer = ChatRenderer.default()
-    seen: set[int] = set()
-    parts = []
-    for log in sample_logs():
-        for request in read_requests(log):
-            rendered = renderer.render(request.messages, request.tools)
-            for start, end in rendered.spans.tolist():  # each distinct message once
-                key = hash(rendered.tokens[start:end].tobytes())
-                if key not in seen:
-                    seen.add(key)
-                    parts.append(rendered.tokens[start:end])
-    text = np.concatenate(parts)
+    text = message_tokens(ChatRenderer.default(), sample_logs())
     return np.resize(text, size).astype(np.int32)
 
 

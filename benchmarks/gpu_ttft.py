@@ -28,7 +28,8 @@ import torch
 
 from irminsul.engine import Engine
 from irminsul.model import MLAModel, load_model, parse_config
-from irminsul.traffic.logs import read_requests, sample_logs
+from irminsul.traffic.logs import sample_logs
+from irminsul.traffic.prompt import message_tokens
 from irminsul.traffic.render import ChatRenderer
 
 # DeepSeek-V2-Lite's config.json (public; deepseek-ai/DeepSeek-V2-Lite), the fields we read.
@@ -69,16 +70,7 @@ def random_model(device: str) -> MLAModel:
 
 def agent_text(vocab: int) -> np.ndarray:
     """Real agent tokens: the shipped sample logs' distinct messages, folded into the vocab."""
-    renderer, seen, parts = ChatRenderer.default(), set(), []
-    for log in sample_logs():
-        for request in read_requests(log):
-            rendered = renderer.render(request.messages, request.tools)
-            for start, end in rendered.spans.tolist():
-                piece = rendered.tokens[start:end]
-                if piece.tobytes() not in seen:
-                    seen.add(piece.tobytes())
-                    parts.append(piece)
-    return np.concatenate(parts).astype(np.int64) % vocab
+    return message_tokens(ChatRenderer.default(), sample_logs()) % vocab
 
 
 def timed(fn, *args):

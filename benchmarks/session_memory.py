@@ -18,7 +18,8 @@ import torch
 
 from irminsul.engine import Engine
 from irminsul.model import MLAModel, parse_config
-from irminsul.traffic.logs import read_requests, sample_logs
+from irminsul.traffic.logs import sample_logs
+from irminsul.traffic.prompt import message_tokens
 from irminsul.traffic.render import ChatRenderer
 
 LAYERS, RANK, ROPE = 27, 512, 64  # DeepSeek-V2-Lite's latent row
@@ -31,16 +32,7 @@ SMALL = dict(model_type="deepseek_v2", vocab_size=4096, hidden_size=64, num_hidd
 def agent_tokens(vocab: int) -> np.ndarray:
     """Real agent tokens (distinct messages of the shipped tau-bench sample), folded into the
     small stand-in model's vocabulary."""
-    renderer = ChatRenderer.default()
-    seen, parts = set(), []
-    for request in read_requests(sample_logs()[0]):
-        rendered = renderer.render(request.messages, request.tools)
-        for start, end in rendered.spans.tolist():
-            piece = rendered.tokens[start:end]
-            if piece.tobytes() not in seen:
-                seen.add(piece.tobytes())
-                parts.append(piece)
-    return np.concatenate(parts).astype(np.int64) % vocab
+    return message_tokens(ChatRenderer.default(), sample_logs()[:1]) % vocab
 
 
 def main() -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from ..cache.markers import find_markers
+from .logs import read_requests
 from .render import ChatRenderer
 
 
@@ -36,3 +39,19 @@ def render_prompt(renderer: ChatRenderer, messages: list[dict], tools: list[dict
     rendered = renderer.render(messages, tools)
     return Prompt(session, rendered.tokens, rendered.message_starts,
                   find_markers(rendered.tokens, renderer.marker))
+
+
+def message_tokens(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) -> np.ndarray:
+    """Every distinct rendered message of the logs, once, back to back (int64): real agent text
+    as token ids, without the history that logs repeat on every call."""
+    seen: set[bytes] = set()
+    parts = []
+    for log in logs:
+        for request in read_requests(log):
+            rendered = renderer.render(request.messages, request.tools)
+            for start, end in rendered.spans.tolist():
+                piece = rendered.tokens[start:end]
+                if piece.tobytes() not in seen:
+                    seen.add(piece.tobytes())
+                    parts.append(piece)
+    return np.concatenate(parts).astype(np.int64)
