@@ -35,35 +35,49 @@ def agent_tokens(vocab: int) -> np.ndarray:
     return message_tokens(ChatRenderer.default(), sample_logs()[:1]) % vocab
 
 
+def session_bytes(sessions: list[int], body_tokens: int = 4096, header: int = 250,
+                  device: str = "cpu") -> list[dict[str, float]]:
+    """Per N: c_KV and k_r slots held and MB per session (V2-Lite rows) in ``off`` and ``live``
+    mode after N sessions with their own headers and a shared body are prefilled and held."""
+    torch.manual_seed(0)
+    model = MLAModel(parse_config(SMALL)).to(device).eval()
+    text = agent_tokens(SMALL["vocab_size"])
+    body = text[:body_tokens]
+    row_bytes = {"ckv": LAYERS * RANK * 2, "kr": LAYERS * ROPE * 2}
+    rows = []
+    for n in sessions:
+        row: dict[str, float] = {"sessions": n, "body_tokens": body_tokens, "header_tokens": header}
+        for mode in ("off", "live"):
+            engine = Engine(model, num_slots=(body_tokens + header + 8) * (n + 1), mode=mode)
+            for i in range(n):
+                start = body_tokens + i * header
+                prompt = np.concatenate([text[start:start + header], body])
+                engine.prefill(prompt, [header])  # held: the sessions stay live
+            used = {space: int((slots.refs > 0).sum()) for space, slots in
+                    (("ckv", engine.pool.ckv_slots), ("kr", engine.pool.kr_slots))}
+            row[f"{mode}_ckv_slots"], row[f"{mode}_kr_slots"] = used["ckv"], used["kr"]
+            row[f"{mode}_mb_per_session"] = sum(used[s] * row_bytes[s] for s in used) / n / 2**20
+        row["live_over_off"] = row["live_mb_per_session"] / row["off_mb_per_session"]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--body", type=int, default=4096, help="shared body tokens")
     parser.add_argument("--header", type=int, default=250, help="per-agent header tokens")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = MLAModel(parse_config(SMALL)).eval()
-    text = agent_tokens(SMALL["vocab_size"])
-    body = text[:args.body]
-    row_bytes = {"ckv": LAYERS * RANK * 2, "kr": LAYERS * ROPE * 2}
     print(f"body {args.body} tokens, header {args.header} tokens; bytes per session, "
           "V2-Lite rows (bf16)")
     print(f"{'sessions':>8} {'mode':>5} {'c_KV slots':>11} {'k_r slots':>10} "
           f"{'MB / session':>13} {'vs off':>7}")
-    for n in args.sessions:
-        per_session = {}
+    for row in session_bytes(args.sessions, args.body, args.header):
         for mode in ("off", "live"):
-            engine = Engine(model, num_slots=(args.body + args.header + 8) * (n + 1), mode=mode)
-            for i in range(n):
-                start = args.body + i * args.header
-                prompt = np.concatenate([text[start:start + args.header], body])
-                engine.prefill(prompt, [args.header])  # held: the sessions stay live
-            used = {space: int((slots.refs > 0).sum()) for space, slots in
-                    (("ckv", engine.pool.ckv_slots), ("kr", engine.pool.kr_slots))}
-            per_session[mode] = sum(used[s] * row_bytes[s] for s in used) / n / 2**20
-            ratio = per_session[mode] / per_session["off"]
-            print(f"{n:>8} {mode:>5} {used['ckv']:>11,} {used['kr']:>10,} "
-                  f"{per_session[mode]:>13.1f} {ratio:>6.2f}x")
+            ratio = row[f"{mode}_mb_per_session"] / row["off_mb_per_session"]
+            print(f"{row['sessions']:>8} {mode:>5} {row[f'{mode}_ckv_slots']:>11,} "
+                  f"{row[f'{mode}_kr_slots']:>10,} {row[f'{mode}_mb_per_session']:>13.1f} "
+                  f"{ratio:>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ def render_prompt(renderer: ChatRenderer, messages: list[dict], tools: list[dict
                   find_markers(rendered.tokens, renderer.marker))
 
 
-def message_tokens(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) -> np.ndarray:
-    """Every distinct rendered message of the logs, once, back to back (int64): real agent text
-    as token ids, without the history that logs repeat on every call."""
+def distinct_messages(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) -> list[np.ndarray]:
+    """Every distinct rendered message of the logs, once, in order of first appearance (token ids
+    of each): real agent text without the history that logs repeat on every call."""
     seen: set[bytes] = set()
     parts = []
     for log in logs:
@@ -54,4 +54,9 @@ def message_tokens(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) ->
                 if piece.tobytes() not in seen:
                     seen.add(piece.tobytes())
                     parts.append(piece)
-    return np.concatenate(parts).astype(np.int64)
+    return parts
+
+
+def message_tokens(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) -> np.ndarray:
+    """:func:`distinct_messages` back to back (int64)."""
+    return np.concatenate(distinct_messages(renderer, logs)).astype(np.int64)

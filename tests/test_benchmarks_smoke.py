@@ -1,0 +1,82 @@
+"""Issue #5's GPU benchmark, run CI-sized on the CPU: its building blocks and its FLOP count."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other as scripts do
+
+import energy  # noqa: E402
+import results_table  # noqa: E402
+from gpu_common import TINY, AgentText, build_model  # noqa: E402
+from roofline import prefill_flops  # noqa: E402
+from shift_prompts import PATTERNS, build_requests  # noqa: E402
+
+from irminsul.model import parse_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def text() -> AgentText:
+    return AgentText(TINY["vocab_size"])
+
+
+def test_prefill_flops_hand_count() -> None:
+    cfg = parse_config(TINY)  # d 64, 2 heads, nope 16 + rope 64, v 16, rank 32, 2 layers
+    per_layer_attn = 64 * 2 * 80 + 64 * (32 + 64) + 32 * 2 * (16 + 16) + 2 * 16 * 64
+    dense = 3 * 64 * 96  # layer 0
+    moe = 64 * 8 + 3 * 64 * 24 * (1 + 2)  # layer 1: router, 1 shared + top-2 routed experts
+    tokens, logits = 10, 1
+    attention = 2 * (10 * 10 // 2) * 2 * (80 + 16)  # 2 layers, T²/2 pairs, 2 heads
+    expected = 2 * (tokens * (2 * per_layer_attn + dense + moe) + logits * 64 * 512 + attention)
+    assert prefill_flops(cfg, tokens, logits) == expected == 1_578_496
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_shift_requests(pattern: str, text: AgentText) -> None:
+    requests = build_requests(pattern, text, 512, 6, header=40)
+    for r in requests:
+        assert r.prompt.size == 512
+        assert r.resets == sorted(set(r.resets)) and all(0 < x < 512 for x in r.resets)
+        assert all(0 <= s < e <= 512 for s, e in r.novel)
+    # Requests differ but share content: the point of every pattern.
+    assert not np.array_equal(requests[0].prompt, requests[1].prompt)
+    if pattern != "rerank":  # rerank's novel documents run out once all have been seen
+        assert all(r.novel for r in requests)
+
+
+def test_energy_zero_readings() -> None:
+    out = energy.aggregate([0.0, 2.0, 0.0, 4.0, 3.0, 5.0, 1.0])
+    assert out["zero_readings"] == 2 and out["reported"]
+    assert out["mean_j"] == pytest.approx(3.0) and out["p50_j"] == 3.0
+    assert not energy.aggregate([0.0, 1.0])["reported"]
+
+
+def test_prefill_energy_with_a_fake_counter(text: AgentText) -> None:
+    model = build_model("cpu", tiny=True)
+    requests = build_requests("agent_meta", text, 256, 2 * 13 + 1, header=50)
+    calls = iter(range(10**9))  # +1000 mJ per reading: 1 J per batch of 2 prefills
+
+    out = energy.prefill_energy(model, requests, lambda: 1000.0 * next(calls), batch=2)
+    for event in ("miss", "prefix hit", "PIC hit"):
+        assert out[event]["readings"] == 10 and out[event]["reported"]
+        assert out[event]["p50_j"] == pytest.approx(0.5)
+    assert out["PIC hit"]["over_miss"] == pytest.approx(1.0)
+
+def test_cpu_run_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "issue5.py"), "--device", "cpu",
+                    "--tiny", "--out", str(out)], check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    results = json.loads(out.read_text())
+    assert {c["pattern"] for c in results["ttft"]} == set(PATTERNS)
+    assert all(c["requests"] == 3 for c in results["ttft"])
+    assert [m["sessions"] for m in results["memory"]] == [1, 2]
+    table = results_table.render(results)
+    assert "PIC-live TTFT" in table and "rerank" in table and "transformers" in table
