@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from gpu_common import sync
+from gpu_ttft import no_cache
 from shift_prompts import ShiftRequest
 
 from irminsul.engine import Engine
@@ -65,7 +65,7 @@ def prefill_energy(model: MLAModel, requests: list[ShiftRequest], counter: Count
                    batch: int, warmup: int = 3, repeats: int = 10) -> dict[str, Any]:
     """Energy per prefill of one prompt length's agent_meta requests:
 
-    miss         a full prefill, nothing cached;
+    miss         a full prefill through the engine, nothing cached (a namespace of its own);
     prefix hit   the same prompt again, the radix tree serving all but its last token;
     PIC hit      a new header before the shared body, live PIC serving the shifted body.
 
@@ -74,18 +74,18 @@ def prefill_energy(model: MLAModel, requests: list[ShiftRequest], counter: Count
     """
     device = str(model.lm_head.weight.device)
     length = requests[0].prompt.size
-    ids = [torch.from_numpy(r.prompt) for r in requests]
-    positions = torch.arange(length)
-    engines = {mode: Engine(model, num_slots=4 * length + 64, mode=mode) for mode in ("off", "live")}
-    turn = iter(range(10**9))  # walks the requests: every PIC-hit prefill has a fresh header
+    engines = {name: Engine(model, num_slots=4 * length + 64, mode="live" if name == "live" else "off")
+               for name in ("none", "off", "live")}
+    namespaces = iter(range(1, 10**9))  # every miss in a namespace of its own
+    walk = iter(range(10**9))  # walks the requests: every PIC-hit prefill has a fresh header
 
     def serve(mode: str, request: ShiftRequest) -> None:
         seq, _ = engines[mode].prefill(request.prompt, request.resets)
         engines[mode].finish(seq)
 
-    events = {"miss": lambda: model.forward(ids[next(turn) % len(ids)], positions),
+    events = {"miss": lambda: no_cache(engines["none"], requests[0], next(namespaces)),
               "prefix hit": lambda: serve("off", requests[0]),
-              "PIC hit": lambda: serve("live", requests[next(turn) % len(requests)])}
+              "PIC hit": lambda: serve("live", requests[next(walk) % len(requests)])}
     serve("off", requests[0])  # the prefix hit's prompt is cached before its warm-ups
     out: dict[str, Any] = {"prompt_tokens": length, "batch": batch}
     out.update({name: measure(fn, counter, device, batch=batch, warmup=warmup, repeats=repeats)

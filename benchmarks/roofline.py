@@ -88,7 +88,7 @@ def rotate_implementations(device: str) -> dict[str, RotateFn]:
     if torch.device(device).type != "cuda":
         return found
     try:
-        from irminsul.kernels.rotate import rotate_kr
+        from irminsul.kernels import rotate_kr
     except ImportError:  # no triton or no kernel yet
         return found
     found["triton"] = rotate_kr
