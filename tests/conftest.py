@@ -1,6 +1,10 @@
-"""Shared pytest setup: GPU tests run only where CUDA is available."""
+"""Shared pytest setup: GPU tests run only where CUDA is available; Triton kernel tests run on
+CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, slow but exact)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 
@@ -12,9 +16,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
+    has_triton = importlib.util.find_spec("triton") is not None
+    interpreted = has_triton and os.environ.get("TRITON_INTERPRET") == "1"
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
+    skip_triton = pytest.mark.skip(reason="needs triton with CUDA, or TRITON_INTERPRET=1")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "triton" in item.keywords:
+            if not ((has_cuda and has_triton) or interpreted):
+                item.add_marker(skip_triton)
+        elif "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)

@@ -18,6 +18,7 @@ accounting.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,7 @@ import torch
 
 from ..cache.planner import Commit, Plan, Planner, Segment
 from ..model import MLAModel
+from ..model.paged import PagedKV
 from .kv_pool import KVPool, PoolExhausted, unpack
 
 Mode = Literal["off", "observer", "live"]
@@ -69,12 +71,18 @@ class Engine:
     """Prefill through the planner, decode against the split pool, keep slot accounting exact."""
 
     def __init__(self, model: MLAModel, *, num_slots: int, mode: Mode = "live",
-                 rotate: bool = True, capacity: int | None = None, s1: bool = True) -> None:
+                 rotate: bool = True, capacity: int | None = None, s1: bool = True,
+                 kernels: bool | None = None) -> None:
+        """``kernels``: attend and rotate in place in the pool with the Triton kernels (default:
+        on a CUDA device when triton is installed); otherwise each forward gathers its
+        sequences' context rows and runs plain torch."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
         device = model.lm_head.weight.device
-        self.model, self.mode, self.rotate = model, mode, rotate
+        if kernels is None:
+            kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.model, self.mode, self.rotate, self.kernels = model, mode, rotate, kernels
         self.pool = KVPool(cfg.num_hidden_layers, num_slots, cfg.kv_lora_rank,
                            cfg.qk_rope_head_dim, dtype=model.lm_head.weight.dtype, device=device)
         self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
@@ -194,25 +202,70 @@ class Engine:
         _, kr_dst = unpack(handles)
         src = torch.from_numpy(kr_src).to(self.pool.kr.device)
         dst = torch.from_numpy(kr_dst).to(self.pool.kr.device)
+        if self.kernels and self.rotate:
+            from ..kernels import rotate_kr
+
+            delta = torch.from_numpy(deltas.astype(np.int32)).to(self.pool.kr.device)
+            rotate_kr(self.pool.kr, src, dst, delta, self.model.rotary)
+            return handles
         base = self.pool.kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
         self.pool.kr[:, dst] = rotated.transpose(0, 1)
         return handles
 
-    def run_batch(self, work: list[tuple[Sequence, np.ndarray, int]]) -> list[torch.Tensor]:
+    def run_batch(self, work: list[tuple[Sequence, np.ndarray, int]], *,
+                  all_logits: bool = False) -> list[torch.Tensor]:
         """One ragged forward: each (sequence, tokens, start) runs its tokens at positions
         start.. after every row the sequence has; their rows are stored and appended to the
-        sequence. Returns each item's logits [n, vocab]."""
-        self.make_room(sum(len(tokens) for _, tokens, _ in work))
-        outs = self.model.forward_batch(
-            [torch.from_numpy(np.asarray(tokens, dtype=np.int64)) for _, tokens, _ in work],
-            [torch.arange(start, start + len(tokens)) for _, tokens, start in work],
-            [self.pool.rows(seq.handles) if seq.handles.size else None for seq, _, _ in work])
-        for (seq, tokens, _), out in zip(work, outs):
-            handles = self.pool.alloc(len(tokens))
-            self.pool.write(handles, out.latents)
+        sequence. Returns each item's logits: [n, vocab] with ``all_logits``, else [1, vocab]
+        for its last token."""
+        lengths = [len(tokens) for _, tokens, _ in work]
+        self.make_room(sum(lengths))
+        new = [self.pool.alloc(n) for n in lengths]
+        try:
+            ids = [torch.from_numpy(np.asarray(tokens, dtype=np.int64)) for _, tokens, _ in work]
+            positions = [torch.arange(start, start + len(tokens)) for _, tokens, start in work]
+            if self.kernels:
+                logits = self.model.forward_paged(torch.cat(ids), torch.cat(positions), lengths,
+                                                  self._paged(work, new),
+                                                  last_only=not all_logits)
+            else:
+                outs = self.model.forward_batch(
+                    ids, positions, [self.pool.rows(seq.handles) if seq.handles.size else None
+                                     for seq, _, _ in work])
+                for handles, out in zip(new, outs):
+                    self.pool.write(handles, out.latents)
+                logits = [out.logits if all_logits else out.logits[-1:] for out in outs]
+        except BaseException:
+            self.pool.release(np.concatenate(new))
+            raise
+        for (seq, _, _), handles in zip(work, new):
             seq.handles = np.concatenate([seq.handles, handles])
-        return [out.logits for out in outs]
+        return logits
+
+    def _paged(self, work: list[tuple[Sequence, np.ndarray, int]],
+               new: list[np.ndarray]) -> PagedKV:
+        """Where the batch's rows go and which pool rows each sequence attends to."""
+        from ..kernels import PagedLayout
+
+        device = self.pool.ckv.device
+        counts, ckv, kr, rows, fresh, offset = [], [], [], [], [], 0
+        for (seq, _, _), handles in zip(work, new):
+            n = len(handles)
+            if seq.handles.size == 0:
+                fresh.append(slice(offset, offset + n))
+            else:
+                c, r = unpack(np.concatenate([seq.handles, handles]))
+                counts.append(n)
+                ckv.append(c)
+                kr.append(r)
+                rows.append(np.arange(offset, offset + n))
+            offset += n
+        layout = (PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
+                                    device) if counts else None)
+        take = (torch.from_numpy(np.concatenate(rows)).to(device) if rows and fresh else None)
+        new_ckv, new_kr = (torch.from_numpy(s).to(device) for s in unpack(np.concatenate(new)))
+        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, fresh)
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -221,7 +274,7 @@ class Engine:
         new = np.asarray(list(tokens), dtype=np.int64)
         if seq.finished:
             raise ValueError("sequence already finished")
-        logits = self.run_batch([(seq, new, len(seq.tokens))])[0]
+        logits = self.run_batch([(seq, new, len(seq.tokens))], all_logits=True)[0]
         seq.tokens.extend(new.tolist())
         return logits
 

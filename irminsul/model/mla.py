@@ -23,6 +23,7 @@ from torch import nn
 
 from .config import MLAConfig
 from .norm import RMSNorm
+from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
@@ -31,8 +32,9 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference co
 class MLAttention(nn.Module):
     """One layer's attention; parameter names follow the Hugging Face checkpoints."""
 
-    def __init__(self, config: MLAConfig, rotary: Rotary) -> None:
+    def __init__(self, config: MLAConfig, rotary: Rotary, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # where this layer's rows live in a paged pool
         self.heads, self.nope, self.rope_dim = (config.num_attention_heads, config.qk_nope_head_dim,
                                                 config.qk_rope_head_dim)
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
@@ -86,6 +88,32 @@ class MLAttention(nn.Module):
             offset += n
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
+
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+        """Attention output [T, D] of a ragged batch whose context lives in the pool ``kv``: the
+        new rows are stored first, then requests with context attend in one kernel launch and
+        requests without context run the naive causal form."""
+        from ..kernels import paged_mla_attention  # needs triton: GPU path only
+
+        q_nope, q_rope = self._query(x, positions)
+        rows = self.latent(x, positions)
+        kv.store(self.layer, rows)
+        w_uk, w_uv = self._weights()
+        out = x.new_empty(x.shape[0], self.heads, self.v_dim)
+        if kv.layout is not None:
+            take = kv.context_tokens
+            qn, qr = (q_nope, q_rope) if take is None else (q_nope[take], q_rope[take])
+            q = torch.cat([torch.einsum("thp,hpl->thl", qn, w_uk), qr], dim=-1)
+            latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
+                                         self.scale, self.rotary)
+            attended = torch.einsum("thl,hvl->thv", latent, w_uv)
+            if take is None:
+                out = attended
+            else:
+                out[take] = attended
+        for span in kv.fresh:
+            out[span] = self._attend(q_nope[span], q_rope[span], rows[span], None, False)
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
                 context: torch.Tensor | None, absorbed: bool | None) -> torch.Tensor:

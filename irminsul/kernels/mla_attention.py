@@ -1,0 +1,196 @@
+"""Absorbed MLA attention read in place from the split pool: decode and prefill in one kernel.
+
+Every query head attends to the request's latent rows as one shared KV head (the absorbed form of
+:mod:`irminsul.model.mla`): score = q̃·c_KV + q_r·k_r, value = c_KV. A request's rows are named by
+two index lists, c_KV slots and k_r slots (the split pool), in position order; its new tokens are
+the last ``nq`` of them, so causality by absolute position is causality by list index. Queries are
+folded (token, head) → row ``token·H + head``, so a block of rows shares every key it loads; one
+launch covers a ragged batch of requests (decode steps and prefill segments alike).
+
+Long contexts with few query rows are split along the keys (flash-decoding): each split writes a
+partial output and its log-sum-exp, merged afterwards. With ``fused`` rows, k_r is rotated on load
+by a per-row δ from a shared base (the paper's production variant), using the rotary's δ tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..model.rope import Rotary
+from .rotate import delta_cos_sin, pair_layout
+
+_SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
+
+
+@triton.jit
+def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
+                BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
+                heads, split_len, scale_log2, q_stride, c_stride, r_stride, out_rows,
+                RANK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
+                FUSED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
+    blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.load(BLK_REQ + blk)
+    q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
+    kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req)
+    rows = tl.load(BLK_ROW0 + blk) + tl.arange(0, BLOCK_M)
+    row_ok = rows < nq * heads
+    grow = (q0 * heads + rows).to(tl.int64)  # (q0 + token)·H + head
+    visible = kvlen - nq + rows // heads + 1  # keys each row may see (itself included)
+    start = split * split_len
+    end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
+
+    dims, pair = tl.arange(0, RANK), tl.arange(0, HALF_P2)
+    pair_ok = pair < HALF
+    q_rows = Q + grow[:, None] * q_stride
+    q_nope = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
+    qr_mask = row_ok[:, None] & pair_ok[None, :]
+    q_a = tl.load(q_rows + RANK + pair[None, :] * PAIR_STEP, mask=qr_mask, other=0.0)
+    q_b = tl.load(q_rows + RANK + pair[None, :] * PAIR_STEP + PAIR_SHIFT, mask=qr_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    vcols = vblk * DV + tl.arange(0, DV)
+    for n in range(start, end, BLOCK_N):
+        keys = n + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
+        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
+        c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
+                    other=0.0)
+        kr_mask = key_ok[:, None] & pair_ok[None, :]
+        k_at = KR + r_slot[:, None] * r_stride + pair[None, :] * PAIR_STEP
+        k_a = tl.load(k_at, mask=kr_mask, other=0.0)
+        k_b = tl.load(k_at + PAIR_SHIFT, mask=kr_mask, other=0.0)
+        if FUSED:
+            delta = tl.load(KV_DELTA + kv0 + keys, mask=key_ok, other=0)
+            cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF_P2)
+            a, b = k_a.to(tl.float32), k_b.to(tl.float32)
+            # Round to the pool's dtype, exactly as a materialised rotated row would be stored.
+            k_a = (a * cos - b * sin).to(KR.dtype.element_ty)
+            k_b = (b * cos + a * sin).to(KR.dtype.element_ty)
+        s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
+        s += tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+        s += tl.dot(q_b, tl.trans(k_b), input_precision=PRECISION)
+        s = tl.where(keys[None, :] < visible[:, None], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DV == RANK:
+            v = c
+        else:
+            v = tl.load(CKV + c_slot[:, None] * c_stride + vcols[None, :], mask=key_ok[:, None],
+                        other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        at = (split * out_rows + grow)
+        tl.store(OUT + at[:, None] * RANK + vcols[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + at, lse, mask=row_ok & (vblk == 0))
+    else:
+        tl.store(OUT + grow[:, None] * RANK + vcols[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@dataclass
+class PagedLayout:
+    """Where a ragged batch's keys are: built once per batch on the host, used by every layer.
+
+    For request i: its queries are tokens ``q_start[i] : q_start[i] + new[i]`` of the batch, its
+    keys entries ``kv_start[i] : kv_start[i] + kv_len[i]`` of the index lists (its new tokens last).
+    """
+
+    kv_ckv: torch.Tensor  # int32 [total keys] c_KV slots
+    kv_kr: torch.Tensor  # int32 [total keys] k_r slots
+    kv_delta: torch.Tensor | None  # int32 [total keys] δ to rotate each k_r by on load, or None
+    requests: torch.Tensor  # int32 [4, B]: q_start, new, kv_start, kv_len
+    block_req: torch.Tensor  # int32 [blocks]: the request of each block of query rows
+    block_row0: torch.Tensor  # int32 [blocks]: its first folded row within the request
+    tokens: int
+    heads: int
+    block_m: int
+    splits: int
+    split_len: int
+
+    @classmethod
+    def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
+              device: torch.device | str, kv_delta: list[np.ndarray] | None = None,
+              block_n: int = 64) -> PagedLayout:
+        """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
+        ``kv_kr[i]`` (every key in position order, the new tokens' own rows last)."""
+        kv_len = [len(s) for s in kv_ckv]
+        if any(n < 1 or n > k for n, k in zip(new, kv_len)):
+            raise ValueError("each request needs 1..len(keys) new tokens among its keys")
+        block_m = 16 if max(new) * heads <= 16 else 64
+        block_req, block_row0 = [], []
+        for i, n in enumerate(new):
+            for row in range(0, n * heads, block_m):
+                block_req.append(i)
+                block_row0.append(row)
+        longest = max(kv_len)
+        splits = max(1, min(-(-_SM_TARGET // len(block_req)), -(-longest // (4 * block_n))))
+        split_len = -(-longest // splits // block_n) * block_n
+        splits = -(-longest // split_len)
+        requests = np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
+
+        def ints(values: np.ndarray | list) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
+
+        return cls(ints(np.concatenate(kv_ckv)), ints(np.concatenate(kv_kr)),
+                   None if kv_delta is None else ints(np.concatenate(kv_delta)),
+                   ints(requests), ints(block_req), ints(block_row0), sum(new), heads, block_m,
+                   splits, split_len)
+
+
+def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
+                        layout: PagedLayout, scale: float, rotary: Rotary) -> torch.Tensor:
+    """Absorbed attention of queries q [T, H, rank + rope] (q̃_nope | q_rope) over the pool's
+    rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
+    dtype (the latent-space output, before W_UV)."""
+    tokens, heads, width = q.shape
+    rank, rope = ckv.shape[1], kr.shape[1]
+    if width != rank + rope or rank & (rank - 1) or rank < 16:
+        raise ValueError(f"query width {width} != {rank} + {rope}, or rank not a power of two")
+    if tokens != layout.tokens or heads != layout.heads:
+        raise ValueError("queries do not match the layout")
+    q = q.contiguous()
+    block_m = layout.block_m
+    dv = rank if block_m == 16 or rank <= 128 else rank // 2
+    half = rope // 2
+    step, shift = pair_layout(rotary)
+    cos, sin = rotary.delta_tables(q.device) if layout.kv_delta is not None else (q, q)
+    rows = tokens * heads
+    if layout.splits > 1:
+        out = torch.empty(layout.splits, rows, rank, dtype=torch.float32, device=q.device)
+        lse = torch.empty(layout.splits, rows, dtype=torch.float32, device=q.device)
+    else:
+        out, lse = torch.empty(rows, rank, dtype=q.dtype, device=q.device), q
+    req = layout.requests
+    grid = (layout.block_req.numel(), layout.splits, rank // dv)
+    _mla_kernel[grid](
+        q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
+        layout.kv_delta if layout.kv_delta is not None else layout.kv_ckv, cos, sin,
+        layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
+        heads, layout.split_len, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
+        kr.stride(0), rows, RANK=rank, HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)),
+        PAIR_STEP=step, PAIR_SHIFT=shift, HI_OFFSET=rotary.hi_offset,
+        FUSED=layout.kv_delta is not None, SPLIT=layout.splits > 1, BLOCK_M=block_m,
+        BLOCK_N=64 if block_m == 16 else 32, DV=dv,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_m == 16 else 8, num_stages=2)
+    if layout.splits > 1:
+        # Merge the splits: weights 2^(lse_s − max) (base-2 log-sum-exps), fully masked splits 0.
+        weights = torch.softmax(lse * 0.6931471805599453, dim=0)
+        out = (out * weights[..., None]).sum(0).to(q.dtype)
+    return out.view(tokens, heads, rank)

@@ -1,0 +1,82 @@
+"""δ-rotation of cached k_r rows: gather–rotate–scatter across every layer in one launch.
+
+A reused chunk keeps its c_KV slots; the request gets fresh k_r slots holding the source rows
+rotated by δ = p_target − p_source. The rotation of a pair (a, b) by angle θ is
+(a cos θ − b sin θ, b cos θ + a sin θ), θ = δ·inv_freq, with cos/sin composed from the rotary's
+two-level δ tables (:meth:`Rotary.delta_tables`), so no per-call angle computation and no host work
+beyond the index lists. Arithmetic in float32, one rounding to the pool's dtype on store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..model.rope import DELTA_LOW, DELTA_LOW_BITS, Rotary
+
+_LOW = tl.constexpr(DELTA_LOW)
+_LOW_BITS = tl.constexpr(DELTA_LOW_BITS)
+
+
+@triton.jit
+def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, HALF: tl.constexpr,
+                  HALF_P2: tl.constexpr):
+    """cos, sin [N, HALF_P2] (float32) of the rotation by ``delta`` [N] (int32) positions."""
+    cols = tl.arange(0, HALF_P2)
+    ok = cols[None, :] < HALF
+    lo_row = delta & (_LOW - 1)
+    hi_row = (delta >> _LOW_BITS) + (HI_OFFSET + _LOW)
+    lo = lo_row[:, None] * HALF + cols[None, :]
+    hi = hi_row[:, None] * HALF + cols[None, :]
+    c1, s1 = tl.load(COS + lo, mask=ok, other=1.0), tl.load(SIN + lo, mask=ok, other=0.0)
+    c2, s2 = tl.load(COS + hi, mask=ok, other=1.0), tl.load(SIN + hi, mask=ok, other=0.0)
+    return c1 * c2 - s1 * s2, s1 * c2 + c1 * s2
+
+
+@triton.jit
+def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layer_stride,
+                   ROPE: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                   PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    layer = tl.program_id(1).to(tl.int64)
+    valid = rows < n
+    src = tl.load(SRC + rows, mask=valid, other=0).to(tl.int64)
+    dst = tl.load(DST + rows, mask=valid, other=0).to(tl.int64)
+    delta = tl.load(DELTA + rows, mask=valid, other=0)
+    cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF_P2)
+    pair = tl.arange(0, HALF_P2)
+    ok = valid[:, None] & (pair[None, :] < HALF)
+    a_off = pair[None, :] * PAIR_STEP
+    base = KR + layer * layer_stride
+    a = tl.load(base + src[:, None] * ROPE + a_off, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(base + src[:, None] * ROPE + a_off + PAIR_SHIFT, mask=ok, other=0.0).to(tl.float32)
+    out = base + dst[:, None] * ROPE + a_off
+    tl.store(out, (a * cos - b * sin).to(KR.dtype.element_ty), mask=ok)
+    tl.store(out + PAIR_SHIFT, (b * cos + a * sin).to(KR.dtype.element_ty), mask=ok)
+
+
+def pair_layout(rotary: Rotary) -> tuple[int, int]:
+    """(step, shift) of rotation pairs in a k_r row: pair i is (i·step, i·step + shift)."""
+    return (2, 1) if rotary.interleaved else (1, rotary.dim // 2)
+
+
+def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
+              rotary: Rotary) -> None:
+    """kr[:, dst] = kr[:, src] rotated by ``delta`` (one per row), for every layer of the pool
+    ``kr`` [layers, slots, rope_dim]; src/dst int64 slots, delta int32, all on kr's device.
+    Source and destination slots must not overlap."""
+    n = src.numel()
+    if n == 0:
+        return
+    if kr.stride(2) != 1 or kr.stride(1) != rotary.dim:
+        raise ValueError("k_r pool must be contiguous in its last two dims")
+    cos, sin = rotary.delta_tables(kr.device)
+    step, shift = pair_layout(rotary)
+    half = rotary.dim // 2
+    block = 64
+    _rotate_kernel[(triton.cdiv(n, block), kr.shape[0])](
+        kr, src, dst, delta, cos, sin, n, kr.stride(0), ROPE=rotary.dim, HALF=half,
+        HALF_P2=triton.next_power_of_2(half), PAIR_STEP=step, PAIR_SHIFT=shift,
+        HI_OFFSET=rotary.hi_offset, BLOCK=block)
