@@ -75,6 +75,7 @@ class Rotary:
         self.inv_freq = inv_freq(config.rope, self.dim)  # float64 numpy [dim/2]
         self._inv_freq_t: dict[torch.device, torch.Tensor] = {}  # float64, per device
         self._delta_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple[torch.Tensor, torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.magnitude = cos_sin_magnitude(config.rope)
         self.rope = config.rope
         self.max_position = config.max_position_embeddings
@@ -82,11 +83,16 @@ class Rotary:
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor,
                                                                                torch.Tensor]:
         # Angles in float64 on the device itself: no host round trip per call.
+        # Every layer rotates q and k at the same positions tensor: compute its cos/sin once.
+        if self._last is not None and self._last[0] is positions and self._last[1] == device:
+            return self._last[2]
         freq = self._inv_freq_t.get(device)
         if freq is None:
             freq = self._inv_freq_t[device] = torch.from_numpy(self.inv_freq).to(device)
         angles = positions.to(device=device, dtype=torch.float64).reshape(-1, 1) * freq
-        return angles.cos().float(), angles.sin().float()
+        cos_sin = angles.cos().float(), angles.sin().float()
+        self._last = (positions, device, cos_sin)  # holds positions, so its id is not reused
+        return cos_sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate pairs of the last dim of x [T, ..., dim] by per-row angles cos/sin [T, dim/2]."""
