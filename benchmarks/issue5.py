@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import energy
@@ -24,6 +26,8 @@ import session_memory
 import torch
 from gpu_common import AgentText, build_model, model_config, run_metadata
 from shift_prompts import build_requests
+
+from irminsul.engine import Engine
 
 SECTIONS = ("ttft", "energy", "roofline", "decode", "memory", "transformers")
 
@@ -43,9 +47,9 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
                 prefill=16384, rotate_tokens=15360)
 
 
-def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any],
-               sysvar_depth: int) -> list[dict[str, Any]]:
-    """Every (length, pattern, H) cell, printed as it finishes."""
+def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysvar_depth: int,
+               save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Every (length, pattern, H) cell, printed and saved as it finishes."""
     cells = []
     for length in s["lengths"]:
         specs = [("agent_meta", h) for h in s["headers"]] + [("sysvar", sysvar_depth),
@@ -60,6 +64,7 @@ def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any],
                   f"{100 * cell['served']['PIC live']:5.1f}% "
                   + "  ".join(f"{m} {cell[m]['p50_ms']:7.1f}" for m in gpu_ttft.MODES)
                   + f"  live/ideal {cell['live_over_ideal']:.2f}x", flush=True)
+            save(cells)
     return cells
 
 
@@ -83,8 +88,8 @@ def main() -> None:
     results: dict[str, Any] = {
         **run_metadata(args.device),
         "model": args.model or ("tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16"),
-        "engine": "irminsul plain torch" + (" + triton rotation" if "triton" in
-                                           roofline.rotate_implementations(args.device) else ""),
+        "engine": ("irminsul, Triton attention + rotation kernels"
+                   if Engine(model, num_slots=1).kernels else "irminsul, plain torch"),
         "sizes": s}
     if args.extend:
         with open(args.extend, encoding="utf-8") as f:
@@ -100,7 +105,7 @@ def main() -> None:
 
     for section in args.sections:
         if section == "ttft":
-            save(section, ttft_cells(model, text, s, args.sysvar_depth))
+            ttft_cells(model, text, s, args.sysvar_depth, partial(save, section))
         elif section == "energy" and torch.device(args.device).type == "cuda":
             count = (3 + 10) * s["energy_batch"] + 1  # one distinct request per prefill
             requests = build_requests("agent_meta", text, s["energy_length"], count, header=50)

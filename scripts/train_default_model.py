@@ -85,7 +85,26 @@ class Batches:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
-def balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+def record_router_logits(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A list that every forward fills with each MoE layer's router logits [tokens, experts].
+
+    Taken from the gate's *input* and weight by a forward hook: transformers versions differ in
+    what the gate returns and in whether ``output_router_logits`` reaches the output (5.17's
+    DeepseekV2 drops it), but every version's gate holds ``weight`` [experts, hidden]."""
+    recorded: list[torch.Tensor] = []
+
+    def hook(gate: torch.nn.Module, inputs: tuple[torch.Tensor, ...], _: object) -> None:
+        hidden = inputs[0].reshape(-1, inputs[0].shape[-1])
+        recorded.append(F.linear(hidden.float(), gate.weight.float()))
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if isinstance(getattr(gate, "weight", None), torch.Tensor):
+            gate.register_forward_hook(hook)
+    return recorded
+
+
+def balance_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
     """Switch-Transformer load balancing, mean over MoE layers: E * sum_i f_i * P_i, where f_i is
     the share of routed assignments to expert i and P_i its mean router probability (1 when
     perfectly balanced)."""
@@ -235,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         probe_experts(model, torch.from_numpy(train[None, :256].astype(np.int64)).to(device), autocast,
                       log)
     top_k = config.num_experts_per_tok
+    router_logits = record_router_logits(model)
     steps = args.steps or 10**9  # fixed after calibration when only a time budget is given
     budget = args.minutes * 60
     step, tokens_seen, window_t, window_tokens = 0, 0, time.time(), 0
@@ -244,10 +264,11 @@ def main(argv: list[str] | None = None) -> dict:
         lr = lr_at(step, steps, args.lr, args.warmup, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        router_logits.clear()
         with autocast():
-            out = model(input_ids=x[:, :-1], output_router_logits=True)
+            out = model(input_ids=x[:, :-1])
             loss = F.cross_entropy(out.logits.float().flatten(0, 1), x[:, 1:].flatten())
-            balance = balance_loss(out.router_logits, top_k)
+            balance = balance_loss(router_logits, top_k)
         optimizer.zero_grad(set_to_none=True)
         (loss + args.balance_coef * balance).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

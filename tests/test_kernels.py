@@ -48,15 +48,17 @@ def interpreter_loops():
     if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
-    from irminsul.kernels import mla_attention
+    from irminsul.kernels import mla_attention, rotate
 
     def scalar(x: object) -> int:
         return int(np.asarray(getattr(getattr(x, "handle", None), "data", x)).reshape(-1)[0])
 
-    namespace = mla_attention._mla_kernel.fn.__globals__
-    namespace["range"] = lambda *args: builtins.range(*map(scalar, args))
+    namespaces = [mla_attention._mla_kernel.fn.__globals__, rotate._rotate_kernel.fn.__globals__]
+    for namespace in namespaces:
+        namespace["range"] = lambda *args: builtins.range(*map(scalar, args))
     yield
-    del namespace["range"]
+    for namespace in namespaces:
+        del namespace["range"]
 
 
 def exact_rotation(rotary: Rotary, rows: np.ndarray, delta: np.ndarray) -> np.ndarray:

@@ -126,13 +126,15 @@ class PagedLayout:
     @classmethod
     def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
               device: torch.device | str, kv_delta: list[np.ndarray] | None = None,
-              block_n: int = 64) -> PagedLayout:
+              block_m: int | None = None, block_n: int = 64) -> PagedLayout:
         """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
-        ``kv_kr[i]`` (every key in position order, the new tokens' own rows last)."""
+        ``kv_kr[i]`` (every key in position order, the new tokens' own rows last), in blocks of
+        ``block_m`` query rows (default: 16 for decode-sized batches, else 64)."""
         kv_len = [len(s) for s in kv_ckv]
         if any(n < 1 or n > k for n, k in zip(new, kv_len)):
             raise ValueError("each request needs 1..len(keys) new tokens among its keys")
-        block_m = 16 if max(new) * heads <= 16 else 64
+        if block_m is None:
+            block_m = 16 if max(new) * heads <= 16 else 64
         block_req, block_row0 = [], []
         for i, n in enumerate(new):
             for row in range(0, n * heads, block_m):
@@ -153,11 +155,32 @@ class PagedLayout:
                    splits, split_len)
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of one launch: keys per step, value columns per program, warps, stages."""
+
+    block_n: int
+    dv: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
+        """Decode blocks (16 rows) keep the whole 512-wide accumulator; prefill blocks split the
+        value columns in two. float32 tiles are twice the bytes: half the keys per step."""
+        wide = dtype == torch.float32
+        if block_m == 16:
+            return cls(32 if wide else 64, rank, 4, 2)
+        return cls(16 if wide else 32, rank if rank <= 128 else rank // 2, 8, 2)
+
+
 def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
-                        layout: PagedLayout, scale: float, rotary: Rotary) -> torch.Tensor:
+                        layout: PagedLayout, scale: float, rotary: Rotary,
+                        tiles: TileConfig | None = None) -> torch.Tensor:
     """Absorbed attention of queries q [T, H, rank + rope] (q̃_nope | q_rope) over the pool's
     rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
-    dtype (the latent-space output, before W_UV)."""
+    dtype (the latent-space output, before W_UV). ``tiles`` overrides the default tile sizes
+    (split lengths are multiples of 64 keys, so block_n must divide 64)."""
     tokens, heads, width = q.shape
     rank, rope = ckv.shape[1], kr.shape[1]
     if width != rank + rope or rank & (rank - 1) or rank < 16:
@@ -166,7 +189,8 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         raise ValueError("queries do not match the layout")
     q = q.contiguous()
     block_m = layout.block_m
-    dv = rank if block_m == 16 or rank <= 128 else rank // 2
+    tiles = tiles or TileConfig.default(block_m, rank, q.dtype)
+    dv = tiles.dv
     half = rope // 2
     step, shift = pair_layout(rotary)
     cos, sin = rotary.delta_tables(q.device) if layout.kv_delta is not None else (q, q)
@@ -186,9 +210,8 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         kr.stride(0), rows, RANK=rank, HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)),
         PAIR_STEP=step, PAIR_SHIFT=shift, HI_OFFSET=rotary.hi_offset,
         FUSED=layout.kv_delta is not None, SPLIT=layout.splits > 1, BLOCK_M=block_m,
-        BLOCK_N=64 if block_m == 16 else 32, DV=dv,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m == 16 else 8, num_stages=2)
+        BLOCK_N=tiles.block_n, DV=dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         # Merge the splits: weights 2^(lse_s − max) (base-2 log-sum-exps), fully masked splits 0.
         weights = torch.softmax(lse * 0.6931471805599453, dim=0)

@@ -35,26 +35,27 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
-def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layer_stride,
+def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
                    ROPE: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
                    PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
                    BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    layer = tl.program_id(1).to(tl.int64)
     valid = rows < n
     src = tl.load(SRC + rows, mask=valid, other=0).to(tl.int64)
     dst = tl.load(DST + rows, mask=valid, other=0).to(tl.int64)
     delta = tl.load(DELTA + rows, mask=valid, other=0)
+    # One δ per token, the same in every layer: the angles once, then a pass per layer.
     cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF_P2)
     pair = tl.arange(0, HALF_P2)
     ok = valid[:, None] & (pair[None, :] < HALF)
-    a_off = pair[None, :] * PAIR_STEP
-    base = KR + layer * layer_stride
-    a = tl.load(base + src[:, None] * ROPE + a_off, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(base + src[:, None] * ROPE + a_off + PAIR_SHIFT, mask=ok, other=0.0).to(tl.float32)
-    out = base + dst[:, None] * ROPE + a_off
-    tl.store(out, (a * cos - b * sin).to(KR.dtype.element_ty), mask=ok)
-    tl.store(out + PAIR_SHIFT, (b * cos + a * sin).to(KR.dtype.element_ty), mask=ok)
+    src_at = KR + src[:, None] * ROPE + pair[None, :] * PAIR_STEP
+    dst_at = KR + dst[:, None] * ROPE + pair[None, :] * PAIR_STEP
+    for layer in range(layers):
+        offset = layer * layer_stride
+        a = tl.load(src_at + offset, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(src_at + offset + PAIR_SHIFT, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dst_at + offset, (a * cos - b * sin).to(KR.dtype.element_ty), mask=ok)
+        tl.store(dst_at + offset + PAIR_SHIFT, (b * cos + a * sin).to(KR.dtype.element_ty), mask=ok)
 
 
 def pair_layout(rotary: Rotary) -> tuple[int, int]:
@@ -76,7 +77,7 @@ def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: tor
     step, shift = pair_layout(rotary)
     half = rotary.dim // 2
     block = 64
-    _rotate_kernel[(triton.cdiv(n, block), kr.shape[0])](
-        kr, src, dst, delta, cos, sin, n, kr.stride(0), ROPE=rotary.dim, HALF=half,
+    _rotate_kernel[(triton.cdiv(n, block),)](
+        kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim, HALF=half,
         HALF_P2=triton.next_power_of_2(half), PAIR_STEP=step, PAIR_SHIFT=shift,
         HI_OFFSET=rotary.hi_offset, BLOCK=block)

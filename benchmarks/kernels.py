@@ -1,0 +1,126 @@
+"""The attention kernel against the plain-torch path, and fused rotation-on-load against the
+materialised rotation (issue #5), at DeepSeek-V2-Lite's attention shapes (16 heads, 512 + 64).
+
+Per context length, one layer, median of repeats:
+
+    decode     8 requests × 1 new token: torch (gather the rows, SDPA over head-folded queries)
+               vs the kernel reading the pool in place, with k_r materialised (rotated copies)
+               or fused (a shared base rotated on load by a per-row δ); plus what the
+               materialisation costs once per reuse (gather–rotate–scatter of every k_r row)
+    prefill    one 512-token novel segment attending to the whole context, torch vs kernel (and a few
+               other tile shapes for the kernel)
+
+Prints a table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gpu_common import V2_LITE, percentiles, run_metadata, timed
+from triton.runtime.errors import OutOfResources
+
+from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention, rotate_kr
+from irminsul.model import parse_config
+from irminsul.model.rope import Rotary, softmax_scale
+
+HEADS, RANK, ROPE = 16, 512, 64
+PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)),
+                 (64, TileConfig(64, 256, 8, 2)), (64, TileConfig(32, 256, 4, 2)),
+                 (128, TileConfig(32, 128, 8, 2)), (64, TileConfig(32, 512, 8, 1))]
+
+
+def torch_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, ckv_idx: list,
+                    kr_idx: list, new: list[int], scale: float) -> torch.Tensor:
+    """The engine's plain-torch path: gather each request's rows, one SDPA per request."""
+    outs, t0 = [], 0
+    for c, r, n in zip(ckv_idx, kr_idx, new):
+        keys = torch.cat([ckv[c], kr[r]], dim=-1)
+        mask = torch.ones(n, keys.shape[0], dtype=torch.bool, device=q.device).tril(
+            keys.shape[0] - n).repeat(HEADS, 1)
+        folded = q[t0:t0 + n].transpose(0, 1).reshape(1, 1, HEADS * n, -1)
+        out = F.scaled_dot_product_attention(folded, keys[None, None], ckv[c][None, None],
+                                             attn_mask=mask, scale=scale)
+        outs.append(out.view(HEADS, n, RANK).transpose(0, 1))
+        t0 += n
+    return torch.cat(outs)
+
+
+def measure(context: int, repeats: int) -> dict:
+    rotary = Rotary(parse_config(V2_LITE))
+    scale = softmax_scale(parse_config(V2_LITE))
+    batch, room = 8, 600  # requests, slots for each request's new tokens
+    slots, device = context + batch * room + batch * (context + room), "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    ckv = torch.randn(slots, RANK, device=device, generator=gen).bfloat16()
+    kr = torch.randn(1, slots, ROPE, device=device, generator=gen).bfloat16()
+    rng = np.random.default_rng(0)
+    row = {"context": context}
+
+    def run(label: str, fn) -> None:
+        try:
+            fn()
+        except OutOfResources as err:  # a tile shape this GPU cannot hold: report, go on
+            row[label] = str(err)
+            return
+        row[label] = percentiles([timed(device, fn)[0] for _ in range(repeats)], 1e3)
+
+    for phase, new in (("decode", [1] * batch), ("prefill", [512])):
+        shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots
+        ckv_idx = [np.concatenate([shared, context + i * room + np.arange(n)])
+                   for i, n in enumerate(new)]
+        base = [c.copy() for c in ckv_idx]  # fused: every request reads the shared k_r base
+        own = [context + batch * room + i * (context + room) + np.arange(len(c))
+               for i, c in enumerate(ckv_idx)]  # materialised: each request's rotated copy
+        deltas = [rng.integers(-4000, 4000, len(c)) for c in ckv_idx]
+        q = (torch.randn(sum(new), HEADS, RANK + ROPE, device=device, generator=gen) * 0.1)
+        q = q.bfloat16()
+        plain = PagedLayout.build(new, ckv_idx, own, HEADS, device)
+        fused = PagedLayout.build(new, ckv_idx, base, HEADS, device, kv_delta=deltas)
+        cidx = [torch.from_numpy(c).to(device) for c in ckv_idx]
+        ridx = [torch.from_numpy(r).to(device) for r in own]
+        run(f"{phase} torch", partial(torch_attention, q, ckv, kr[0], cidx, ridx, new, scale))
+        run(f"{phase} kernel", partial(paged_mla_attention, q, ckv, kr[0], plain, scale, rotary))
+        run(f"{phase} kernel fused", partial(paged_mla_attention, q, ckv, kr[0], fused, scale,
+                                             rotary))
+        if phase == "prefill":  # the prefill tiles are the open question: try a few
+            for block_m, tiles in PREFILL_TILES:
+                layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m)
+                run(f"prefill m{block_m} n{tiles.block_n} dv{tiles.dv} w{tiles.num_warps} "
+                    f"s{tiles.num_stages}", partial(paged_mla_attention, q, ckv, kr[0], layout,
+                                                    scale, rotary, tiles))
+    src = torch.from_numpy(base[0]).to(device)
+    dst = torch.from_numpy(own[0]).to(device)
+    delta = torch.from_numpy(deltas[0].astype(np.int32)).to(device)
+    layers = V2_LITE["num_hidden_layers"]
+    pool = torch.randn(layers, slots, ROPE, device=device, generator=gen).bfloat16()
+    run("materialise (27 layers)", partial(rotate_kr, pool, src, dst, delta, rotary))
+    nbytes = 2 * src.numel() * layers * ROPE * pool.element_size()
+    row["materialise GB/s"] = nbytes / (row["materialise (27 layers)"]["p50_ms"] / 1e3) / 1e9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", help="write the results as JSON")
+    args = parser.parse_args()
+    rows = []
+    for context in args.contexts:
+        rows.append(measure(context, args.repeats))
+        print("  ".join(f"{k} {v['p50_ms']:.3f} ms" if isinstance(v, dict) else
+                        f"{k} {v:.0f}" if isinstance(v, float | int) else f"{k}: too big"
+                        for k, v in rows[-1].items()), flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({**run_metadata("cuda"), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
