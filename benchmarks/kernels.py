@@ -31,8 +31,7 @@ from irminsul.model.rope import Rotary, softmax_scale
 
 HEADS, RANK, ROPE = 16, 512, 64
 PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)),
-                 (64, TileConfig(64, 256, 8, 2)), (64, TileConfig(32, 256, 4, 2)),
-                 (128, TileConfig(32, 128, 8, 2)), (64, TileConfig(32, 512, 8, 1))]
+                 (64, TileConfig(32, 256, 4, 2)), (64, TileConfig(32, 256, 8, 2))]
 
 
 def torch_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, ckv_idx: list,

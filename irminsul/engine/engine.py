@@ -28,6 +28,7 @@ import torch
 
 from ..cache.planner import Commit, Plan, Planner, Segment
 from ..model import MLAModel
+from ..model.mla import naive_from
 from ..model.paged import PagedKV
 from .kv_pool import KVPool, PoolExhausted, unpack
 
@@ -87,7 +88,7 @@ class Engine:
                            cfg.qk_rope_head_dim, dtype=model.lm_head.weight.dtype, device=device)
         self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
         self.sequences: list[Sequence] = []
-        self._rank = cfg.kv_lora_rank
+        self._naive_from = naive_from(cfg)
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -245,27 +246,30 @@ class Engine:
 
     def _paged(self, work: list[tuple[Sequence, np.ndarray, int]],
                new: list[np.ndarray]) -> PagedKV:
-        """Where the batch's rows go and which pool rows each sequence attends to."""
+        """Where the batch's rows go, and how each sequence attends: short segments with context
+        (decode steps, carve-outs) through the kernel, the rest in the naive form."""
         from ..kernels import PagedLayout
 
         device = self.pool.ckv.device
-        counts, ckv, kr, rows, fresh, offset = [], [], [], [], [], 0
+        counts, ckv, kr, rows, naive, offset = [], [], [], [], [], 0
         for (seq, _, _), handles in zip(work, new):
-            n = len(handles)
+            n, span = len(handles), slice(offset, offset + len(handles))
+            offset += n
             if seq.handles.size == 0:
-                fresh.append(slice(offset, offset + n))
+                naive.append((span, None, None))
+            elif n >= self._naive_from:
+                naive.append((span, *(torch.from_numpy(s).to(device) for s in unpack(seq.handles))))
             else:
                 c, r = unpack(np.concatenate([seq.handles, handles]))
                 counts.append(n)
                 ckv.append(c)
                 kr.append(r)
-                rows.append(np.arange(offset, offset + n))
-            offset += n
+                rows.append(np.arange(span.start, span.stop))
         layout = (PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
                                     device) if counts else None)
-        take = (torch.from_numpy(np.concatenate(rows)).to(device) if rows and fresh else None)
+        take = (torch.from_numpy(np.concatenate(rows)).to(device) if rows and naive else None)
         new_ckv, new_kr = (torch.from_numpy(s).to(device) for s in unpack(np.concatenate(new)))
-        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, fresh)
+        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, naive)
 
     # -- decode ----------------------------------------------------------------------------------
 

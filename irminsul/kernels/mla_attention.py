@@ -166,12 +166,14 @@ class TileConfig:
 
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
-        """Decode blocks (16 rows) keep the whole 512-wide accumulator; prefill blocks split the
-        value columns in two. float32 tiles are twice the bytes: half the keys per step."""
+        """Every block keeps the whole value width (recomputing q·k per value split costs more
+        than it saves); prefill blocks run 8 warps and one stage, the fastest of the shapes
+        benchmarks/kernels.py tries on an H200. float32 tiles are twice the bytes: half the keys
+        per step."""
         wide = dtype == torch.float32
         if block_m == 16:
             return cls(32 if wide else 64, rank, 4, 2)
-        return cls(16 if wide else 32, rank if rank <= 128 else rank // 2, 8, 2)
+        return cls(16 if wide else 32, rank, 8, 1)
 
 
 def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,

@@ -36,26 +36,30 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, HALF: tl.constexpr,
 
 @triton.jit
 def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
-                   ROPE: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-                   PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     src = tl.load(SRC + rows, mask=valid, other=0).to(tl.int64)
     dst = tl.load(DST + rows, mask=valid, other=0).to(tl.int64)
     delta = tl.load(DELTA + rows, mask=valid, other=0)
     # One δ per token, the same in every layer: the angles once, then a pass per layer.
-    cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF_P2)
-    pair = tl.arange(0, HALF_P2)
-    ok = valid[:, None] & (pair[None, :] < HALF)
-    src_at = KR + src[:, None] * ROPE + pair[None, :] * PAIR_STEP
-    dst_at = KR + dst[:, None] * ROPE + pair[None, :] * PAIR_STEP
+    cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF)
+    cols = tl.arange(0, ROPE)[None, :]
+    # Whole rows load and store contiguously (vectorised); pairs are split apart in registers.
     for layer in range(layers):
         offset = layer * layer_stride
-        a = tl.load(src_at + offset, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(src_at + offset + PAIR_SHIFT, mask=ok, other=0.0).to(tl.float32)
-        tl.store(dst_at + offset, (a * cos - b * sin).to(KR.dtype.element_ty), mask=ok)
-        tl.store(dst_at + offset + PAIR_SHIFT, (b * cos + a * sin).to(KR.dtype.element_ty), mask=ok)
+        x = tl.load(KR + offset + src[:, None] * ROPE + cols, mask=valid[:, None], other=0.0)
+        if INTERLEAVED:
+            a, b = tl.split(tl.reshape(x, (BLOCK, HALF, 2)))
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(x, (BLOCK, 2, HALF)), (0, 2, 1)))
+        a, b = a.to(tl.float32), b.to(tl.float32)
+        y = tl.join(a * cos - b * sin, b * cos + a * sin)  # [BLOCK, HALF, 2]
+        if not INTERLEAVED:
+            y = tl.permute(y, (0, 2, 1))
+        y = tl.reshape(y, (BLOCK, ROPE)).to(KR.dtype.element_ty)
+        tl.store(KR + offset + dst[:, None] * ROPE + cols, y, mask=valid[:, None])
 
 
 def pair_layout(rotary: Rotary) -> tuple[int, int]:
@@ -73,11 +77,11 @@ def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: tor
         return
     if kr.stride(2) != 1 or kr.stride(1) != rotary.dim:
         raise ValueError("k_r pool must be contiguous in its last two dims")
+    if rotary.dim & (rotary.dim - 1) or rotary.dim < 4:
+        raise ValueError(f"rope dim {rotary.dim} is not a power of two")
     cos, sin = rotary.delta_tables(kr.device)
-    step, shift = pair_layout(rotary)
-    half = rotary.dim // 2
-    block = 64
+    block = 32
     _rotate_kernel[(triton.cdiv(n, block),)](
-        kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim, HALF=half,
-        HALF_P2=triton.next_power_of_2(half), PAIR_STEP=step, PAIR_SHIFT=shift,
-        HI_OFFSET=rotary.hi_offset, BLOCK=block)
+        kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim,
+        HALF=rotary.dim // 2, INTERLEAVED=rotary.interleaved, HI_OFFSET=rotary.hi_offset,
+        BLOCK=block)

@@ -4,10 +4,11 @@ Two forms, equal in exact arithmetic (DeepSeek-V2 §2.1, the V3 reference's ``at
 
 * absorbed: W_UK is folded into the query (q̃ = W_UKᵀ q_nope, [kv_lora_rank] per head), every head
   attends to the *shared* latent rows as one MQA key/value head (keys 576 wide, values = c_KV, 512),
-  and W_UV is applied after. This is how cached context is read — decode, and prefill against
-  reused or cached rows — and why a cached row needs no per-head expansion.
-* naive: per-head K = [W_UK c | k_r] and V = W_UV c, ordinary attention; cheaper for a fresh prefill
-  with no context (head dim 192 instead of 576).
+  and W_UV is applied after. This is how cached context is read by decode steps and short
+  segments — a cached row needs no per-head expansion.
+* naive: per-head K = [W_UK c | k_r] and V = W_UV c, ordinary attention (head dim 192 instead of
+  576); cheaper for a fresh prefill and for any segment long enough to pay for expanding its
+  context (:func:`naive_from`).
 
 New tokens attend to every context row and causally to each other; a token's RoPE position is
 whatever the caller says (context rows carry their own rotation inside k_r).
@@ -27,6 +28,18 @@ from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
+
+
+def naive_from(config: MLAConfig) -> int:
+    """New tokens from which a segment with context is cheaper in the naive form.
+
+    Per head and (query, key) pair the absorbed form costs rank + rope + rank multiply-adds, the
+    naive form nope + rope + v, plus rank · (nope + v) once per context row to expand it; so the
+    naive form wins once a segment has more than rank·(nope + v) / (2·rank − nope − v) new tokens
+    (171 for DeepSeek-V2/V3). Decode steps and short carve-outs stay absorbed.
+    """
+    rank, expand = config.kv_lora_rank, config.qk_nope_head_dim + config.v_head_dim
+    return max(1, -(-rank * expand // max(1, 2 * rank - expand)))
 
 
 class MLAttention(nn.Module):
@@ -51,6 +64,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.v_dim, d, bias=bias)
         self.rotary = rotary
         self.scale = softmax_scale(config)
+        self.naive_from = naive_from(config)
 
     def _query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
@@ -91,8 +105,9 @@ class MLAttention(nn.Module):
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         """Attention output [T, D] of a ragged batch whose context lives in the pool ``kv``: the
-        new rows are stored first, then requests with context attend in one kernel launch and
-        requests without context run the naive causal form."""
+        new rows are stored first; then the absorbed-form requests attend in one kernel launch
+        reading the pool in place, and each naive-form request (a fresh prefill, or a long
+        segment) attends in torch to its context gathered from the pool."""
         from ..kernels import paged_mla_attention  # needs triton: GPU path only
 
         q_nope, q_rope = self._query(x, positions)
@@ -101,7 +116,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._weights()
         out = x.new_empty(x.shape[0], self.heads, self.v_dim)
         if kv.layout is not None:
-            take = kv.context_tokens
+            take = kv.kernel_tokens
             qn, qr = (q_nope, q_rope) if take is None else (q_nope[take], q_rope[take])
             q = torch.cat([torch.einsum("thp,hpl->thl", qn, w_uk), qr], dim=-1)
             latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
@@ -111,8 +126,10 @@ class MLAttention(nn.Module):
                 out = attended
             else:
                 out[take] = attended
-        for span in kv.fresh:
-            out[span] = self._attend(q_nope[span], q_rope[span], rows[span], None, False)
+        for span, ckv_slots, kr_slots in kv.naive:
+            context = None if ckv_slots is None else torch.cat(
+                [kv.ckv[self.layer, ckv_slots], kv.kr[self.layer, kr_slots]], dim=-1)
+            out[span] = self._attend(q_nope[span], q_rope[span], rows[span], context, False)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
@@ -127,7 +144,7 @@ class MLAttention(nn.Module):
                 torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx))
         w_uk, w_uv = self._weights()
         c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
-        if absorbed if absorbed is not None else n_ctx > 0:
+        if absorbed if absorbed is not None else 0 < n_ctx and n_new < self.naive_from:
             # One shared KV head: fold the query heads into the query length (rows h*T + t) and
             # run single-head attention, so the 576-wide keys are never expanded per head.
             q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)

@@ -25,9 +25,10 @@ class PagedKV:
     kr: torch.Tensor  # [layers, slots, qk_rope_head_dim]
     new_ckv: torch.Tensor  # int64 [T]: c_KV slots of the batch's new tokens, in batch order
     new_kr: torch.Tensor  # int64 [T]: their k_r slots
-    layout: PagedLayout | None  # requests with context (read by the kernel), or None
-    context_tokens: torch.Tensor | None  # batch rows of those requests; None: every row
-    fresh: list[slice]  # batch rows of each request without context
+    layout: PagedLayout | None  # absorbed-form requests (read in place by the kernel), or None
+    kernel_tokens: torch.Tensor | None  # batch rows of those requests; None: every row
+    # Naive-form requests: batch rows, and the c_KV / k_r slots of their context (None: none).
+    naive: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]]
 
     def store(self, layer: int, rows: torch.Tensor) -> None:
         """Write the new tokens' latent rows [T, rank + rope] of one layer into the pool."""
