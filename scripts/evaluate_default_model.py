@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,24 +87,30 @@ def samples(model: MLAModel, renderer: ChatRenderer, stops: set[int], tokens: in
 
 
 def sink_share(model_dir: Path, prompts: list[np.ndarray], ours: MLAModel) -> dict:
-    """Per layer, the mean attention mass on keys [0, SINK_WIDTH) from queries >= SINK_FROM
-    (over heads, queries and prompts), with transformers' eager attention; also the largest fp32
-    logit difference between transformers and Irminsul's runtime on the same prompts."""
+    """Per layer, the mean attention mass on keys [0, SINK_WIDTH) and on key 0 alone from queries
+    >= SINK_FROM (over heads, queries and prompts), with transformers' eager attention, and what
+    uniform attention would give; also the largest fp32 logit difference between transformers and
+    Irminsul's runtime on the same prompts."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
-    per_layer, diff = [], 0.0
+    per_layer, first, diff = [], [], 0.0
     for ids in prompts:
         x = torch.from_numpy(ids)[None]
         with torch.no_grad():
             out = reference(input_ids=x, output_attentions=True)
         per_layer.append([float(a[0, :, SINK_FROM:, :SINK_WIDTH].sum(-1).mean())
                           for a in out.attentions])
+        # Position 0 alone (BOS: every prompt starts at a document start) tells a sink on the
+        # first token apart from attention that merely reaches the first 32 positions.
+        first.append([float(a[0, :, SINK_FROM:, 0].mean()) for a in out.attentions])
         diff = max(diff, float((ours.logits(x[0]) - out.logits[0]).abs().max()))
-    share = np.mean(per_layer, axis=0)
-    uniform = float(np.mean([SINK_WIDTH / (q + 1) for q in range(SINK_FROM, prompts[0].size)]))
-    return {"per_layer": [round(float(s), 4) for s in share], "uniform_share": uniform,
+    queries = np.arange(SINK_FROM, prompts[0].size) + 1
+    return {"per_layer": [round(float(s), 4) for s in np.mean(per_layer, axis=0)],
+            "position0_per_layer": [round(float(s), 4) for s in np.mean(first, axis=0)],
+            "uniform_share": float(np.mean(SINK_WIDTH / queries)),
+            "uniform_position0": float(np.mean(1 / queries)),
             "prompts": len(prompts), "prompt_tokens": int(prompts[0].size),
             "max_logit_diff_vs_transformers": diff}
 
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--consistency-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    started = time.time()
     model = load_model(args.model)
     renderer = ChatRenderer.from_dir(args.model)
     generation = json.loads((args.model / "generation_config.json").read_text("utf-8"))
@@ -150,6 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
         "consistency": consistency_study(args.model, args.consistency_requests,
                                          args.consistency_tokens),
     }
+    import transformers
+
+    figures["environment"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                              "threads": torch.get_num_threads(),
+                              "seconds": round(time.time() - started, 1)}
     (args.model / "eval.json").write_text(json.dumps(figures, indent=1), "utf-8")
     write_readme(args.model, figures)
     print(json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

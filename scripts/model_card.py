@@ -4,6 +4,7 @@ model directory's train_config.json and the evaluation's figures."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 
@@ -16,17 +17,45 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def copy_licenses(model_dir: Path, sources: dict) -> dict[str, str]:
+    """Copy each corpus source's license text beside the weights as LICENSE.<source> (the weights
+    derive from that text, so its notice travels with them); returns {source: file name}. A file
+    already there is kept when its source is not on this machine."""
+    names = {}
+    for name, source in sources.items():
+        target = model_dir / f"LICENSE.{name}"
+        if Path(source["license_file"]).is_file():
+            shutil.copyfile(source["license_file"], target)
+        if not target.is_file():
+            raise FileNotFoundError(f"{source['license_file']}: license text of {name} not found")
+        names[name] = target.name
+    return names
+
+
+def _command(args: dict) -> str:
+    """The training command line; every option not shown was at its default (train_config.json
+    records them all)."""
+    budget = f"--minutes {args['minutes']}" if args["steps"] is None else f"--steps {args['steps']}"
+    return f"python3 scripts/train_default_model.py --out {args['out']} {budget}"
+
+
 def write_readme(model_dir: Path, figures: dict) -> None:
-    """Write ``model_dir``/README.md."""
+    """Write ``model_dir``/README.md and copy the corpus' license texts beside it."""
     record = json.loads((model_dir / "train_config.json").read_text("utf-8"))
     arch, args, corpus = record["architecture"], record["args"], record["corpus"] or {}
     loss, sink, check = figures["loss"], figures["attention_sink"], figures["consistency"]
+    licenses = copy_licenses(model_dir, corpus.get("sources", {}))
+    env = record["environment"]
+    sinks = sum(s > 2 * sink["uniform_share"] for s in sink["per_layer"])
+    top = max(range(len(sink["position0_per_layer"])), key=sink["position0_per_layer"].__getitem__)
+    bos = sink["position0_per_layer"][top]
     lines = [
         "# irminsul-default: a small DeepSeek-V2 (MLA + MoE) trained here",
         "",
         "The embedded default model of Irminsul: it lets `irminsul serve`, `bench` and `consistency` "
-        "run with no model download. It is a real trained model (attention sinks, agent-format "
-        "output), not random weights, but far too small to be useful beyond that.",
+        "run with no model download. It is a real trained model (in-domain agent-format and "
+        "code output, trained attention), not random weights, but far too small to be useful "
+        "beyond that.",
         "",
         "## Architecture",
         "",
@@ -47,11 +76,12 @@ def write_readme(model_dir: Path, figures: dict) -> None:
         "## Data and licenses",
         "",
     ]
-    rows = [[name, s["what"], s["license"], f"{s['documents']}/{s['available_documents']}",
-             f"{s['train_tokens']:,}", f"{s['val_tokens']:,}"]
+    rows = [[name, s["what"], f"{s['license']} (`{licenses[name]}`)",
+             f"{s['documents']}/{s['available_documents']}", f"{s['train_tokens']:,}",
+             f"{s['val_tokens']:,}"]
             for name, s in corpus.get("sources", {}).items()]
-    lines += _table(["source", "what", "license", "documents used", "train tokens", "val tokens"],
-                    rows)
+    lines += _table(["source", "what", "license (text beside the weights)", "documents used",
+                     "train tokens", "val tokens"], rows)
     lines += [
         "",
         "Agent logs re-send the whole history on every call, so each session's longest request is "
@@ -59,10 +89,12 @@ def write_readme(model_dir: Path, figures: dict) -> None:
         "",
         "## Training",
         "",
-        f"`scripts/train_default_model.py`: {record['steps']:,} steps, "
-        f"{record['tokens_seen']:,} tokens, {record['train_seconds']:.0f} s on "
-        f"{record['environment']['device']} (torch {record['environment']['torch']}, "
-        f"transformers {record['environment']['transformers']}); batch {args['batch']} x "
+        f"`{_command(args)}` (PYTHONPATH at the repository root, `.train/` from "
+        f"`scripts/build_corpus.py`): {record['steps']:,} steps, "
+        f"{record['tokens_seen']:,} tokens "
+        f"({record['tokens_seen'] / corpus['train_tokens']:.1f} passes over the training split), "
+        f"{record['train_seconds']:.0f} s on one {env['device']} (torch {env['torch']}, "
+        f"transformers {env['transformers']}, Python {env['python']}); batch {args['batch']} x "
         f"{args['seq_len']} tokens, AdamW (β 0.9/0.95, weight decay {args['weight_decay']}), peak lr "
         f"{args['lr']}, {args['warmup']} warm-up steps, cosine to {args['min_lr_ratio']}x, clip "
         f"{args['clip']}, router balance loss x{args['balance_coef']}, bf16 autocast on CUDA, seed "
@@ -71,20 +103,35 @@ def write_readme(model_dir: Path, figures: dict) -> None:
         "",
         "## Figures",
         "",
+        f"Measured by `python3 scripts/evaluate_default_model.py irminsul/default_model` (CPU, "
+        f"{figures['environment']['threads']} threads, torch {figures['environment']['torch']}, "
+        f"transformers {figures['environment']['transformers']}, "
+        f"{figures['environment']['seconds']:.0f} s); every figure is in eval.json.",
+        "",
         f"- Validation loss {loss['val_loss']:.3f} nats/token (perplexity "
         f"{loss['val_perplexity']:.1f}) against a unigram baseline of {loss['unigram_loss']:.3f} "
         f"(perplexity {loss['unigram_perplexity']:.0f}); {loss['windows']} windows of "
         f"{loss['window_tokens']} tokens, CPU fp32. At the end of training (GPU, "
-        f"{args['seq_len']}-token windows): {record['val_loss']:.3f}.",
+        f"{args['seq_len']}-token windows): {record['val_loss']:.3f}, against a final training "
+        f"loss of {record['final_train_loss']:.3f}: after that many passes over a small corpus "
+        "the model has memorised much of its training split.",
         f"- Irminsul's runtime and transformers agree to {sink['max_logit_diff_vs_transformers']:.1e} "
-        "(largest fp32 logit difference on the sink prompts).",
+        f"(largest fp32 logit difference on the {sink['prompt_tokens']}-token sink prompts; the "
+        "summation order differs, so it grows with the prompt length).",
         f"- Attention-sink share: mass on key positions [0, 32) from queries at positions >= 1024 of "
         f"{sink['prompts']} validation documents of {sink['prompt_tokens']} tokens (uniform "
-        f"attention would give {sink['uniform_share']:.3f}):",
+        f"attention would give {sink['uniform_share']:.3f} on [0, 32) and "
+        f"{sink['uniform_position0']:.4f} on position 0, the BOS token). {sinks} of "
+        f"{len(sink['per_layer'])} layers put more than twice the uniform share on [0, 32); "
+        f"layer {top} gives position 0 {bos / sink['uniform_position0']:.0f}x a uniform key's "
+        f"share, {bos:.3f} of the mass."
+        + (" This model has no strong attention sink: it attends mostly by content and locally."
+           if sinks == 0 else ""),
         "",
     ]
     lines += _table(["layer", *map(str, range(len(sink["per_layer"])))],
-                    [["share", *(f"{s:.3f}" for s in sink["per_layer"])]])
+                    [["[0, 32)", *(f"{s:.3f}" for s in sink["per_layer"])],
+                     ["position 0", *(f"{s:.4f}" for s in sink["position0_per_layer"])]])
     lines += [
         "",
         f"- Output consistency (`irminsul consistency`, {check['tokens']} tokens per request) on "
