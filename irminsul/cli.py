@@ -1,12 +1,15 @@
-"""The ``irminsul`` command line: analyze request logs, build workloads, run the demo."""
+"""The ``irminsul`` command line: analyze request logs, build workloads, run the demo, and run a
+model (the embedded default unless ``--model DIR``) over workloads or behind an HTTP API."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from .analysis.analyze import analyze_log
@@ -17,6 +20,10 @@ from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
 
 DEMO_HEADERS = (50, 250, 1000, 2000)
+# Without --workload, bench and consistency run on this pattern built from the shipped samples:
+# the partition shift where position-independent reuse pays, sized to take about a minute on two
+# CPU cores with the default model.
+DEFAULT_WORKLOAD, DEFAULT_HEADER_TOKENS, DEFAULT_REQUESTS = "agent_meta", 250, 12
 
 
 def _renderer(args: argparse.Namespace) -> ChatRenderer:
@@ -47,19 +54,20 @@ def _pool(renderer: ChatRenderer, sources: list[Path]) -> TextPool:
     return TextPool(texts, renderer)
 
 
-def _write_workload(pattern: str, out: Path, source: Path, pool: TextPool,
-                    args: argparse.Namespace, header_tokens: int) -> int:
+def _write_workload(pattern: str, out: Path, source: Path, pool: TextPool, *, requests: int,
+                    header_tokens: int, markers: bool = False, seed: int = 0) -> int:
     bodies = list(read_requests(source, strict=True))
-    return write_requests(out, build_workload(pattern, bodies, pool, requests=args.requests,
-                                              header_tokens=header_tokens, markers=args.markers,
-                                              seed=args.seed))
+    return write_requests(out, build_workload(pattern, bodies, pool, requests=requests,
+                                              header_tokens=header_tokens, markers=markers,
+                                              seed=seed))
 
 
 def cmd_workload(args: argparse.Namespace) -> None:
     renderer = _renderer(args)
     sources = [Path(s) for s in args.source] if args.source else sample_logs()
     count = _write_workload(args.pattern, Path(args.out), sources[0], _pool(renderer, sources),
-                            args, args.header_tokens)
+                            requests=args.requests, header_tokens=args.header_tokens,
+                            markers=args.markers, seed=args.seed)
     print(f"wrote {count} {args.pattern} requests to {args.out}")
 
 
@@ -72,16 +80,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     logs: list[tuple[str, Path]] = []
     for markers in (False, True):
-        args.markers = markers
         tag = "+s2" if markers else ""
+        shape = {"requests": args.requests, "markers": markers, "seed": args.seed}
         for pattern in ("agent_meta", "sysvar"):  # the paper's Figure 4 sweeps
             for header in DEMO_HEADERS:
                 path = out / f"{pattern}-h{header}{tag}.jsonl"
-                _write_workload(pattern, path, samples[0], pool, args, header)
+                _write_workload(pattern, path, samples[0], pool, header_tokens=header, **shape)
                 logs.append((f"{pattern} H={header}{tag}", path))
         for pattern in PATTERNS[2:]:
             path = out / f"{pattern}{tag}.jsonl"
-            _write_workload(pattern, path, samples[0], pool, args, args.header_tokens)
+            _write_workload(pattern, path, samples[0], pool, header_tokens=args.header_tokens,
+                            **shape)
             logs.append((f"{pattern}{tag}", path))
     logs += [(p.name.split(".")[0] + " (real)", p) for p in samples]
     reports = []
@@ -91,6 +100,33 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(render_reports(reports))
     print(f"\nworkloads written to {out}")
     _write_json(args.json, reports)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    """--model, or the embedded default model."""
+    # The model package (and torch with it) is imported only by the commands that run a model.
+    from .model import default_model_dir
+
+    return Path(args.model) if args.model else default_model_dir()
+
+
+@contextlib.contextmanager
+def _workloads(args: argparse.Namespace, renderer: ChatRenderer) -> Iterator[list[Path]]:
+    """The --workload logs; without any, DEFAULT_WORKLOAD built from the shipped samples with the
+    model's tokenizer (header lengths count its tokens) into a temporary file."""
+    if args.workload:
+        yield [Path(p) for p in args.workload]
+        return
+    samples = sample_logs()
+    requests = args.requests or DEFAULT_REQUESTS
+    with tempfile.TemporaryDirectory(prefix="irminsul-") as tmp:
+        path = Path(tmp) / f"{DEFAULT_WORKLOAD}.jsonl"
+        _write_workload(DEFAULT_WORKLOAD, path, samples[0], _pool(renderer, samples),
+                        requests=requests, header_tokens=DEFAULT_HEADER_TOKENS)
+        print(f"workload: {DEFAULT_WORKLOAD}, {requests} requests with {DEFAULT_HEADER_TOKENS}-token "
+              f"headers, built from the shipped {samples[0].name.split('.')[0]} sample "
+              "(--workload LOG to use another)")
+        yield [path]
 
 
 def cmd_consistency(args: argparse.Namespace) -> None:
@@ -105,13 +141,14 @@ def cmd_consistency(args: argparse.Namespace) -> None:
     from .model import load_model
 
     renderer = _model_renderer(args)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    requests = islice(read_requests(args.workload), args.requests)
-    try:
-        report = consistency(model, renderer, requests, tokens=args.tokens,
-                             num_slots=args.slots, progress=not args.quiet)
-    except PoolExhausted as err:
-        raise ValueError(f"{err}; give the engines more --slots") from err
+    model = load_model(_model_dir(args), dtype=getattr(torch, args.dtype), device=args.device)
+    with _workloads(args, renderer) as (log,):
+        requests = islice(read_requests(log), args.requests)
+        try:
+            report = consistency(model, renderer, requests, tokens=args.tokens,
+                                 num_slots=args.slots, progress=not args.quiet)
+        except PoolExhausted as err:
+            raise ValueError(f"{err}; give the engines more --slots") from err
     print(render_consistency(report))
     _write_json(args.json, [report])
 
@@ -121,7 +158,7 @@ def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
     from .traffic.render import TemplateError
 
     try:
-        return ChatRenderer.from_dir(args.model_tokenizer or args.tokenizer or args.model)
+        return ChatRenderer.from_dir(args.model_tokenizer or args.tokenizer or _model_dir(args))
     except (FileNotFoundError, TemplateError) as err:
         raise ValueError(f"{err} (prompts are rendered with the model directory's "
                          "tokenizer.json and chat template; pass --tokenizer DIR to use "
@@ -138,13 +175,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from .traffic.prompt import render_prompt
 
     renderer = _model_renderer(args)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    model = load_model(_model_dir(args), dtype=getattr(torch, args.dtype), device=args.device)
     reports, rows = [], []
-    for log in args.workload:
-        prompts = [render_prompt(renderer, r.messages, r.tools, session=r.session)
-                   for r in read_requests(log)][: args.requests]
+    with _workloads(args, renderer) as logs:
+        prompts_per_log = [[render_prompt(renderer, r.messages, r.tools, session=r.session)
+                            for r in read_requests(log)][: args.requests] for log in logs]
+    for log, prompts in zip(logs, prompts_per_log):
         slots = args.slots or sum(p.size for p in prompts) + 1
-        report = {"log": log, **bench(model, prompts, num_slots=slots)}
+        report = {"log": str(log), **bench(model, prompts, num_slots=slots)}
         reports.append(report)
         for mode in ("off", "observer", "live"):
             r = report[mode]
@@ -168,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if device.startswith("cuda") else "float32")
-    serve(args.model, host=args.host, port=args.port, mode=args.pic, slots=args.slots,
+    serve(_model_dir(args), host=args.host, port=args.port, mode=args.pic, slots=args.slots,
           dtype=getattr(torch, dtype), device=device, model_name=args.served_model_name)
 
 
@@ -218,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", required=True, metavar="DIR",
+    serve.add_argument("--model", metavar="DIR",
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
-                            "tokenizer.json and a chat template)")
+                            "tokenizer.json and a chat template; default: the embedded default "
+                            "model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--pic", choices=("off", "observer", "live"), default="live",
@@ -241,13 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> None:
     """Options of the commands that run a model over a workload log."""
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="Hugging Face checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--workload", required=True, nargs="+" if many else None, metavar="LOG",
-                        help="JSON Lines request log" + ("(s)" if many else ""))
+    parser.add_argument("--model", metavar="DIR",
+                        help="Hugging Face checkpoint directory (config.json + safetensors; "
+                             "default: the embedded default model)")
+    # nargs=1 for a single log keeps args.workload a list either way.
+    parser.add_argument("--workload", nargs="+" if many else 1, metavar="LOG",
+                        help="JSON Lines request log" + ("(s)" if many else "") +
+                             f" (default: {DEFAULT_WORKLOAD} built from the shipped samples)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON")
     parser.add_argument("--requests", type=int, default=None,
-                        help="first N requests of the log (default all)")
+                        help="first N requests of the log (default: all; the default workload "
+                             f"has {DEFAULT_REQUESTS})")
     parser.add_argument("--slots", type=int, default=None,
                         help="KV pool size per engine in tokens (default: the whole workload, "
                              "so nothing is evicted)")
