@@ -5,7 +5,7 @@ add-one smoothed, scored on the validation split); greedy samples for chat and c
 attention-sink share per layer (attention probability on key positions [0, 32) from queries at
 positions >= 1024 of long validation documents, transformers' eager attention); the largest logit
 difference between Irminsul's runtime and transformers (fp32); and the output-consistency study
-(``irminsul consistency``) on an ``irminsul workload agent_meta`` log built from the shipped samples.
+(``irminsul consistency``) on its default workload, agent_meta built from the shipped samples.
 
 Usage: ``python scripts/evaluate_default_model.py MODEL_DIR`` (reads ``.train/`` for the splits).
 """
@@ -116,13 +116,11 @@ def sink_share(model_dir: Path, prompts: list[np.ndarray], ours: MLAModel) -> di
 
 
 def consistency_study(model_dir: Path, requests: int, tokens: int) -> dict:
-    """``irminsul workload agent_meta`` from the shipped samples, then ``irminsul consistency``."""
+    """``irminsul consistency`` on its default workload (agent_meta built from the shipped
+    samples with the model's tokenizer)."""
     with tempfile.TemporaryDirectory() as tmp:
-        log, report = Path(tmp) / "agent_meta.jsonl", Path(tmp) / "consistency.json"
-        if cli.main(["-q", "--tokenizer", str(model_dir), "workload", "agent_meta", "--out", str(log),
-                     "--requests", str(requests)]):
-            raise RuntimeError("irminsul workload failed")
-        if cli.main(["-q", "consistency", "--model", str(model_dir), "--workload", str(log),
+        report = Path(tmp) / "consistency.json"
+        if cli.main(["-q", "consistency", "--model", str(model_dir), "--requests", str(requests),
                      "--tokens", str(tokens), "--json", str(report)]):
             raise RuntimeError("irminsul consistency failed")
         result = json.loads(report.read_text("utf-8"))
