@@ -39,9 +39,15 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str]]:
                     _met(worst["live_over_ideal"] <= 1.15)))
         for c in cells:
             if c["pattern"] == "agent_meta" and c["prompt_tokens"] == 16384:
+                # An exact-prefix cache that matches almost nothing should cost no more than no
+                # cache; where our off-mode path is slower (it attends to its few matched rows
+                # through a masked kernel), the target is judged against the faster of the two.
+                base = min(c["exact prefix"]["p50_ms"], c["no cache"]["p50_ms"])
+                ratio = base / c["PIC live"]["p50_ms"]
                 out.append((f"agent_meta 16K H {c['header_tokens']}: ≥ 3.5× faster than exact "
-                            "prefix", f"{c['exact_prefix_over_live']:.2f}×",
-                            _met(c["exact_prefix_over_live"] >= 3.5)))
+                            "prefix (or no cache, if faster)",
+                            f"{ratio:.2f}× ({c['exact_prefix_over_live']:.2f}× vs our exact "
+                            "prefix)", _met(ratio >= 3.5)))
     for length, d in r.get("decode", {}).items():
         out.append((f"decode tok/s within 3% of PIC off ({_k(int(length))})",
                     f"{d['live']:.1f} vs {d['off']:.1f} tok/s ({d['live_over_off']:.3f}×)",
