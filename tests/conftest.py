@@ -1,5 +1,6 @@
 """Shared pytest setup: GPU tests run only where CUDA is available; Triton kernel tests run on
-CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, slow but exact)."""
+CUDA, or on a CPU under Triton's interpreter, which this file switches on when there is no CUDA
+(it must be set before the kernels are defined, i.e. before ``irminsul.kernels`` is imported)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
+    has_cuda = torch.cuda.is_available()
     has_triton = importlib.util.find_spec("triton") is not None
     interpreted = has_triton and os.environ.get("TRITON_INTERPRET") == "1"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")

@@ -1,7 +1,7 @@
 """The Triton kernels against independent float64 references, and the engine's kernel path against
 its plain-torch path.
 
-Runs on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1 pytest -m triton``).
+Runs on CUDA, or on a CPU under Triton's interpreter (tests/conftest.py switches it on without CUDA).
 """
 
 from __future__ import annotations
