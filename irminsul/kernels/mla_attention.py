@@ -97,7 +97,8 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
         at = (split * out_rows + grow)
         tl.store(OUT + at[:, None] * RANK + vcols[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(LSE + at, lse, mask=row_ok & (vblk == 0))
+        if vblk == 0:  # one log-sum-exp per row, whichever value columns a program has
+            tl.store(LSE + at, lse, mask=row_ok)
     else:
         tl.store(OUT + grow[:, None] * RANK + vcols[None, :], out.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None])
