@@ -449,7 +449,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
         engine.finish(o.seq, remember=remember)
         checks.append((o.prompt, len(o.out), (), o.out, o.clean))
 
-    for _ in range(150):
+    for _ in range(200):
         op = rng.choice(["generate", "open", "step", "fork", "finish"],
                         p=[0.3, 0.2, 0.25, 0.1, 0.15])
         if op == "generate":

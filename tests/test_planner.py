@@ -409,3 +409,27 @@ def test_acquire_protects_against_eviction():
     assert planner.registry.total_tokens <= 400 and planner.radix.total_tokens <= 400
     assert planner.radix.match_prefix(c).length == 0
     planner.radix.check_integrity()
+
+
+def test_evict_is_lru_across_both_indexes():
+    """Eviction follows one timeline over the radix tree and the registry: a stale radix branch
+    goes before a chunk reused since, and a stale chunk before a recently used prefix."""
+    doc = _doc(8, 800)
+    planner = Planner()
+    first = np.concatenate([_header(40, 1), doc])
+    planner.commit(planner.plan(first, [40]), np.arange(first.size))  # doc's chunks registered
+    shifted = np.concatenate([_header(90, 2), doc])
+    plan = planner.plan(shifted, [90])
+    assert plan.tokens_of("hit") > 600
+    planner.commit(plan, np.arange(shifted.size) + 10**6)  # the chunks are used again: fresh
+    # Oldest now: the radix branch of `first`; then the reused chunks; then `shifted`'s branch.
+    branch = planner.radix.total_tokens
+    freed = planner.evict(1)
+    assert [h.size for h in freed] == [first.size]  # first's whole branch, no chunk
+    assert planner.registry.total_tokens >= 600 and planner.radix.total_tokens == branch - first.size
+    # Touch `shifted`'s branch again: now the chunks are the oldest and go next.
+    planner.radix.match_prefix(shifted)
+    chunks_before = planner.registry.num_entries
+    planner.evict(1)
+    assert planner.registry.num_entries == chunks_before - 1
+    assert planner.radix.total_tokens == shifted.size

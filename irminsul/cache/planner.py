@@ -19,6 +19,7 @@ business: the plan is the same.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -95,8 +96,9 @@ class Planner:
     def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
                  max_size: int = 512, carve_out: int = 32, s1: bool = True,
                  s1_window: int = 128, pic: bool = True) -> None:
-        self.radix = RadixTree()
-        self.registry = Registry(capacity, window=s1_window)
+        clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
+        self.radix = RadixTree(clock)
+        self.registry = Registry(capacity, window=s1_window, clock=clock)
         self.capacity = capacity
         self.mask_bits, self.min_size, self.max_size = mask_bits, min_size, max_size
         self.carve_out = carve_out
@@ -236,12 +238,25 @@ class Planner:
         return Commit([np.asarray(handles, dtype=np.int64)[present:]], freed)
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:
-        """Free at least ``num_tokens`` index tokens if possible (registry first, then radix,
-        least recently used first, never anything held); returns the dropped handles."""
-        freed = self.registry.evict(num_tokens)
-        dropped = sum(len(h) for h in freed)
-        if dropped < num_tokens:
-            freed += self.radix.evict(num_tokens - dropped)
+        """Free at least ``num_tokens`` index tokens if possible, least recently used first
+        across both indexes (never anything held); returns the dropped handles.
+
+        One timeline matters under pool pressure: a stale radix branch (a prompt whose exact
+        order will not recur, e.g. re-ranked documents) must go before the chunks every request
+        reuses, and a cold chunk before a hot prefix."""
+        freed: list[np.ndarray] = []
+        dropped = 0
+        while dropped < num_tokens:
+            radix, registry = self.radix.oldest(), self.registry.oldest()
+            if radix is None and registry is None:
+                break
+            index = self.radix if registry is None or (radix is not None and radix < registry) \
+                else self.registry
+            step = index.evict(1)  # one leaf or one entry
+            if not step:
+                break  # cannot happen while oldest() names an evictable item; never spin
+            freed += step
+            dropped += sum(len(h) for h in step)
         return freed
 
 

@@ -61,12 +61,14 @@ class RadixTree:
 
     Each ``namespace`` (tenant/model salt) has its own root, so sequences never
     match across namespaces. Time is a logical counter bumped once per
-    match/insert, which keeps eviction order deterministic.
+    match/insert, which keeps eviction order deterministic; a ``clock`` shared with
+    the chunk registry puts both indexes on one LRU timeline.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Iterator[int] | None = None) -> None:
         self._roots: dict[int, RadixNode] = {}
-        self._clock = self._total = self._evictable = 0
+        self._clock = clock if clock is not None else itertools.count(1)
+        self._total = self._evictable = 0
         self._num_nodes = 0  # non-root nodes; bounds the heap size (see _push)
         # Lazy-deletion min-heap of (last_access, seq, node). An entry is live iff
         # the node is still an unlocked, attached leaf with that exact stamp; every
@@ -115,7 +117,7 @@ class RadixTree:
             # (after a split, the remaining child differs at exactly that token).
             # Copy so the tree never aliases (or pins) the caller's buffers.
             leaf = RadixNode(tokens[present:].copy(), handles[present:].astype(np.int64),
-                             node, self._clock)
+                             node, 0)  # stamped by _touch below
             node.children[int(tokens[present])] = leaf
             self._num_nodes += 1
             self._total += len(leaf.key)
@@ -147,6 +149,12 @@ class RadixTree:
                 if node.is_leaf:
                     self._push(node)  # it may have been dropped from the heap while locked
             node = node.parent
+
+    def oldest(self) -> int | None:
+        """Last-access stamp of the least recently used evictable leaf, or None if none."""
+        while self._heap and not self._is_live(self._heap[0][0], self._heap[0][2]):
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:
         """Evict LRU unlocked leaves until >= ``num_tokens`` tokens are gone or nothing is evictable.
@@ -268,10 +276,10 @@ class RadixTree:
 
     def _touch(self, node: RadixNode) -> None:
         """Stamp ``node`` and its ancestors with a fresh logical time."""
-        self._clock += 1
+        stamp = next(self._clock)
         cur: RadixNode | None = node
         while cur is not None:
-            cur.last_access = self._clock
+            cur.last_access = stamp
             cur = cur.parent
         # Only the deepest node can be a leaf (ancestors have it as a child);
         # its old heap entry is now stale, so push one with the new stamp.

@@ -20,6 +20,8 @@ Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,13 +59,15 @@ class WindowHit:
 class Registry:
     """Fingerprint -> chunk entries, verified on every hit, LRU-evicted to ``capacity`` tokens."""
 
-    def __init__(self, capacity: int | None = None, *, window: int = 128) -> None:
+    def __init__(self, capacity: int | None = None, *, window: int = 128,
+                 clock: Iterator[int] | None = None) -> None:
+        """``clock``: logical time shared with the radix tree (one LRU timeline for both)."""
         self.capacity = capacity
         self.window = window
         # namespace -> fingerprint -> entries (a list: distinct content may share a fingerprint)
         self._chunks: dict[int, dict[int, list[ChunkEntry]]] = {}
         self._windows: dict[int, dict[int, list[tuple[ChunkEntry, int]]]] = {}
-        self._clock = 0
+        self._clock = clock if clock is not None else itertools.count(1)
         self._lru: list[tuple[int, int, ChunkEntry]] = []  # (last_use, tiebreak, entry), lazy
         self.total_tokens = 0
         self.num_entries = 0
@@ -120,8 +124,7 @@ class Registry:
 
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
-        self._clock += 1
-        entry.last_use = self._clock
+        entry.last_use = next(self._clock)
         heapq.heappush(self._lru, (entry.last_use, id(entry), entry))
         if len(self._lru) > 4 * self.num_entries + 1024:  # drop stale heap items
             self._lru = [(e.last_use, id(e), e) for e in self.entries()]
@@ -135,6 +138,25 @@ class Registry:
         if entry.refcount <= 0:
             raise ValueError(f"unlock of chunk {entry.fingerprint:#x} that is not locked")
         entry.refcount -= 1
+
+    def oldest(self) -> int | None:
+        """Last-use stamp of the least recently used unheld entry, or None if none."""
+        held, oldest = [], None
+        while self._lru:
+            stamp, _, entry = self._lru[0]
+            if stamp != entry.last_use or not self._present(entry):
+                heapq.heappop(self._lru)  # stale, or already removed
+            elif entry.refcount:
+                held.append(heapq.heappop(self._lru))  # may become evictable later: keep
+            else:
+                oldest = stamp
+                break
+        for item in held:
+            heapq.heappush(self._lru, item)
+        return oldest
+
+    def _present(self, entry: ChunkEntry) -> bool:
+        return entry in self._chunks.get(entry.namespace, {}).get(entry.fingerprint, [])
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:
         """Drop least-recently-used unheld entries until ``num_tokens`` tokens are freed.
