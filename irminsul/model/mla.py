@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import MLAConfig
 from .norm import RMSNorm
@@ -137,20 +138,19 @@ class MLAttention(nn.Module):
         """One sequence: its new tokens' queries against its context and new rows; [T, H, V]."""
         keys = rows if context is None or context.shape[0] == 0 else torch.cat([context, rows])
         n_new, n_ctx = rows.shape[0], keys.shape[0] - rows.shape[0]
-        # Token i sees every context row and new rows 0..i. Without context that is plain causal
-        # attention, which SDPA's fused kernels run without a mask; a single new token sees
-        # everything, so it needs none either.
-        mask = (None if n_ctx == 0 or n_new == 1 else
-                torch.ones(n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx))
+        # Token i sees every context row and new rows 0..i: plain causal attention without
+        # context, causal aligned to the last key with it.
         w_uk, w_uv = self._weights()
         c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
         if absorbed if absorbed is not None else 0 < n_ctx and n_new < self.naive_from:
             # One shared KV head: fold the query heads into the query length (rows h*T + t) and
-            # run single-head attention, so the 576-wide keys are never expanded per head.
+            # run single-head attention, so the 576-wide keys are never expanded per head. Folded
+            # rows need an explicit mask (token i sees the context and new rows 0..i); a single
+            # new token sees everything and needs none.
             q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)
-            if mask is None and n_new > 1:
-                mask = torch.ones(n_new, n_new, dtype=torch.bool, device=rows.device).tril()
-            folded = None if mask is None else mask.repeat(self.heads, 1)
+            folded = None if n_new == 1 else torch.ones(
+                n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx).repeat(
+                self.heads, 1)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).reshape(1, 1, self.heads * n_new, -1), keys[None, None],
                 c[None, None], attn_mask=folded, scale=self.scale)  # [1, 1, H*T, L]
@@ -159,6 +159,9 @@ class MLAttention(nn.Module):
                        k_r[None].expand(self.heads, -1, -1)], dim=-1)
         v = torch.einsum("sl,hvl->hsv", c, w_uv)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+        # With context, "causal aligned to the last key" as a bias object rather than a dense
+        # mask, so SDPA can keep its fused kernels (a dense mask of a 16K segment is 256M cells).
+        bias = causal_lower_right(n_new, keys.shape[0]) if n_ctx and n_new > 1 else None
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
                                               is_causal=n_ctx == 0,
                                               scale=self.scale)[0].transpose(0, 1)
