@@ -79,6 +79,17 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_pe, positions)], dim=-1)
 
+    @staticmethod
+    def _absorb(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """q̃ = W_UKᵀ q_nope per head: [T, H, P] × [H, P, L] → [T, H, L] (one batched matmul;
+        einsum would add a handful of reshapes per call, and launches are what decode pays)."""
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    @staticmethod
+    def _expand(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """W_UV applied per head to latent outputs [H, T, L] × [H, V, L] → [T, H, V]."""
+        return torch.bmm(latent, w_uv.transpose(1, 2)).transpose(0, 1)
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, P, L] and W_UV [H, V, L] from kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
@@ -119,10 +130,10 @@ class MLAttention(nn.Module):
         if kv.layout is not None:
             take = kv.kernel_tokens
             qn, qr = (q_nope, q_rope) if take is None else (q_nope[take], q_rope[take])
-            q = torch.cat([torch.einsum("thp,hpl->thl", qn, w_uk), qr], dim=-1)
+            q = torch.cat([self._absorb(qn, w_uk), qr], dim=-1)
             latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                          self.scale, self.rotary)
-            attended = torch.einsum("thl,hvl->thv", latent, w_uv)
+            attended = self._expand(latent.transpose(0, 1), w_uv)
             if take is None:
                 out = attended
             else:
@@ -147,17 +158,17 @@ class MLAttention(nn.Module):
             # run single-head attention, so the 576-wide keys are never expanded per head. Folded
             # rows need an explicit mask (token i sees the context and new rows 0..i); a single
             # new token sees everything and needs none.
-            q = torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_rope], dim=-1)
+            q = torch.cat([self._absorb(q_nope, w_uk), q_rope], dim=-1)
             folded = None if n_new == 1 else torch.ones(
                 n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx).repeat(
                 self.heads, 1)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).reshape(1, 1, self.heads * n_new, -1), keys[None, None],
                 c[None, None], attn_mask=folded, scale=self.scale)  # [1, 1, H*T, L]
-            return torch.einsum("htl,hvl->thv", out.view(self.heads, n_new, -1), w_uv)
-        k = torch.cat([torch.einsum("sl,hpl->hsp", c, w_uk),
+            return self._expand(out.view(self.heads, n_new, -1), w_uv)
+        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
                        k_r[None].expand(self.heads, -1, -1)], dim=-1)
-        v = torch.einsum("sl,hvl->hsv", c, w_uv)
+        v = torch.matmul(c, w_uv.transpose(1, 2))
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         # With context, "causal aligned to the last key" as a bias object rather than a dense
         # mask, so SDPA can keep its fused kernels (a dense mask of a 16K segment is 256M cells).

@@ -16,6 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel for the statistics; the weight multiplies after the cast, as in the
-        # reference code (which rounds the normalised row to x's dtype first).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # One fused op, statistics in float32 (its accumulation type for half inputs). The
+        # reference code rounds the normalised row to x's dtype before the weight multiplies;
+        # here the product is rounded once, which differs by at most one bf16 ulp.
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)

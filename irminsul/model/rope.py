@@ -75,41 +75,42 @@ class Rotary:
         self.inv_freq = inv_freq(config.rope, self.dim)  # float64 numpy [dim/2]
         self._inv_freq_t: dict[torch.device, torch.Tensor] = {}  # float64, per device
         self._delta_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._last: tuple[torch.Tensor, torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last: tuple[torch.Tensor, tuple[torch.device, float], torch.Tensor] | None = None
         self.magnitude = cos_sin_magnitude(config.rope)
         self.rope = config.rope
         self.max_position = config.max_position_embeddings
 
-    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor,
-                                                                               torch.Tensor]:
-        # Angles in float64 on the device itself: no host round trip per call.
-        # Every layer rotates q and k at the same positions tensor: compute its cos/sin once.
-        if self._last is not None and self._last[0] is positions and self._last[1] == device:
+    def _cis(self, positions: torch.Tensor, device: torch.device,
+             magnitude: float = 1.0) -> torch.Tensor:
+        """exp(i · position · inv_freq) · magnitude, complex64 [T, dim/2]; the angles in float64
+        on the device itself (no host round trip), rounded once."""
+        # Every layer rotates q and k at the same positions tensor: compute it once per forward.
+        key = (device, magnitude)
+        if self._last is not None and self._last[0] is positions and self._last[1] == key:
             return self._last[2]
         freq = self._inv_freq_t.get(device)
         if freq is None:
             freq = self._inv_freq_t[device] = torch.from_numpy(self.inv_freq).to(device)
         angles = positions.to(device=device, dtype=torch.float64).reshape(-1, 1) * freq
-        cos_sin = angles.cos().float(), angles.sin().float()
-        self._last = (positions, device, cos_sin)  # holds positions, so its id is not reused
-        return cos_sin
+        cis = torch.polar(torch.full_like(angles, magnitude), angles).to(torch.complex64)
+        self._last = (positions, key, cis)  # holds positions, so its id is not reused
+        return cis
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate pairs of the last dim of x [T, ..., dim] by per-row angles cos/sin [T, dim/2]."""
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        cos, sin = cos.reshape(shape), sin.reshape(shape)
-        xf = x.float()
-        if self.interleaved:
-            a, b = xf[..., 0::2], xf[..., 1::2]
-            return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+    def _rotate(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        """Rotate pairs of the last dim of x [T, ..., dim] by per-row phasors cis [T, dim/2]:
+        pair (a, b) becomes (a cos − b sin, b cos + a sin), one complex multiply, in float32."""
         half = self.dim // 2
-        a, b = xf[..., :half], xf[..., half:]
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+        cis = cis.reshape((cis.shape[0],) + (1,) * (x.dim() - 2) + (half,))
+        if self.interleaved:  # pairs (2i, 2i+1) are already (real, imaginary)
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], half, 2))
+            return torch.view_as_real(pairs * cis).flatten(-2).to(x.dtype)
+        pairs = torch.view_as_complex(
+            x.float().reshape(*x.shape[:-1], 2, half).transpose(-1, -2).contiguous())
+        return torch.view_as_real(pairs * cis).transpose(-1, -2).flatten(-2).to(x.dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE at absolute ``positions`` [T] on x [T, ..., dim], times the cos/sin magnitude."""
-        cos, sin = self._cos_sin(positions, x.device)
-        return self._rotate(x, cos * self.magnitude, sin * self.magnitude)
+        return self._rotate(x, self._cis(positions, x.device, self.magnitude))
 
     def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Re-rotate cached keys k_r [T, ..., dim] (or [dim]) by ``delta`` positions (a scalar
@@ -117,8 +118,7 @@ class Rotary:
         squeeze = k_r.dim() == 1
         k = k_r.reshape(1, -1) if squeeze else k_r
         delta = torch.as_tensor(delta, dtype=torch.float64).reshape(-1).expand(k.shape[0])
-        cos, sin = self._cos_sin(delta, k.device)
-        out = self._rotate(k, cos, sin)
+        out = self._rotate(k, self._cis(delta, k.device))
         return out.reshape(-1) if squeeze else out
 
     def delta_tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
