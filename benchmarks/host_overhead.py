@@ -1,0 +1,54 @@
+"""Host overhead per forward: DeepSeek-V2-Lite's 27-layer structure at tiny widths, one new token
+against a short context, so the arithmetic is negligible and what is timed is the per-layer work
+of issuing ops (on a GPU: kernel launches). Prints the median time per forward and the number of
+torch ops dispatched per forward.
+
+    python benchmarks/host_overhead.py [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from gpu_common import TINY, random_model, timed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten ops a region dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    raw = dict(TINY, num_hidden_layers=27)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = random_model(raw, args.device, dtype)
+    ids, positions = torch.tensor([5]), torch.tensor([100])
+    width = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+    context = [torch.randn(100, width, dtype=dtype, device=args.device) for _ in range(27)]
+    for _ in range(5):
+        model.forward(ids, positions, context)
+    seconds = [timed(args.device, model.forward, ids, positions, context)[0]
+               for _ in range(args.repeats)]
+    with _Count() as count:
+        model.forward(ids, positions, context)
+    print(f"{1e3 * statistics.median(seconds):.2f} ms per 1-token forward (27 layers, "
+          f"{args.device}), {count.ops} ops dispatched ({count.ops / 27:.0f} per layer)")
+
+
+if __name__ == "__main__":
+    main()
