@@ -42,20 +42,22 @@ def no_cache(engine: Engine, request: ShiftRequest, namespace: int) -> None:
 
 
 def ideal(engine: Engine, reference: Sequence, request: ShiftRequest) -> None:
-    """Prefill only the request's novel spans, then its last token, each against the rows before
-    it, every other row taken as cached at its position from ``reference`` (a held sequence of
-    the cell's length; its rows are timing stand-ins). What a cache holding all content already
-    seen, at the right positions, would run — through the engine's own forward path."""
+    """Prefill only the request's novel spans and its last token, in one forward (as the live
+    engine does), every other row taken as cached at its position from ``reference`` (a held
+    sequence of the cell's length; its rows are timing stand-ins). What a cache holding all
+    content already seen, at the right positions, would run — through the engine's own path."""
     last = request.prompt.size - 1
-    seq = Sequence(request.prompt.tolist(), np.zeros(0, dtype=np.int64), reference.namespace)
+    compute = np.unique(np.concatenate(
+        [np.arange(s, min(e, last)) for s, e in request.novel if s < last] + [np.array([last])]))
+    cached = np.ones(request.prompt.size, dtype=bool)
+    cached[compute] = False
+    handles = reference.handles[:request.prompt.size].copy()
+    engine.pool.retain(handles[cached])
+    engine.make_room(compute.size)
+    handles[compute] = engine.pool.alloc(compute.size)
+    seq = Sequence(request.prompt.tolist(), handles, reference.namespace)
     engine.sequences.append(seq)  # owned by the engine, so finish() releases it
-    done = 0
-    for start, end in [(s, min(e, last)) for s, e in request.novel if s < last] + [(last, last + 1)]:
-        cached = reference.handles[done:start]
-        engine.pool.retain(cached)
-        seq.handles = np.concatenate([seq.handles, cached])
-        engine.run_batch([(seq, request.prompt[start:end], start)])
-        done = end
+    engine.run_batch([(seq, request.prompt[compute], compute)])
     engine.finish(seq, remember=False)
 
 

@@ -214,17 +214,25 @@ def test_pool_exhausted_when_full_and_failure_changes_nothing() -> None:
 
 # -- rows ------------------------------------------------------------------------------------------
 
+def write(pool: KVPool, handles: np.ndarray, rows: list[torch.Tensor]) -> None:
+    """Store per-layer rows [n, rank + rope] at handles, as a forward's PagedKV.store does."""
+    ckv, kr = (torch.from_numpy(s) for s in unpack(handles))
+    for layer, row in enumerate(rows):
+        pool.ckv[layer, ckv] = row[:, :RANK]
+        pool.kr[layer, kr] = row[:, RANK:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_rows_round_trip_per_layer(dtype: torch.dtype) -> None:
-    """rows(handles) returns, per layer, exactly the [c_KV | k_r] rows written at those handles,
+    """rows(handles) returns, per layer, exactly the [c_KV | k_r] rows stored at those handles,
     in the order asked; a handle sharing a c_KV slot sees the owner's c_KV and its own k_r."""
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(LAYERS, 16, RANK, ROPE, dtype=dtype)
     a, b = pool.alloc(5), pool.alloc(3)
     rows_a = [torch.randn(5, RANK + ROPE, generator=gen).to(dtype) for _ in range(LAYERS)]
     rows_b = [torch.randn(3, RANK + ROPE, generator=gen).to(dtype) for _ in range(LAYERS)]
-    pool.write(a, rows_a)
-    pool.write(b, rows_b)
+    write(pool, a, rows_a)
+    write(pool, b, rows_b)
     for layer, got in enumerate(pool.rows(a)):
         assert got.dtype == dtype
         assert torch.equal(got, rows_a[layer])
@@ -236,7 +244,7 @@ def test_write_rows_round_trip_per_layer(dtype: torch.dtype) -> None:
     own = [torch.randn(2, RANK + ROPE, generator=gen).to(dtype) for _ in range(LAYERS)]
     for layer in range(LAYERS):
         own[layer][:, :RANK] = rows_a[layer][1:3, :RANK]  # the shared content
-    pool.write(sharer, own)
+    write(pool, sharer, own)
     for layer in range(LAYERS):
         assert torch.equal(pool.rows(sharer)[layer], own[layer])
         assert torch.equal(pool.rows(a)[layer], rows_a[layer])  # owner's k_r untouched

@@ -109,11 +109,18 @@ class Engine:
         self.sequences.append(seq)
         return Prefill(seq, plan, prompt, list(self._runs(plan)))
 
-    def advance(self, prefill: Prefill, budget: int) -> tuple[np.ndarray, int] | None:
-        """Serve the prefill's cached runs up to its next computed span; return that span
-        (tokens, start position), at most ``budget`` tokens of it, or None when nothing is left
-        to compute. Call :meth:`run_batch` on the span, then :meth:`advance` again."""
+    def advance(self, prefill: Prefill, budget: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Serve the prefill's cached runs and give its next ``budget`` tokens to compute fresh
+        slots in place; return those tokens and their positions (several spans when reused runs
+        lie between them), or None when nothing is left to compute. Call :meth:`run_batch` on
+        them, then :meth:`advance` again.
+
+        Cached runs cost no budget and do not depend on computed ones, so they are all served
+        as they come: one forward computes every novel span up to the budget, each attending to
+        the rows before it (reused rows are already in place; earlier spans' rows are stored
+        layer by layer in the same forward)."""
         seq = prefill.seq
+        positions: list[np.ndarray] = []
         while prefill.runs:
             kind, start, end, seg = prefill.runs[0]
             start = max(start, len(seq.handles))
@@ -121,9 +128,15 @@ class Engine:
                 prefill.runs.pop(0)
                 continue
             if kind == "compute":
-                stop = min(end, start + max(budget, 1))
+                if budget <= 0:
+                    break
+                stop = min(end, start + budget)
+                self.make_room(stop - start)
+                seq.handles = np.concatenate([seq.handles, self.pool.alloc(stop - start)])
                 seq.stats.prefilled_tokens += stop - start
-                return prefill.prompt[start:stop], start
+                positions.append(np.arange(start, stop))
+                budget -= stop - start
+                continue
             prefill.runs.pop(0)
             if kind == "prefix":
                 handles = prefill.plan.prefix.handles[start:end].copy()
@@ -142,7 +155,10 @@ class Engine:
                 handles = self._reuse(np.concatenate(sources), np.concatenate(deltas))
                 seq.stats.pic_tokens += len(handles)
             seq.handles = np.concatenate([seq.handles, handles])
-        return None
+        if not positions:
+            return None
+        at = np.concatenate(positions)
+        return prefill.prompt[at], at
 
     def complete_prefill(self, prefill: Prefill) -> None:
         """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
@@ -214,62 +230,85 @@ class Engine:
         self.pool.kr[:, dst] = rotated.transpose(0, 1)
         return handles
 
-    def run_batch(self, work: list[tuple[Sequence, np.ndarray, int]], *,
+    def run_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]], *,
                   all_logits: bool = False) -> list[torch.Tensor]:
-        """One ragged forward: each (sequence, tokens, start) runs its tokens at positions
-        start.. after every row the sequence has; their rows are stored and appended to the
-        sequence. Returns each item's logits: [n, vocab] with ``all_logits``, else [1, vocab]
-        for its last token."""
-        lengths = [len(tokens) for _, tokens, _ in work]
-        self.make_room(sum(lengths))
-        new = [self.pool.alloc(n) for n in lengths]
+        """One ragged forward over (sequence, tokens, positions) items: a prefill's tokens at
+        the positions :meth:`advance` gave slots to, or new tokens appended at the sequence's
+        end (a decode step, a teacher-forced continuation). Each token attends to every row of
+        its sequence at or before its position; its rows are stored in its slot. Returns each
+        item's logits: [n, vocab] with ``all_logits``, else [1, vocab] for its last token."""
+        appended: list[np.ndarray | None] = []
+        self.make_room(sum(len(tokens) for seq, tokens, at in work
+                           if int(at[0]) >= len(seq.handles)))
         try:
-            ids = [torch.from_numpy(np.asarray(tokens, dtype=np.int64)) for _, tokens, _ in work]
-            positions = [torch.arange(start, start + len(tokens)) for _, tokens, start in work]
-            if self.kernels:
-                logits = self.model.forward_paged(torch.cat(ids), torch.cat(positions), lengths,
-                                                  self._paged(work, new),
-                                                  last_only=not all_logits)
-            else:
-                outs = self.model.forward_batch(
-                    ids, positions, [self.pool.rows(seq.handles) if seq.handles.size else None
-                                     for seq, _, _ in work])
-                for handles, out in zip(new, outs):
-                    self.pool.write(handles, out.latents)
-                logits = [out.logits if all_logits else out.logits[-1:] for out in outs]
+            keys, new = [], []
+            for seq, tokens, at in work:
+                at = np.asarray(at, dtype=np.int64)
+                if len(tokens) != len(at) or len(at) == 0:
+                    raise ValueError("need one position per token")
+                if at[0] >= len(seq.handles):  # appended at the end: fresh slots now
+                    if at[0] != len(seq.handles) or (np.diff(at) != 1).any():
+                        raise ValueError(f"appended tokens must continue the sequence at "
+                                         f"{len(seq.handles)}, got positions from {int(at[0])}")
+                    appended.append(self.pool.alloc(len(at)))
+                    keys.append(np.concatenate([seq.handles, appended[-1]]))
+                else:
+                    if at[-1] >= len(seq.handles):
+                        raise ValueError("positions past the sequence's slots")
+                    appended.append(None)
+                    keys.append(seq.handles)
+                new.append(keys[-1][at])
+            positions = [np.asarray(at, dtype=np.int64) for _, _, at in work]
+            logits = self.model.forward_paged(
+                torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64)
+                                                 for _, t, _ in work])),
+                torch.from_numpy(np.concatenate(positions)), [len(at) for at in positions],
+                self._paged(positions, keys, new), last_only=not all_logits)
         except BaseException:
-            self.pool.release(np.concatenate(new))
+            for handles in appended:
+                if handles is not None:
+                    self.pool.release(handles)
             raise
-        for (seq, _, _), handles in zip(work, new):
-            seq.handles = np.concatenate([seq.handles, handles])
+        for (seq, _, _), handles in zip(work, appended):
+            if handles is not None:
+                seq.handles = np.concatenate([seq.handles, handles])
         return logits
 
-    def _paged(self, work: list[tuple[Sequence, np.ndarray, int]],
+    def _paged(self, positions: list[np.ndarray], keys: list[np.ndarray],
                new: list[np.ndarray]) -> PagedKV:
-        """Where the batch's rows go, and how each sequence attends: short segments with context
-        (decode steps, carve-outs) through the kernel, the rest in the naive form."""
-        from ..kernels import PagedLayout
-
+        """Where the batch's rows go, and how each contiguous span attends (its keys: every row
+        of its sequence up to its last position): short spans with context through the kernel
+        when there is one; the rest in torch over context gathered from the pool."""
         device = self.pool.ckv.device
-        counts, ckv, kr, rows, naive, offset = [], [], [], [], [], 0
-        for (seq, _, _), handles in zip(work, new):
-            n, span = len(handles), slice(offset, offset + len(handles))
-            offset += n
-            if seq.handles.size == 0:
-                naive.append((span, None, None))
-            elif n >= self._naive_from:
-                naive.append((span, *(torch.from_numpy(s).to(device) for s in unpack(seq.handles))))
-            else:
-                c, r = unpack(np.concatenate([seq.handles, handles]))
-                counts.append(n)
-                ckv.append(c)
-                kr.append(r)
-                rows.append(np.arange(span.start, span.stop))
-        layout = (PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
-                                    device) if counts else None)
-        take = (torch.from_numpy(np.concatenate(rows)).to(device) if rows and naive else None)
-        new_ckv, new_kr = (torch.from_numpy(s).to(device) for s in unpack(np.concatenate(new)))
-        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, naive)
+        counts, ckv, kr, rows, gathered, offset = [], [], [], [], [], 0
+
+        def slots(handles: np.ndarray) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.from_numpy(s).to(device) for s in unpack(handles))
+
+        for at, seq_keys in zip(positions, keys):
+            for run in np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1):
+                first, n = int(at[run[0]]), len(run)
+                span = slice(offset + int(run[0]), offset + int(run[0]) + n)
+                if first == 0:
+                    gathered.append((span, None, None))
+                elif self.kernels and n < self._naive_from:
+                    c, r = unpack(seq_keys[:first + n])
+                    counts.append(n)
+                    ckv.append(c)
+                    kr.append(r)
+                    rows.append(np.arange(span.start, span.stop))
+                else:
+                    gathered.append((span, *slots(seq_keys[:first])))
+            offset += len(at)
+        layout = None
+        if counts:
+            from ..kernels import PagedLayout  # needs triton: only with kernels
+
+            layout = PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
+                                       device)
+        take = torch.from_numpy(np.concatenate(rows)).to(device) if rows and gathered else None
+        new_ckv, new_kr = slots(np.concatenate(new))
+        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, gathered)
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -278,7 +317,8 @@ class Engine:
         new = np.asarray(list(tokens), dtype=np.int64)
         if seq.finished:
             raise ValueError("sequence already finished")
-        logits = self.run_batch([(seq, new, len(seq.tokens))], all_logits=True)[0]
+        at = np.arange(len(seq.tokens), len(seq.tokens) + len(new))
+        logits = self.run_batch([(seq, new, at)], all_logits=True)[0]
         seq.tokens.extend(new.tolist())
         return logits
 

@@ -115,13 +115,6 @@ class KVPool:
         self.ckv_slots.release(*ckv_release)
         self.kr_slots.release(*kr_release)
 
-    def write(self, handles: np.ndarray, rows: list[torch.Tensor]) -> None:
-        """Store per-layer latent rows [n, L+R] of tokens at their handles."""
-        ckv, kr = (torch.from_numpy(s).to(self.ckv.device) for s in unpack(handles))
-        for layer, row in enumerate(rows):
-            self.ckv[layer, ckv] = row[:, :self.rank].to(self.ckv.dtype)
-            self.kr[layer, kr] = row[:, self.rank:].to(self.kr.dtype)
-
     def rows(self, handles: np.ndarray) -> list[torch.Tensor]:
         """Per-layer latent rows [n, L+R] of tokens, gathered from both stores."""
         ckv, kr = (torch.from_numpy(s).to(self.ckv.device) for s in unpack(handles))

@@ -179,7 +179,8 @@ class Scheduler:
         budget = self.batch_tokens
         for request in self.running:
             if request.state == "decode":
-                work.append((request, np.asarray(request.output[-1:]), len(request.seq.tokens)))
+                at = len(request.seq.tokens)
+                work.append((request, np.asarray(request.output[-1:]), np.array([at])))
                 budget -= 1
         for request in self.running:
             if request.state == "prefill" and budget > 0:
@@ -190,7 +191,7 @@ class Scheduler:
         outputs: list[StepOutput] = []
         if not work:
             return outputs
-        logits = self.engine.run_batch([(r.seq, tokens, start) for r, tokens, start in work])
+        logits = self.engine.run_batch([(r.seq, tokens, at) for r, tokens, at in work])
         for (request, tokens, _), out in zip(work, logits):
             if request.state == "decode":
                 request.seq.tokens.extend(tokens.tolist())

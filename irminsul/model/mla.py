@@ -116,18 +116,17 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
-        """Attention output [T, D] of a ragged batch whose context lives in the pool ``kv``: the
-        new rows are stored first; then the absorbed-form requests attend in one kernel launch
-        reading the pool in place, and each naive-form request (a fresh prefill, or a long
-        segment) attends in torch to its context gathered from the pool."""
-        from ..kernels import paged_mla_attention  # needs triton: GPU path only
-
+        """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
+        new rows are stored first; then the kernel's spans attend in one launch reading the pool
+        in place, and each other span attends in torch to its context gathered from the pool."""
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
         w_uk, w_uv = self._weights()
         out = x.new_empty(x.shape[0], self.heads, self.v_dim)
         if kv.layout is not None:
+            from ..kernels import paged_mla_attention  # needs triton: only with a layout
+
             take = kv.kernel_tokens
             qn, qr = (q_nope, q_rope) if take is None else (q_nope[take], q_rope[take])
             q = torch.cat([self._absorb(qn, w_uk), qr], dim=-1)
@@ -138,10 +137,10 @@ class MLAttention(nn.Module):
                 out = attended
             else:
                 out[take] = attended
-        for span, ckv_slots, kr_slots in kv.naive:
+        for span, ckv_slots, kr_slots in kv.gathered:
             context = None if ckv_slots is None else torch.cat(
                 [kv.ckv[self.layer, ckv_slots], kv.kr[self.layer, kr_slots]], dim=-1)
-            out[span] = self._attend(q_nope[span], q_rope[span], rows[span], context, False)
+            out[span] = self._attend(q_nope[span], q_rope[span], rows[span], context, None)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,

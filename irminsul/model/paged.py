@@ -1,9 +1,12 @@
-"""What a forward needs to read and write the engine's split pool in place (the GPU path).
+"""What a forward needs to read and write the engine's split pool in place.
 
-The engine allocates the new tokens' slots before the forward; every layer stores its new latent
-rows there and attends with the paged kernel (:mod:`irminsul.kernels`) over each request's slot
-lists, so cached context is never gathered into per-request tensors. Requests with no context at
-all (a fresh prefill) run the naive causal form instead, which is faster without context.
+The engine gives the new tokens slots before the forward; every layer stores its new latent rows
+there first, then attends. A batch is a list of contiguous spans (a prefill's novel spans, decode
+steps), each attending to its sequence's rows up to its last position — so spans of one sequence
+see each other's rows within one forward. Short spans with context run in the paged kernel
+(:mod:`irminsul.kernels`, CUDA), which reads the pool in place; the rest — fresh prefills, long
+spans (``mla.naive_from``), everything where there is no kernel — in torch, over context gathered
+from the pool.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ class PagedKV:
     kr: torch.Tensor  # [layers, slots, qk_rope_head_dim]
     new_ckv: torch.Tensor  # int64 [T]: c_KV slots of the batch's new tokens, in batch order
     new_kr: torch.Tensor  # int64 [T]: their k_r slots
-    layout: PagedLayout | None  # absorbed-form requests (read in place by the kernel), or None
-    kernel_tokens: torch.Tensor | None  # batch rows of those requests; None: every row
-    # Naive-form requests: batch rows, and the c_KV / k_r slots of their context (None: none).
-    naive: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]]
+    layout: PagedLayout | None  # spans the kernel reads in place (absorbed form), or None
+    kernel_tokens: torch.Tensor | None  # batch rows of those spans; None: every row
+    # Spans attended in torch: batch rows, and the c_KV / k_r slots of their context (None:
+    # none), gathered from the pool; the form follows MLAttention's cost rule.
+    gathered: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]]
 
     def store(self, layer: int, rows: torch.Tensor) -> None:
         """Write the new tokens' latent rows [T, rank + rope] of one layer into the pool."""
