@@ -256,6 +256,35 @@ def test_one_layer_live_pic_equals_full_recomputation(models1, case: str) -> Non
     assert errors[False] > 1e-3, errors
 
 
+def test_novel_spans_run_in_one_forward(models1) -> None:
+    """A prefill's novel spans between reused documents come out of one advance (one forward),
+    each at its own positions, and still give full recomputation's logits (one layer: exact); a
+    budget cuts them into several forwards with the same result."""
+    model = models1["v2_lite_like"]
+    source, rs, target, rt, _ = shifted_docs(3)
+    full = model.logits(torch.from_numpy(target))[-1]
+    for budget in (len(target), 7):
+        engine = Engine(model, num_slots=3000, mode="live")
+        seq, _ = engine.prefill(source, rs)
+        engine.finish(seq)
+        prefill = engine.start_prefill(target, rt)
+        spans, last = [], None
+        while (span := engine.advance(prefill, budget)) is not None:
+            spans.append(span[1])
+            assert np.array_equal(span[0], target[span[1]])
+            last = engine.run_batch([(prefill.seq, *span)])[0][-1]
+        engine.complete_prefill(prefill)
+        computed = np.concatenate(spans)
+        assert computed[-1] == len(target) - 1 and np.all(np.diff(computed) > 0)
+        if budget == len(target):
+            assert len(spans) == 1 and (np.diff(spans[0]) > 1).any()  # gaps: one forward
+        else:
+            assert all(len(s) <= budget for s in spans) and len(spans) > 1
+        assert (last - full).abs().max() <= 1e-5
+        engine.finish(prefill.seq)
+        engine.check()
+
+
 # -- 4. three layers: δ-rotation vs naive reuse ----------------------------------------------------
 
 KL_SEEDS = (0, 1, 2, 3, 4, 5)

@@ -89,6 +89,21 @@ def test_abort_frees_slots(model) -> None:
     assert not scheduler.abort("nope")
 
 
+def test_drop_leaves_the_queues_without_touching_the_engine(model) -> None:
+    """drop (the server's last resort when abort raises) removes a request from both queues;
+    its sequence stays in the engine, which check() still accounts for."""
+    engine = Engine(model, num_slots=3000)
+    scheduler = Scheduler(engine, chunk_tokens=32, max_running=1)
+    a = scheduler.add(_prompts(4, 1)[0], SamplingParams(max_tokens=50))
+    b = scheduler.add(_prompts(5, 1)[0], SamplingParams(max_tokens=50))
+    scheduler.step()
+    assert [r.id for r in scheduler.running] == [a] and [r.id for r in scheduler.waiting] == [b]
+    scheduler.drop(a)
+    scheduler.drop(b)
+    assert not scheduler.has_work() and len(engine.sequences) == 1
+    engine.check()
+
+
 def test_rejects_what_can_never_run(model) -> None:
     scheduler = Scheduler(Engine(model, num_slots=100))
     with pytest.raises(ValueError, match="exceeds the KV pool of 100 tokens"):

@@ -150,6 +150,13 @@ class Scheduler:
                 return True
         return False
 
+    def drop(self, request_id: str) -> None:
+        """Remove a request from the queues without touching the engine: the last resort when
+        :meth:`abort` itself raised, so the loop does not fail on it forever (its slots may
+        leak; ``Engine.check`` would say so)."""
+        self.running = [r for r in self.running if r.id != request_id]
+        self.waiting = [r for r in self.waiting if r.id != request_id]
+
     def _reserved(self) -> int:
         """Slots running requests may still allocate."""
         total = 0

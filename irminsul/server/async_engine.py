@@ -292,7 +292,7 @@ class AsyncEngine:
             self.scheduler.abort(request_id, reason)
         except Exception as err:
             log.exception("abort of %s failed", request_id)
-            self._forget(request_id)
+            self.scheduler.drop(request_id)
             item = EngineError(f"abort failed: {err!r}")
         if handle is not None:
             # Wake a consumer still waiting on the handle (a disconnect watcher aborted for it).
@@ -324,17 +324,11 @@ class AsyncEngine:
                 self.scheduler.abort(request.id, "error")
             except Exception:
                 log.exception("abort of %s after a failed step failed", request.id)
-                self._forget(request.id)
+                self.scheduler.drop(request.id)
             handle = self._handles.pop(request.id, None)
             if handle is not None:
                 failed.append((handle, EngineError(f"engine step failed: {err!r}")))
         self._post(failed)
-
-    def _forget(self, request_id: str) -> None:
-        """Last resort when the scheduler cannot abort a request: drop it from its queues so the
-        loop does not fail on it forever (its slots may leak; ``Engine.check`` would say so)."""
-        self.scheduler.running = [r for r in self.scheduler.running if r.id != request_id]
-        self.scheduler.waiting = [r for r in self.scheduler.waiting if r.id != request_id]
 
     def _drain_after_stop(self) -> None:
         """Answer what arrived with or after the stop command, so no caller waits forever."""
