@@ -37,17 +37,19 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, HALF: tl.constexpr,
 @triton.jit
 def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
                    ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                   HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr, LAYER_GROUP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     src = tl.load(SRC + rows, mask=valid, other=0).to(tl.int64)
     dst = tl.load(DST + rows, mask=valid, other=0).to(tl.int64)
     delta = tl.load(DELTA + rows, mask=valid, other=0)
-    # One δ per token, the same in every layer: the angles once, then a pass per layer.
+    # One δ per token, the same in every layer: the angles once, then a pass per layer of this
+    # program's group (groups of layers run in parallel programs: more loads in flight).
     cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF)
     cols = tl.arange(0, ROPE)[None, :]
+    first = tl.program_id(1) * LAYER_GROUP
     # Whole rows load and store contiguously (vectorised); pairs are split apart in registers.
-    for layer in range(layers):
+    for layer in range(first, tl.minimum(first + LAYER_GROUP, layers)):
         offset = layer * layer_stride
         x = tl.load(KR + offset + src[:, None] * ROPE + cols, mask=valid[:, None], other=0.0)
         if INTERLEAVED:
@@ -80,8 +82,8 @@ def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: tor
     if rotary.dim & (rotary.dim - 1) or rotary.dim < 4:
         raise ValueError(f"rope dim {rotary.dim} is not a power of two")
     cos, sin = rotary.delta_tables(kr.device)
-    block = 32
-    _rotate_kernel[(triton.cdiv(n, block),)](
+    block, group = 32, 4
+    _rotate_kernel[(triton.cdiv(n, block), triton.cdiv(kr.shape[0], group))](
         kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim,
         HALF=rotary.dim // 2, INTERLEAVED=rotary.interleaved, HI_OFFSET=rotary.hi_offset,
-        BLOCK=block)
+        BLOCK=block, LAYER_GROUP=group)
