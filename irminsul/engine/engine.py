@@ -2,9 +2,10 @@
 
 A prompt is served through the planner (Algorithm 1): exact-prefix tokens reuse their KV slots as
 they are; a PIC hit shares the chunk's c_KV slots and gets its k_r rotated by δ into slots of its
-own (gather–rotate–scatter); everything else — novel chunks, the carve-out — is prefilled in
-order, attending to every row before it (cached, reused and new). New chunks are registered and
-the prompt inserted into the radix tree; a finished sequence is inserted whole.
+own (gather–rotate–scatter); everything else — novel chunks, the carve-out — is prefilled, all
+its spans in one forward up to a token budget, each token attending to every row before it
+(cached, reused and new). New chunks are registered and the prompt inserted into the radix tree;
+a finished sequence is inserted whole.
 
 Modes: ``off`` is exact-prefix only (the SGLang-equivalent baseline); ``observer`` plans and
 records would-be PIC hits but prefills them (outputs identical to ``off``); ``live`` serves them.
@@ -12,7 +13,8 @@ records would-be PIC hits but prefills them (outputs identical to ``off``); ``li
 δ-rotation buys.
 
 Every slot reference is owned by a sequence, a radix node or a registry entry; when the pool runs
-out the indexes are evicted (LRU), never what a sequence holds. :meth:`Engine.check` verifies the
+out the indexes are evicted (least recently used first across both), never what a sequence
+holds. :meth:`Engine.check` verifies the
 accounting.
 """
 
@@ -241,9 +243,10 @@ class Engine:
         self.make_room(sum(len(tokens) for seq, tokens, at in work
                            if int(at[0]) >= len(seq.handles)))
         try:
-            keys, new = [], []
+            keys, new, positions = [], [], []
             for seq, tokens, at in work:
                 at = np.asarray(at, dtype=np.int64)
+                positions.append(at)
                 if len(tokens) != len(at) or len(at) == 0:
                     raise ValueError("need one position per token")
                 if at[0] >= len(seq.handles):  # appended at the end: fresh slots now
@@ -258,7 +261,6 @@ class Engine:
                     appended.append(None)
                     keys.append(seq.handles)
                 new.append(keys[-1][at])
-            positions = [np.asarray(at, dtype=np.int64) for _, _, at in work]
             logits = self.model.forward_paged(
                 torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64)
                                                  for _, t, _ in work])),

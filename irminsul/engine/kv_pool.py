@@ -79,7 +79,6 @@ class KVPool:
         self.kr = torch.zeros(num_layers, num_slots, rope_dim, dtype=dtype, device=device)
         self.ckv_slots = _Slots(num_slots, "c_KV pool")
         self.kr_slots = _Slots(num_slots, "k_r pool")
-        self.rank = kv_lora_rank
 
     @property
     def capacity(self) -> int:
