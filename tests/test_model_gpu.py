@@ -61,3 +61,39 @@ def test_cuda_engine_live_pic_and_batching(tmp_path) -> None:
     for request_id, prompt in zip(ids, prompts):
         alone, _ = Engine(model, num_slots=4000, mode="off").generate(prompt, 4)
         assert outs[request_id] == alone
+
+
+def test_paged_forward_never_waits_for_the_device(tmp_path, monkeypatch) -> None:
+    """A forward over the pool — fresh prefill, kernel spans, long spans with context, MoE
+    layers, decode — queues all its work without one host-device synchronisation (torch's sync
+    debug mode raises on any): a sync per layer would serialise launch and compute."""
+    import numpy as np
+
+    from irminsul.engine import Engine
+
+    build("v3_like", tmp_path, layers=2)  # layer 0 dense, layer 1 MoE
+    model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)
+    forward = model.forward_paged
+
+    def strict(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        torch.cuda.synchronize()  # what the engine queued before the forward may sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(model, "forward_paged", strict)
+    rng = np.random.default_rng(1)
+    doc = rng.integers(0, 97, 400)
+    engine = Engine(model, num_slots=4000, mode="live")
+    seq, _ = engine.prefill(np.concatenate([rng.integers(0, 97, 40), doc]), [40])
+    engine.finish(seq)
+    # A new header (fresh span from 0), the document reused, a tail of 250 (naive form with
+    # context) and the last token through the kernel.
+    target = np.concatenate([rng.integers(0, 97, 60), doc, rng.integers(0, 97, 250)])
+    seq, _ = engine.prefill(target, [60, 460])
+    assert seq.stats.pic_tokens >= 300
+    engine.extend(seq, [5])
+    engine.finish(seq)
+    engine.check()

@@ -31,7 +31,7 @@ import torch
 from ..cache.planner import Commit, Plan, Planner, Segment
 from ..model import MLAModel
 from ..model.mla import naive_from
-from ..model.paged import PagedKV
+from ..model.paged import PagedKV, upload
 from .kv_pool import KVPool, PoolExhausted, unpack
 
 Mode = Literal["off", "observer", "live"]
@@ -219,12 +219,11 @@ class Engine:
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv)
         _, kr_dst = unpack(handles)
-        src = torch.from_numpy(kr_src).to(self.pool.kr.device)
-        dst = torch.from_numpy(kr_dst).to(self.pool.kr.device)
+        src, dst = upload(kr_src, self.pool.kr.device), upload(kr_dst, self.pool.kr.device)
         if self.kernels and self.rotate:
             from ..kernels import rotate_kr
 
-            delta = torch.from_numpy(deltas.astype(np.int32)).to(self.pool.kr.device)
+            delta = upload(deltas, self.pool.kr.device, np.int32)
             rotate_kr(self.pool.kr, src, dst, delta, self.model.rotary)
             return handles
         base = self.pool.kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
@@ -261,10 +260,11 @@ class Engine:
                     appended.append(None)
                     keys.append(seq.handles)
                 new.append(keys[-1][at])
+            device = self.pool.ckv.device
             logits = self.model.forward_paged(
-                torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64)
-                                                 for _, t, _ in work])),
-                torch.from_numpy(np.concatenate(positions)), [len(at) for at in positions],
+                upload(np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work]),
+                       device),
+                upload(np.concatenate(positions), device), [len(at) for at in positions],
                 self._paged(positions, keys, new), last_only=not all_logits)
         except BaseException:
             for handles in appended:
@@ -279,26 +279,27 @@ class Engine:
     def _paged(self, positions: list[np.ndarray], keys: list[np.ndarray],
                new: list[np.ndarray]) -> PagedKV:
         """Where the batch's rows go, and how each contiguous span attends (its keys: every row
-        of its sequence up to its last position): short spans with context through the kernel
-        when there is one; the rest in torch over context gathered from the pool."""
+        of its sequence up to its last position): short spans through the kernel when there is
+        one (one launch per layer for all of them, context or not); the rest in torch over
+        context gathered from the pool."""
         device = self.pool.ckv.device
         counts, ckv, kr, rows, gathered, offset = [], [], [], [], [], 0
 
         def slots(handles: np.ndarray) -> tuple[torch.Tensor, ...]:
-            return tuple(torch.from_numpy(s).to(device) for s in unpack(handles))
+            return tuple(upload(s, device) for s in unpack(handles))
 
         for at, seq_keys in zip(positions, keys):
             for run in np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1):
                 first, n = int(at[run[0]]), len(run)
                 span = slice(offset + int(run[0]), offset + int(run[0]) + n)
-                if first == 0:
-                    gathered.append((span, None, None))
-                elif self.kernels and n < self._naive_from:
+                if self.kernels and n < self._naive_from:
                     c, r = unpack(seq_keys[:first + n])
                     counts.append(n)
                     ckv.append(c)
                     kr.append(r)
                     rows.append(np.arange(span.start, span.stop))
+                elif first == 0:
+                    gathered.append((span, None, None))
                 else:
                     gathered.append((span, *slots(seq_keys[:first])))
             offset += len(at)
@@ -308,7 +309,7 @@ class Engine:
 
             layout = PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
                                        device)
-        take = torch.from_numpy(np.concatenate(rows)).to(device) if rows and gathered else None
+        take = upload(np.concatenate(rows), device) if rows and gathered else None
         new_ckv, new_kr = slots(np.concatenate(new))
         return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, gathered)
 

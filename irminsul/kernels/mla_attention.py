@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.paged import upload
 from ..model.rope import Rotary
 from .rotate import delta_cos_sin, pair_layout
 
@@ -148,7 +149,7 @@ class PagedLayout:
         requests = np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
-            return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
+            return upload(values, device, np.int32)
 
         return cls(ints(np.concatenate(kv_ckv)), ints(np.concatenate(kv_kr)),
                    None if kv_delta is None else ints(np.concatenate(kv_delta)),

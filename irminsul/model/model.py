@@ -23,7 +23,7 @@ from .config import MLAConfig
 from .mla import MLAttention
 from .moe import MLP, MoE
 from .norm import RMSNorm
-from .paged import PagedKV
+from .paged import PagedKV, upload
 from .rope import Rotary
 
 
@@ -117,15 +117,16 @@ class MLAModel(nn.Module):
         new rows live in the engine's pool ``kv``; each sequence's logits (float32), [1, vocab]
         for its last token when ``last_only``, else [n, vocab]."""
         device = self.lm_head.weight.device
+        # Only the last token's logits start a generation: skip the vocab projection of the
+        # rest (for a 16K prompt on a 100K vocabulary, 7 TFLOP and 6.7 GB of logits). Uploaded
+        # before the layers, so nothing in the forward waits for the device.
+        last = upload(np.cumsum(lengths) - 1, device) if last_only else None
         x = self.model.embed_tokens(token_ids.to(device))
         pos = positions.to(device)
         for layer in self.model.layers:
             x = layer.forward_paged(x, pos, kv)
-        if last_only:
-            # Only the last token's logits start a generation: skip the vocab projection of the
-            # rest (for a 16K prompt on a 100K vocabulary, 7 TFLOP and 6.7 GB of logits).
-            x = x[torch.as_tensor(np.cumsum(lengths) - 1, device=device)]
-            return list(self.lm_head(self.model.norm(x)).float()[:, None])
+        if last is not None:
+            return list(self.lm_head(self.model.norm(x[last])).float()[:, None])
         return list(self.lm_head(self.model.norm(x)).float().split(lengths))
 
     def fuse_experts(self) -> None:

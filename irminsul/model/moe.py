@@ -119,7 +119,11 @@ class MoE(nn.Module):
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
-        ends = torch.bincount(flat, minlength=self.w13.shape[0]).cumsum(0).to(torch.int32)
+        # Counts by scatter-add, not bincount: bincount reads the largest id back to the host,
+        # which would stall every MoE layer's launches behind the device.
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
         tokens = order // k
         gate_up = torch._grouped_mm(x[tokens], self.w13.transpose(-2, -1), offs=ends)
         g, u = gate_up.chunk(2, dim=-1)

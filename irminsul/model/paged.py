@@ -3,10 +3,10 @@
 The engine gives the new tokens slots before the forward; every layer stores its new latent rows
 there first, then attends. A batch is a list of contiguous spans (a prefill's novel spans, decode
 steps), each attending to its sequence's rows up to its last position — so spans of one sequence
-see each other's rows within one forward. Short spans with context run in the paged kernel
-(:mod:`irminsul.kernels`, CUDA), which reads the pool in place; the rest — fresh prefills, long
-spans (``mla.naive_from``), everything where there is no kernel — in torch, over context gathered
-from the pool.
+see each other's rows within one forward. Short spans run in the paged kernel
+(:mod:`irminsul.kernels`, CUDA), which reads the pool in place; the rest — long spans
+(``mla.naive_from``: fresh prefills among them), everything where there is no kernel — in torch,
+over context gathered from the pool.
 """
 
 from __future__ import annotations
@@ -14,10 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from ..kernels import PagedLayout
+
+
+def upload(values: np.ndarray, device: torch.device | str,
+           dtype: np.dtype | type = np.int64) -> torch.Tensor:
+    """A host array as a tensor on ``device``. To a GPU through pinned memory, asynchronously:
+    a copy from pageable memory makes the host wait for the device's queue to drain, which would
+    stop the serve path from queueing a forward ahead of the device."""
+    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -1,0 +1,126 @@
+"""Where a live-PIC prefill's time goes: host phases, operators, and host–device syncs.
+
+For one TTFT cell (pattern, prompt length), after the cell's warm-up requests, one request is
+served three ways and reported:
+
+    phases   host seconds of planning (start_prefill), serving cached runs and allocating
+             (advance), issuing the forward (run_batch, returns before the device is done),
+             waiting for the device, and committing (complete_prefill); the same for the ideal
+             forward (novel spans only) as the floor
+    syncs    every call inside the forward that made the host wait for the device (torch's
+             sync debug mode): each one stops the host from queueing ahead
+    ops      the top operators by host time and by device time (torch.profiler)
+
+    python benchmarks/prefill_profile.py [--pattern agent_meta] [--length 16384] [--out F.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+import warnings
+from collections import Counter
+from contextlib import redirect_stdout
+
+import torch
+from gpu_common import AgentText, build_model, sync
+from gpu_ttft import ideal
+from shift_prompts import PATTERNS, ShiftRequest, build_requests
+
+from irminsul.engine import Engine
+
+
+def phases(engine: Engine, request: ShiftRequest) -> dict[str, float]:
+    """Host milliseconds of each step of one prefill."""
+    device = engine.pool.ckv.device
+    times: Counter[str] = Counter()
+    sync(device)
+    start = time.perf_counter()
+    prefill = engine.start_prefill(request.prompt, request.resets)
+    times["plan"] += time.perf_counter() - start
+    while True:
+        start = time.perf_counter()
+        span = engine.advance(prefill, prefill.prompt.size)
+        times["advance (reuse, alloc)"] += time.perf_counter() - start
+        if span is None:
+            break
+        start = time.perf_counter()
+        engine.run_batch([(prefill.seq, *span)])
+        times["forward issued"] += time.perf_counter() - start
+        start = time.perf_counter()
+        sync(device)
+        times["device drained"] += time.perf_counter() - start
+    start = time.perf_counter()
+    engine.complete_prefill(prefill)
+    engine.finish(prefill.seq)
+    times["commit"] += time.perf_counter() - start
+    return {name: 1e3 * seconds for name, seconds in times.items()}
+
+
+def forward_syncs(engine: Engine, request: ShiftRequest) -> Counter[str]:
+    """Source lines that synchronised with the device during one prefill's forward."""
+    prefill = engine.start_prefill(request.prompt, request.resets)
+    found: Counter[str] = Counter()
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.run_batch([(prefill.seq, *span)])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        found.update(f"{w.filename}:{w.lineno}" for w in caught)
+    engine.complete_prefill(prefill)
+    engine.finish(prefill.seq)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pattern", choices=PATTERNS, default="agent_meta")
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--header", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args()
+    model = build_model("cuda")
+    text = AgentText(model.config.vocab_size)
+    requests = build_requests(args.pattern, text, args.length, args.warmup + 3,
+                              header=args.header, seed=args.length)
+    live = Engine(model, num_slots=4 * args.length + 64, mode="live")
+    floor = Engine(model, num_slots=4 * args.length + 64, mode="off")
+    reference, _ = floor.prefill(requests[0].prompt, namespace=-1)
+    for request in requests[:args.warmup]:
+        phases(live, request)
+        ideal(floor, reference, request)
+    report = io.StringIO()
+    with redirect_stdout(report):
+        print(f"{args.pattern} L={args.length} H={args.header}, {torch.cuda.get_device_name()}")
+        timing = phases(live, requests[args.warmup])
+        print("PIC live phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
+              + f"; total {sum(timing.values()):.1f}")
+        start = time.perf_counter()
+        ideal(floor, reference, requests[args.warmup])
+        sync("cuda")
+        print(f"ideal forward (ms): {1e3 * (time.perf_counter() - start):.1f}")
+        syncs = forward_syncs(live, requests[args.warmup + 1])
+        print(f"syncs inside the forward: {sum(syncs.values())}"
+              + "".join(f"\n  {n:4d}  {where}" for where, n in syncs.most_common()))
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            phases(live, requests[args.warmup + 2])
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cpu_time_total", row_limit=25))
+        print(table.table(sort_by="self_device_time_total", row_limit=15))
+        busy = sum(e.self_device_time_total for e in table) / 1e3
+        print(f"device busy {busy:.1f} ms of the profiled prefill")
+    print(report.getvalue())
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(report.getvalue())
+    floor.finish(reference, remember=False)
+
+
+if __name__ == "__main__":
+    main()
