@@ -53,17 +53,21 @@ def test_incremental_decode_equals_full_forward(pair) -> None:
 
 
 def test_absorbed_equals_naive(pair) -> None:
-    """Both attention forms, fresh prefill and against context."""
+    """Both attention forms, fresh prefill and against context of several lengths."""
     _, ours = pair
     ids = _ids()
     naive = ours.forward(ids, torch.arange(ids.shape[0]), absorbed=False).logits
     absorbed = ours.forward(ids, torch.arange(ids.shape[0]), absorbed=True).logits
     assert (naive - absorbed).abs().max() <= TOL
-    head = ours.forward(ids[:20], torch.arange(20))
-    tail_abs = ours.forward(ids[20:], torch.arange(20, 48), head.latents, absorbed=True).logits
-    tail_naive = ours.forward(ids[20:], torch.arange(20, 48), head.latents, absorbed=False).logits
-    assert (tail_abs - tail_naive).abs().max() <= TOL
-    assert (tail_abs - naive[20:]).abs().max() <= TOL
+    # Context shorter than the segment (the naive form squares the mask) and longer (a
+    # lower-right bias).
+    for cut in (10, 24, 40):
+        head = ours.forward(ids[:cut], torch.arange(cut))
+        tail = ids[cut:], torch.arange(cut, 48), head.latents
+        tail_abs = ours.forward(*tail, absorbed=True).logits
+        tail_naive = ours.forward(*tail, absorbed=False).logits
+        assert (tail_abs - tail_naive).abs().max() <= TOL
+        assert (tail_abs - naive[cut:]).abs().max() <= TOL
 
 
 def test_single_token_decode_both_forms(pair) -> None:

@@ -169,9 +169,16 @@ class MLAttention(nn.Module):
                        k_r[None].expand(self.heads, -1, -1)], dim=-1)
         v = torch.matmul(c, w_uv.transpose(1, 2))
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        # With context, "causal aligned to the last key" as a bias object rather than a dense
-        # mask, so SDPA can keep its fused kernels (a dense mask of a 16K segment is 256M cells).
-        bias = causal_lower_right(n_new, keys.shape[0]) if n_ctx and n_new > 1 else None
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
-                                              is_causal=n_ctx == 0,
-                                              scale=self.scale)[0].transpose(0, 1)
+        # SDPA's fastest kernels (cuDNN, flash) take only the top-left causal mask, but with
+        # context the mask is aligned to the last key. While the context is no longer than the
+        # segment, that many zero queries in front square the problem (where both alignments
+        # agree) for less extra work than the slower kernel a lower-right mask selects; past
+        # that, the mask as a bias object, never dense (a 16K segment's would be 256M cells).
+        pad = n_ctx if n_ctx <= n_new else 0
+        if pad:
+            q = torch.cat([q.new_zeros(self.heads, pad, q.shape[-1]), q], dim=1)
+        square = q.shape[1] == keys.shape[0]
+        bias = None if square or n_new == 1 else causal_lower_right(n_new, keys.shape[0])
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
+                                             is_causal=square, scale=self.scale)
+        return out[0, :, pad:].transpose(0, 1)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import MLAConfig, RopeConfig
+from .paged import upload
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Rotary:
             return self._last[2]
         freq = self._inv_freq_t.get(device)
         if freq is None:
-            freq = self._inv_freq_t[device] = torch.from_numpy(self.inv_freq).to(device)
+            freq = self._inv_freq_t[device] = upload(self.inv_freq, device, np.float64)
         angles = positions.to(device=device, dtype=torch.float64).reshape(-1, 1) * freq
         cis = torch.polar(torch.full_like(angles, magnitude), angles).to(torch.complex64)
         self._last = (positions, key, cis)  # holds positions, so its id is not reused
@@ -133,8 +134,8 @@ class Rotary:
             hi = self.hi_offset
             steps = np.concatenate([np.arange(DELTA_LOW), np.arange(-hi, hi + 1) * DELTA_LOW])
             angles = steps[:, None].astype(np.float64) * self.inv_freq[None]
-            self._delta_tables[device] = (torch.from_numpy(np.cos(angles)).float().to(device),
-                                          torch.from_numpy(np.sin(angles)).float().to(device))
+            self._delta_tables[device] = (upload(np.cos(angles), device, np.float32),
+                                          upload(np.sin(angles), device, np.float32))
         return self._delta_tables[device]
 
     @property
