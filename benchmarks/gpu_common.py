@@ -110,6 +110,17 @@ def timed(device: torch.device | str, fn: Callable[..., T], *args: Any) -> tuple
     return time.perf_counter() - start, result
 
 
+def per_call(device: torch.device | str, fn: Callable[[], Any], calls: int = 10) -> float:
+    """Seconds per call of ``calls`` back-to-back calls: the device stays busy, so launch latency
+    hides behind the previous call, as it does inside a forward (a kernel's own time)."""
+
+    def back_to_back() -> None:
+        for _ in range(calls):
+            fn()
+
+    return timed(device, back_to_back)[0] / calls
+
+
 def percentiles(values: Sequence[float], scale: float = 1.0, unit: str = "ms") -> dict[str, float]:
     """p50 and p95 of values times ``scale``, keyed ``p50_<unit>``/``p95_<unit>``."""
     return {f"p50_{unit}": scale * statistics.median(values),

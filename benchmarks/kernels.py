@@ -1,7 +1,7 @@
 """The attention kernel against the plain-torch path, and fused rotation-on-load against the
 materialised rotation (issue #5), at DeepSeek-V2-Lite's attention shapes (16 heads, 512 + 64).
 
-Per context length, one layer, median of repeats:
+Per context length, one layer, median of repeats (each the mean of back-to-back calls):
 
     decode     8 requests × 1 new token: torch (gather the rows, SDPA over head-folded queries)
                vs the kernel reading the pool in place, with k_r materialised (rotated copies)
@@ -9,6 +9,7 @@ Per context length, one layer, median of repeats:
                materialisation costs once per reuse (gather–rotate–scatter of every k_r row)
     prefill    one 512-token novel segment attending to the whole context, torch vs kernel (and a few
                other tile shapes for the kernel)
+    rotation   the materialisation at a few launch shapes (tokens and layers per program, warps)
 
 Prints a table and writes JSON (``--out``).
 """
@@ -22,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_common import V2_LITE, percentiles, run_metadata, timed
+from gpu_common import V2_LITE, per_call, percentiles, run_metadata
 from triton.runtime.errors import OutOfResources
 
 from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention, rotate_kr
@@ -32,6 +33,7 @@ from irminsul.model.rope import Rotary, softmax_scale
 HEADS, RANK, ROPE = 16, 512, 64
 PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)),
                  (64, TileConfig(32, 256, 4, 2)), (64, TileConfig(32, 256, 8, 2))]
+ROTATE_SHAPES = [(32, 4, 4), (64, 4, 4), (64, 9, 4), (128, 3, 8), (32, 27, 4), (16, 9, 2)]
 
 
 def torch_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, ckv_idx: list,
@@ -67,7 +69,7 @@ def measure(context: int, repeats: int) -> dict:
         except OutOfResources as err:  # a tile shape this GPU cannot hold: report, go on
             row[label] = str(err)
             return
-        row[label] = percentiles([timed(device, fn)[0] for _ in range(repeats)], 1e3)
+        row[label] = percentiles([per_call(device, fn) for _ in range(repeats)], 1e3)
 
     for phase, new in (("decode", [1] * batch), ("prefill", [512])):
         shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots
@@ -98,9 +100,12 @@ def measure(context: int, repeats: int) -> dict:
     delta = torch.from_numpy(deltas[0].astype(np.int32)).to(device)
     layers = V2_LITE["num_hidden_layers"]
     pool = torch.randn(layers, slots, ROPE, device=device, generator=gen).bfloat16()
-    run("materialise (27 layers)", partial(rotate_kr, pool, src, dst, delta, rotary))
     nbytes = 2 * src.numel() * layers * ROPE * pool.element_size()
-    row["materialise GB/s"] = nbytes / (row["materialise (27 layers)"]["p50_ms"] / 1e3) / 1e9
+    for block, group, warps in ROTATE_SHAPES:
+        label = f"materialise (27 layers) b{block} g{group} w{warps}"
+        run(label, partial(rotate_kr, pool, src, dst, delta, rotary, block=block, group=group,
+                           num_warps=warps))
+        row[f"{label} GB/s"] = nbytes / (row[label]["p50_ms"] / 1e3) / 1e9
     return row
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_common import sync, timed
+from gpu_common import per_call, sync
 
 from irminsul.model import MLAModel
 from irminsul.model.config import MLAConfig
@@ -44,7 +44,7 @@ def prefill_flops(cfg: MLAConfig, tokens: int, logit_tokens: int) -> int:
 
 def _median_seconds(device: str, fn: Callable[[], Any], repeats: int) -> float:
     fn()  # warm-up: kernels chosen, memory allocated
-    return statistics.median(timed(device, fn)[0] for _ in range(repeats))
+    return statistics.median(per_call(device, fn, 5) for _ in range(repeats))
 
 
 def matmul_peak(device: str, n: int = 8192, repeats: int = 20) -> float:

@@ -49,9 +49,12 @@ def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
     cols = tl.arange(0, ROPE)[None, :]
     first = tl.program_id(1) * LAYER_GROUP
     # Whole rows load and store contiguously (vectorised); pairs are split apart in registers.
-    for layer in range(first, tl.minimum(first + LAYER_GROUP, layers)):
-        offset = layer * layer_stride
-        x = tl.load(KR + offset + src[:, None] * ROPE + cols, mask=valid[:, None], other=0.0)
+    # The group's layers are unrolled, so their loads are all in flight at once.
+    for i in tl.static_range(LAYER_GROUP):
+        layer = first + i
+        ok = valid[:, None] & (layer < layers)
+        offset = layer.to(tl.int64) * layer_stride  # a big pool's offsets pass 2^31
+        x = tl.load(KR + offset + src[:, None] * ROPE + cols, mask=ok, other=0.0)
         if INTERLEAVED:
             a, b = tl.split(tl.reshape(x, (BLOCK, HALF, 2)))
         else:
@@ -61,7 +64,7 @@ def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
         if not INTERLEAVED:
             y = tl.permute(y, (0, 2, 1))
         y = tl.reshape(y, (BLOCK, ROPE)).to(KR.dtype.element_ty)
-        tl.store(KR + offset + dst[:, None] * ROPE + cols, y, mask=valid[:, None])
+        tl.store(KR + offset + dst[:, None] * ROPE + cols, y, mask=ok)
 
 
 def pair_layout(rotary: Rotary) -> tuple[int, int]:
@@ -70,10 +73,11 @@ def pair_layout(rotary: Rotary) -> tuple[int, int]:
 
 
 def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
-              rotary: Rotary) -> None:
+              rotary: Rotary, *, block: int = 32, group: int = 4, num_warps: int = 4) -> None:
     """kr[:, dst] = kr[:, src] rotated by ``delta`` (one per row), for every layer of the pool
     ``kr`` [layers, slots, rope_dim]; src/dst int64 slots, delta int32, all on kr's device.
-    Source and destination slots must not overlap."""
+    Source and destination slots must not overlap. ``block`` tokens and ``group`` layers per
+    program, ``num_warps`` warps: the launch shape (benchmarks/kernels.py sweeps it)."""
     n = src.numel()
     if n == 0:
         return
@@ -82,8 +86,7 @@ def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: tor
     if rotary.dim & (rotary.dim - 1) or rotary.dim < 4:
         raise ValueError(f"rope dim {rotary.dim} is not a power of two")
     cos, sin = rotary.delta_tables(kr.device)
-    block, group = 32, 4
     _rotate_kernel[(triton.cdiv(n, block), triton.cdiv(kr.shape[0], group))](
         kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim,
         HALF=rotary.dim // 2, INTERLEAVED=rotary.interleaved, HI_OFFSET=rotary.hi_offset,
-        BLOCK=block, LAYER_GROUP=group)
+        BLOCK=block, LAYER_GROUP=group, num_warps=num_warps)
