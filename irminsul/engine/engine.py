@@ -97,7 +97,8 @@ class Engine:
     def start_prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
                       namespace: int = 0) -> Prefill:
         """Plan a prompt and hold what the plan reuses; the work is done by :meth:`advance`."""
-        prompt = np.asarray(list(tokens), dtype=np.int64)
+        prompt = np.array(tokens if isinstance(tokens, np.ndarray) else list(tokens),
+                          dtype=np.int64)
         if prompt.size == 0:
             raise ValueError("empty prompt")
         if prompt.size > self.model.config.max_position_embeddings:
@@ -146,15 +147,16 @@ class Engine:
                 seq.stats.prefix_tokens += end - start
             else:
                 # Consecutive hits are reused in one gather-rotate-scatter, one δ per token.
-                sources, deltas = [], []
+                sources, deltas, sizes = [], [], []
                 while True:
                     first = seg.offset + (start - seg.start)
                     sources.append(seg.entry.handles[first:first + end - start])
-                    deltas.append(np.full(end - start, seg.delta, dtype=np.int64))
+                    deltas.append(seg.delta)
+                    sizes.append(end - start)
                     if not prefill.runs or prefill.runs[0][0] != "reuse":
                         break
                     _, start, end, seg = prefill.runs.pop(0)
-                handles = self._reuse(np.concatenate(sources), np.concatenate(deltas))
+                handles = self._reuse(np.concatenate(sources), np.repeat(deltas, sizes))
                 seq.stats.pic_tokens += len(handles)
             seq.handles = np.concatenate([seq.handles, handles])
         if not positions:
