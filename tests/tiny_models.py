@@ -38,8 +38,8 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build(name: str, directory: Path, *, layers: int | None = None, seed: int = 0,
-          legacy: bool = False):
+def build(name: str, directory: Path, *, layers: int | None = None, heads: int | None = None,
+          seed: int = 0, legacy: bool = False):
     """Save a random transformers model for CASES[name]; return it (eval mode)."""
     import transformers
 
@@ -47,6 +47,8 @@ def build(name: str, directory: Path, *, layers: int | None = None, seed: int = 
     cfg = {**BASE, **overrides}
     if layers is not None:
         cfg.update(num_hidden_layers=layers, first_k_dense_replace=min(1, layers - 1))
+    if heads is not None:
+        cfg.update(num_attention_heads=heads, num_key_value_heads=heads)
     config = getattr(transformers, f"{family}Config")(**cfg)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()

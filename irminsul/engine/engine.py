@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from ..model import MLAModel
 from ..model.mla import naive_from
 from ..model.paged import PagedKV, upload
 from .kv_pool import KVPool, PoolExhausted, unpack
+
+if TYPE_CHECKING:
+    from .graphs import CudaGraphs
 
 Mode = Literal["off", "observer", "live"]
 MODES: tuple[Mode, ...] = ("off", "observer", "live")
@@ -75,10 +78,11 @@ class Engine:
 
     def __init__(self, model: MLAModel, *, num_slots: int, mode: Mode = "live",
                  rotate: bool = True, capacity: int | None = None, s1: bool = True,
-                 kernels: bool | None = None) -> None:
+                 kernels: bool | None = None, graphs: bool | None = None) -> None:
         """``kernels``: attend and rotate in place in the pool with the Triton kernels (default:
         on a CUDA device when triton is installed); otherwise each forward gathers its
-        sequences' context rows and runs plain torch."""
+        sequences' context rows and runs plain torch. ``graphs``: replay CUDA graphs for
+        batches of short spans (default: with the kernels, when the heads fill 16-row blocks)."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
@@ -91,6 +95,16 @@ class Engine:
         self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
+        if graphs is None:
+            graphs = kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
+        self.graphs: CudaGraphs | None = None
+        self._scratch = np.zeros(0, dtype=np.int64)  # padding rows' slot, held for good
+        if graphs:
+            from .graphs import CudaGraphs  # needs triton and CUDA
+
+            self._scratch = self.pool.alloc(1)
+            ckv, kr = unpack(self._scratch)
+            self.graphs = CudaGraphs(model, self.pool.ckv, self.pool.kr, (int(ckv[0]), int(kr[0])))
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -262,12 +276,9 @@ class Engine:
                     appended.append(None)
                     keys.append(seq.handles)
                 new.append(keys[-1][at])
-            device = self.pool.ckv.device
-            logits = self.model.forward_paged(
-                upload(np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work]),
-                       device),
-                upload(np.concatenate(positions), device), [len(at) for at in positions],
-                self._paged(positions, keys, new), last_only=not all_logits)
+            logits = self._forward(
+                np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work]), positions,
+                keys, np.concatenate(new), all_logits)
         except BaseException:
             for handles in appended:
                 if handles is not None:
@@ -278,42 +289,49 @@ class Engine:
                 seq.handles = np.concatenate([seq.handles, handles])
         return logits
 
-    def _paged(self, positions: list[np.ndarray], keys: list[np.ndarray],
-               new: list[np.ndarray]) -> PagedKV:
-        """Where the batch's rows go, and how each contiguous span attends (its keys: every row
-        of its sequence up to its last position): short spans through the kernel when there is
-        one (one launch per layer for all of them, context or not); the rest in torch over
-        context gathered from the pool."""
+    def _forward(self, tokens: np.ndarray, positions: list[np.ndarray], keys: list[np.ndarray],
+                 new: np.ndarray, all_logits: bool) -> list[torch.Tensor]:
+        """Split the batch into contiguous spans, each attending to its sequence's rows up to
+        its last position: short spans through the kernel when there is one (one launch per
+        layer for all of them, context or not), the rest in torch over context gathered from the
+        pool. A batch of kernel spans only replays a CUDA graph where there are graphs."""
         device = self.pool.ckv.device
-        counts, ckv, kr, rows, gathered, offset = [], [], [], [], [], 0
-
-        def slots(handles: np.ndarray) -> tuple[torch.Tensor, ...]:
-            return tuple(upload(s, device) for s in unpack(handles))
-
+        kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, c_KV, k_r slots)
         for at, seq_keys in zip(positions, keys):
             for run in np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1):
                 first, n = int(at[run[0]]), len(run)
                 span = slice(offset + int(run[0]), offset + int(run[0]) + n)
                 if self.kernels and n < self._naive_from:
-                    c, r = unpack(seq_keys[:first + n])
-                    counts.append(n)
-                    ckv.append(c)
-                    kr.append(r)
-                    rows.append(np.arange(span.start, span.stop))
-                elif first == 0:
-                    gathered.append((span, None, None))
+                    kernel.append((run + offset, n, *unpack(seq_keys[:first + n])))
                 else:
-                    gathered.append((span, *slots(seq_keys[:first])))
+                    gathered.append((span, seq_keys[:first]))
             offset += len(at)
+        lengths = [len(at) for at in positions]
+        at = np.concatenate(positions)
+        last = None if all_logits else upload(np.cumsum(lengths) - 1, device)
+        new_ckv, new_kr = unpack(new)
+        if (self.graphs is not None and not gathered
+                and self.graphs.fits(len(at), sum(len(c) for _, _, c, _ in kernel))):
+            hidden = self.graphs.hidden(tokens, at, new_ckv, new_kr,
+                                        [(n, c, r) for _, n, c, r in kernel])
+            return self.model.head(hidden, lengths, last)
         layout = None
-        if counts:
+        if kernel:
             from ..kernels import PagedLayout  # needs triton: only with kernels
 
-            layout = PagedLayout.build(counts, ckv, kr, self.model.config.num_attention_heads,
-                                       device)
-        take = upload(np.concatenate(rows), device) if rows and gathered else None
-        new_ckv, new_kr = slots(np.concatenate(new))
-        return PagedKV(self.pool.ckv, self.pool.kr, new_ckv, new_kr, layout, take, gathered)
+            layout = PagedLayout.build([n for _, n, _, _ in kernel], [c for _, _, c, _ in kernel],
+                                       [r for _, _, _, r in kernel],
+                                       self.model.config.num_attention_heads, device)
+        take = (upload(np.concatenate([rows for rows, _, _, _ in kernel]), device)
+                if kernel and gathered else None)
+        context = []
+        for span, handles in gathered:
+            slots = [upload(s, device) for s in unpack(handles)] if handles.size else [None, None]
+            context.append((span, *slots))
+        kv = PagedKV(self.pool.ckv, self.pool.kr, upload(new_ckv, device),
+                     upload(new_kr, device), layout, take, context)
+        hidden = self.model.hidden_paged(upload(tokens, device), upload(at, device), kv)
+        return self.model.head(hidden, lengths, last)
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -381,7 +399,7 @@ class Engine:
 
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""
-        refs = [seq.handles for seq in self.sequences]
+        refs = [self._scratch] + [seq.handles for seq in self.sequences]
         refs += list(self.planner.radix.values())
         refs += [entry.handles for entry in self.planner.registry.entries()]
         return refs

@@ -26,12 +26,13 @@ from ..model.rope import Rotary
 from .rotate import delta_cos_sin, pair_layout
 
 _SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
+_SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 
 
 @triton.jit
 def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
-                heads, split_len, scale_log2, q_stride, c_stride, r_stride, out_rows,
+                heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
                 RANK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
                 PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
                 FUSED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -44,6 +45,9 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
     row_ok = rows < nq * heads
     grow = (q0 * heads + rows).to(tl.int64)  # (q0 + token)·H + head
     visible = kvlen - nq + rows // heads + 1  # keys each row may see (itself included)
+    # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
+    # keys): the grid does not depend on the batch's lengths, so a captured launch serves any.
+    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
     start = split * split_len
     end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
 
@@ -123,38 +127,43 @@ class PagedLayout:
     heads: int
     block_m: int
     splits: int
-    split_len: int
 
     @classmethod
     def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
               device: torch.device | str, kv_delta: list[np.ndarray] | None = None,
-              block_m: int | None = None, block_n: int = 64) -> PagedLayout:
+              block_m: int | None = None, splits: int | None = None) -> PagedLayout:
         """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
         ``kv_kr[i]`` (every key in position order, the new tokens' own rows last), in blocks of
-        ``block_m`` query rows (default: 16 for decode-sized batches, else 64)."""
+        ``block_m`` query rows (default: 16 for decode-sized batches, else 64), each request's
+        keys split over ``splits`` programs (default: enough for two waves, at least 256 keys
+        each)."""
         kv_len = [len(s) for s in kv_ckv]
         if any(n < 1 or n > k for n, k in zip(new, kv_len)):
             raise ValueError("each request needs 1..len(keys) new tokens among its keys")
         if block_m is None:
             block_m = 16 if max(new) * heads <= 16 else 64
-        block_req, block_row0 = [], []
-        for i, n in enumerate(new):
-            for row in range(0, n * heads, block_m):
-                block_req.append(i)
-                block_row0.append(row)
-        longest = max(kv_len)
-        splits = max(1, min(-(-_SM_TARGET // len(block_req)), -(-longest // (4 * block_n))))
-        split_len = -(-longest // splits // block_n) * block_n
-        splits = -(-longest // split_len)
-        requests = np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
+        block_req, block_row0 = cls.blocks(new, heads, block_m)
+        if splits is None:
+            splits = max(1, min(-(-_SM_TARGET // len(block_req)), -(-max(kv_len) // 256)))
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
             return upload(values, device, np.int32)
 
         return cls(ints(np.concatenate(kv_ckv)), ints(np.concatenate(kv_kr)),
                    None if kv_delta is None else ints(np.concatenate(kv_delta)),
-                   ints(requests), ints(block_req), ints(block_row0), sum(new), heads, block_m,
-                   splits, split_len)
+                   ints(cls.request_table(new, kv_len)), ints(block_req), ints(block_row0),
+                   sum(new), heads, block_m, splits)
+
+    @staticmethod
+    def blocks(new: list[int], heads: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+        """(request, first folded query row) of every block of ``block_m`` rows."""
+        rows = [np.arange(0, n * heads, block_m) for n in new]
+        return np.repeat(np.arange(len(new)), [r.size for r in rows]), np.concatenate(rows)
+
+    @staticmethod
+    def request_table(new: list[int], kv_len: list[int]) -> np.ndarray:
+        """[4, requests]: first query token, new tokens, first key entry, keys."""
+        return np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
 
 
 @dataclass(frozen=True)
@@ -210,7 +219,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
         layout.kv_delta if layout.kv_delta is not None else layout.kv_ckv, cos, sin,
         layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
-        heads, layout.split_len, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
+        heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
         kr.stride(0), rows, RANK=rank, HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)),
         PAIR_STEP=step, PAIR_SHIFT=shift, HI_OFFSET=rotary.hi_offset,
         FUSED=layout.kv_delta is not None, SPLIT=layout.splits > 1, BLOCK_M=block_m,

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +22,7 @@ from .config import MLAConfig
 from .mla import MLAttention
 from .moe import MLP, MoE
 from .norm import RMSNorm
-from .paged import PagedKV, upload
+from .paged import PagedKV
 from .rope import Rotary
 
 
@@ -111,21 +110,23 @@ class MLAModel(nn.Module):
                 for b in range(len(lengths))]
 
     @torch.inference_mode()
-    def forward_paged(self, token_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
-                      kv: PagedKV, *, last_only: bool = True) -> list[torch.Tensor]:
-        """A ragged batch (``lengths`` new tokens per sequence, back to back) whose context and
-        new rows live in the engine's pool ``kv``; each sequence's logits (float32), [1, vocab]
-        for its last token when ``last_only``, else [n, vocab]."""
-        device = self.lm_head.weight.device
-        # Only the last token's logits start a generation: skip the vocab projection of the
-        # rest (for a 16K prompt on a 100K vocabulary, 7 TFLOP and 6.7 GB of logits). Uploaded
-        # before the layers, so nothing in the forward waits for the device.
-        last = upload(np.cumsum(lengths) - 1, device) if last_only else None
-        x = self.model.embed_tokens(token_ids.to(device))
-        pos = positions.to(device)
+    def hidden_paged(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                     kv: PagedKV) -> torch.Tensor:
+        """The last layer's hidden states [T, D] of a batch over the pool (inputs on the model's
+        device): no host work that depends on the batch, so a CUDA graph can capture it."""
+        x = self.model.embed_tokens(token_ids)
         for layer in self.model.layers:
-            x = layer.forward_paged(x, pos, kv)
+            x = layer.forward_paged(x, positions, kv)
+        return x
+
+    @torch.inference_mode()
+    def head(self, x: torch.Tensor, lengths: list[int],
+             last: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each sequence's logits (float32) from hidden states: [1, vocab] for the rows ``last``
+        (one per sequence), or with ``last`` None [n, vocab] for all its ``lengths`` rows."""
         if last is not None:
+            # Only the last token's logits start a generation: skip the vocab projection of the
+            # rest (for a 16K prompt on a 100K vocabulary, 7 TFLOP and 6.7 GB of logits).
             return list(self.lm_head(self.model.norm(x[last])).float()[:, None])
         return list(self.lm_head(self.model.norm(x)).float().split(lengths))
 

@@ -1,0 +1,110 @@
+"""CUDA graphs of the paged forward: a forward of short spans replayed in one call.
+
+A forward of a few tokens — a decode step, a PIC prefill whose novel spans are short — costs far
+more host time than device time: some sixty launches per layer. A graph captures
+:meth:`MLAModel.hidden_paged` once per token count (a bucket) and replays it; a batch is padded
+to its bucket and its inputs are copied into the static buffers the graph reads:
+
+- token ids, positions and the new rows' c_KV / k_r slots, [bucket] each;
+- the attention kernel's layout at a fixed shape: blocks of 16 query rows (16 heads of one
+  token, so a bucket always has bucket · heads/16 blocks), a fixed number of key splits per
+  request (the kernel divides each request's keys itself), key slot lists of any length up to
+  ``max_keys``;
+- the padding tokens as one more request whose keys and new rows are a scratch slot.
+
+Only batches whose every span runs in the kernel qualify (no span long enough for the naive
+form); the engine runs the rest eagerly. Needs heads divisible by 16 (DeepSeek-V2/V3: 16, 128).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels import PagedLayout
+from ..model import MLAModel
+from ..model.paged import PagedKV
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BLOCK_M = 16  # query rows per kernel block: one token's 16 heads
+SM_TARGET = 264  # programs to aim for (two waves over 132 SMs), as the eager launch does
+
+
+class CudaGraphs:
+    """Captured forwards per bucket over one engine's pool, and the buffers they read."""
+
+    def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor,
+                 scratch: tuple[int, int], *, buckets: tuple[int, ...] = BUCKETS,
+                 max_keys: int = 1 << 22) -> None:
+        """``ckv``/``kr``: the pool; ``scratch``: a (c_KV, k_r) slot pair the engine keeps for
+        padding rows; ``max_keys``: room for the key slot lists of one batch."""
+        heads = model.config.num_attention_heads
+        if heads % BLOCK_M:
+            raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_M}, got {heads}")
+        self.model, self.ckv, self.kr, self.scratch = model, ckv, kr, scratch
+        self.heads, self.buckets, self.max_keys = heads, buckets, max_keys
+        top, device = buckets[-1], ckv.device
+        self.rows = torch.zeros(4, top, dtype=torch.int64, device=device)  # ids, pos, slots
+        self.blocks = torch.zeros(2, top * heads // BLOCK_M, dtype=torch.int32, device=device)
+        self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
+        self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, tokens: int, keys: int) -> bool:
+        """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
+        return tokens <= self.buckets[-1] and keys + self.buckets[-1] <= self.max_keys
+
+    def hidden(self, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
+               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> torch.Tensor:
+        """The last layer's hidden states [T, D] of a batch: ``spans`` (new tokens, c_KV slots
+        and k_r slots of every key, its own rows last) in batch order, as the kernel takes
+        them. Captures the bucket's graph on its first use."""
+        n = len(tokens)
+        bucket = next(b for b in self.buckets if b >= n)
+        pad = bucket - n
+        scratch_c, scratch_r = self.scratch
+        new = [count for count, _, _ in spans] + ([pad] if pad else [])
+        ckv = [c for _, c, _ in spans] + ([np.full(pad, scratch_c)] if pad else [])
+        kr = [r for _, _, r in spans] + ([np.full(pad, scratch_r)] if pad else [])
+        rows = np.zeros((4, bucket), dtype=np.int64)
+        rows[0, :n], rows[1, :n] = tokens, positions
+        rows[2], rows[3] = scratch_c, scratch_r
+        rows[2, :n], rows[3, :n] = new_ckv, new_kr
+        blocks = np.stack(PagedLayout.blocks(new, self.heads, BLOCK_M))
+        table = PagedLayout.request_table(new, [len(c) for c in ckv])
+        keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
+        for buffer, values in ((self.rows, rows), (self.blocks, blocks),
+                               (self.requests, table), (self.keys, keys)):
+            host = torch.from_numpy(np.ascontiguousarray(values, dtype=buffer.dtype))
+            buffer[:, :values.shape[1]].copy_(host.pin_memory(), non_blocking=True)
+        if bucket in self.graphs:
+            graph, out = self.graphs[bucket]
+            graph.replay()
+            return out[:n]
+        return self._capture(bucket)[:n]
+
+    def _capture(self, bucket: int) -> torch.Tensor:
+        """Run the bucket's forward once (its result is this batch's), then capture it."""
+        blocks = bucket * self.heads // BLOCK_M
+        layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
+                             self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
+                             self.heads, BLOCK_M, max(1, min(64, -(-SM_TARGET // blocks))))
+        kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
+                     None, [])
+
+        def forward() -> torch.Tensor:
+            return self.model.hidden_paged(self.rows[0, :bucket], self.rows[1, :bucket], kv)
+
+        # Warm up on a side stream (kernels compiled, libraries' per-stream state made), as
+        # capture requires; that run is this batch's forward.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.graphs[bucket] = (graph, out)
+        return first
