@@ -135,7 +135,7 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
         engine.check()
         results[graphs] = (seq.stats.pic_tokens, last.cpu(), steps.cpu(), list(outs.values()))
         if graphs:
-            assert 4 in engine.graphs.graphs and len(engine.graphs.graphs) >= 3
+            assert engine.graphs.replays >= 10  # the target's spans, extend, decode steps
     (pic_e, last_e, steps_e, outs_e), (pic_g, last_g, steps_g, outs_g) = results[False], results[True]
     assert pic_g == pic_e >= 500
     assert (last_g - last_e).abs().max() <= 1e-4

@@ -37,7 +37,8 @@ class CudaGraphs:
                  scratch: tuple[int, int], *, buckets: tuple[int, ...] = BUCKETS,
                  max_keys: int = 1 << 22) -> None:
         """``ckv``/``kr``: the pool; ``scratch``: a (c_KV, k_r) slot pair the engine keeps for
-        padding rows; ``max_keys``: room for the key slot lists of one batch."""
+        padding rows; ``max_keys``: room for the key slot lists of one batch. Captures every
+        bucket (about a forward's time each)."""
         heads = model.config.num_attention_heads
         if heads % BLOCK_M:
             raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_M}, got {heads}")
@@ -49,7 +50,10 @@ class CudaGraphs:
         self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
         self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # forwards served by a graph
         self.pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(buckets):  # largest first: the smaller reuse its memory
+            self._capture(bucket)
 
     def fits(self, tokens: int, keys: int) -> bool:
         """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
@@ -59,9 +63,20 @@ class CudaGraphs:
                new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> torch.Tensor:
         """The last layer's hidden states [T, D] of a batch: ``spans`` (new tokens, c_KV slots
         and k_r slots of every key, its own rows last) in batch order, as the kernel takes
-        them. Captures the bucket's graph on its first use."""
+        them."""
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
+        self._fill(bucket, tokens, positions, new_ckv, new_kr, spans)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return out[:n]
+
+    def _fill(self, bucket: int, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
+              new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Copy a batch, padded to ``bucket`` tokens, into the static buffers (asynchronously,
+        ordered after the replay that read them last)."""
+        n = len(tokens)
         pad = bucket - n
         scratch_c, scratch_r = self.scratch
         new = [count for count, _, _ in spans] + ([pad] if pad else [])
@@ -78,14 +93,12 @@ class CudaGraphs:
                                (self.requests, table), (self.keys, keys)):
             host = torch.from_numpy(np.ascontiguousarray(values, dtype=buffer.dtype))
             buffer[:, :values.shape[1]].copy_(host.pin_memory(), non_blocking=True)
-        if bucket in self.graphs:
-            graph, out = self.graphs[bucket]
-            graph.replay()
-            return out[:n]
-        return self._capture(bucket)[:n]
 
-    def _capture(self, bucket: int) -> torch.Tensor:
-        """Run the bucket's forward once (its result is this batch's), then capture it."""
+    def _capture(self, bucket: int) -> None:
+        """Capture the bucket's forward, after a run of a batch of padding only (kernels
+        compiled, libraries' per-stream state made, as capture requires)."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._fill(bucket, empty, empty, empty, empty, [])
         blocks = bucket * self.heads // BLOCK_M
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
@@ -96,15 +109,12 @@ class CudaGraphs:
         def forward() -> torch.Tensor:
             return self.model.hidden_paged(self.rows[0, :bucket], self.rows[1, :bucket], kv)
 
-        # Warm up on a side stream (kernels compiled, libraries' per-stream state made), as
-        # capture requires; that run is this batch's forward.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            first = forward()
+            forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = forward()
         self.graphs[bucket] = (graph, out)
-        return first
