@@ -33,7 +33,7 @@ from irminsul.model.rope import Rotary, softmax_scale
 HEADS, RANK, ROPE = 16, 512, 64
 PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)),
                  (64, TileConfig(32, 256, 4, 2)), (64, TileConfig(32, 256, 8, 2))]
-ROTATE_SHAPES = [(32, 4, 4), (64, 4, 4), (64, 9, 4), (128, 3, 8), (32, 27, 4), (16, 9, 2)]
+ROTATE_SHAPES = [(64, 4, 4), (32, 4, 4), (64, 9, 4), (128, 3, 8), (32, 27, 4), (16, 9, 2)]
 
 
 def torch_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, ckv_idx: list,

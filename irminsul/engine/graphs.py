@@ -91,7 +91,7 @@ class CudaGraphs:
         keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
         for buffer, values in ((self.rows, rows), (self.blocks, blocks),
                                (self.requests, table), (self.keys, keys)):
-            host = torch.from_numpy(np.ascontiguousarray(values, dtype=buffer.dtype))
+            host = torch.from_numpy(np.ascontiguousarray(values)).to(buffer.dtype)
             buffer[:, :values.shape[1]].copy_(host.pin_memory(), non_blocking=True)
 
     def _capture(self, bucket: int) -> None:
