@@ -112,7 +112,7 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     from irminsul.engine import Engine, SamplingParams, Scheduler
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
-    model = load_model(tmp_path, device="cuda")
+    model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)  # graphs need bf16 MoE
     rng = np.random.default_rng(4)
     doc_a, doc_b = rng.integers(0, 97, 300), rng.integers(0, 97, 250)
     source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
@@ -137,7 +137,8 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
         if graphs:
             assert engine.graphs.replays >= 10  # the target's spans, extend, decode steps
     (pic_e, last_e, steps_e, outs_e), (pic_g, last_g, steps_g, outs_g) = results[False], results[True]
+    # Same arithmetic in bf16, the attention split differently (block rows, key splits).
     assert pic_g == pic_e >= 500
-    assert (last_g - last_e).abs().max() <= 1e-4
-    assert (steps_g - steps_e).abs().max() <= 1e-4
+    assert (last_g - last_e).abs().max() <= 2e-2 * last_e.abs().max()
+    assert (steps_g - steps_e).abs().max() <= 2e-2 * steps_e.abs().max()
     assert outs_g == outs_e

@@ -82,7 +82,8 @@ class Engine:
         """``kernels``: attend and rotate in place in the pool with the Triton kernels (default:
         on a CUDA device when triton is installed); otherwise each forward gathers its
         sequences' context rows and runs plain torch. ``graphs``: replay CUDA graphs for
-        batches of short spans (default: with the kernels, when the heads fill 16-row blocks)."""
+        batches of short spans (default: with the kernels, for bfloat16 models whose heads fill
+        16-row blocks)."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
@@ -95,8 +96,9 @@ class Engine:
         self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
-        if graphs is None:
-            graphs = kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
+        if graphs is None:  # grouped GEMM in float32 reads expert offsets on the host
+            graphs = (kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
+                      and model.lm_head.weight.dtype == torch.bfloat16)
         self.graphs: CudaGraphs | None = None
         self._scratch = np.zeros(0, dtype=np.int64)  # padding rows' slot, held for good
         if graphs:

@@ -6,8 +6,9 @@ more host time than device time: some sixty launches per layer. A graph captures
 to its bucket and its inputs are copied into the static buffers the graph reads:
 
 - token ids, positions and the new rows' c_KV / k_r slots, [bucket] each;
-- the attention kernel's layout at a fixed shape: blocks of 16 query rows (16 heads of one
-  token, so a bucket always has bucket · heads/16 blocks), a fixed number of key splits per
+- the attention kernel's layout at a fixed shape: bucket · heads/16 blocks (the most a batch
+  can need; unused ones exit at once) of 16 query rows for decode-sized buckets, of 64 for the
+  rest (four tokens of a span share one read of its keys), a fixed number of key splits per
   request (the kernel divides each request's keys itself), key slot lists of any length up to
   ``max_keys``;
 - the padding tokens as one more request whose keys and new rows are a scratch slot.
@@ -26,8 +27,14 @@ from ..model import MLAModel
 from ..model.paged import PagedKV
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BLOCK_M = 16  # query rows per kernel block: one token's 16 heads
+BLOCK_ROWS = 16  # the smallest kernel block: one token's 16 heads
 SM_TARGET = 264  # programs to aim for (two waves over 132 SMs), as the eager launch does
+
+
+def block_rows(bucket: int) -> int:
+    """Query rows per kernel block in a bucket's launch: 16 while a bucket is decode-sized
+    (every token its own request), else 64."""
+    return BLOCK_ROWS if bucket <= 8 else 4 * BLOCK_ROWS
 
 
 class CudaGraphs:
@@ -40,13 +47,13 @@ class CudaGraphs:
         padding rows; ``max_keys``: room for the key slot lists of one batch. Captures every
         bucket (about a forward's time each)."""
         heads = model.config.num_attention_heads
-        if heads % BLOCK_M:
-            raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_M}, got {heads}")
+        if heads % BLOCK_ROWS:
+            raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_ROWS}, got {heads}")
         self.model, self.ckv, self.kr, self.scratch = model, ckv, kr, scratch
         self.heads, self.buckets, self.max_keys = heads, buckets, max_keys
         top, device = buckets[-1], ckv.device
         self.rows = torch.zeros(4, top, dtype=torch.int64, device=device)  # ids, pos, slots
-        self.blocks = torch.zeros(2, top * heads // BLOCK_M, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros(2, top * heads // BLOCK_ROWS, dtype=torch.int32, device=device)
         self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
         self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -86,7 +93,9 @@ class CudaGraphs:
         rows[0, :n], rows[1, :n] = tokens, positions
         rows[2], rows[3] = scratch_c, scratch_r
         rows[2, :n], rows[3, :n] = new_ckv, new_kr
-        blocks = np.stack(PagedLayout.blocks(new, self.heads, BLOCK_M))
+        blocks = np.full((2, bucket * self.heads // BLOCK_ROWS), -1, dtype=np.int64)
+        used = np.stack(PagedLayout.blocks(new, self.heads, block_rows(bucket)))
+        blocks[:, :used.shape[1]] = used
         table = PagedLayout.request_table(new, [len(c) for c in ckv])
         keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
         for buffer, values in ((self.rows, rows), (self.blocks, blocks),
@@ -99,10 +108,11 @@ class CudaGraphs:
         compiled, libraries' per-stream state made, as capture requires)."""
         empty = np.zeros(0, dtype=np.int64)
         self._fill(bucket, empty, empty, empty, empty, [])
-        blocks = bucket * self.heads // BLOCK_M
+        blocks = bucket * self.heads // BLOCK_ROWS
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
-                             self.heads, BLOCK_M, max(1, min(64, -(-SM_TARGET // blocks))))
+                             self.heads, block_rows(bucket),
+                             max(1, min(64, -(-SM_TARGET // blocks))))
         kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
                      None, [])
 
