@@ -135,7 +135,7 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
         engine.check()
         results[graphs] = (seq.stats.pic_tokens, last.cpu(), steps.cpu(), list(outs.values()))
         if graphs:
-            assert engine.graphs.replays >= 10  # the target's spans, extend, decode steps
+            assert engine.graphs.replays >= 5  # extend, decode steps (naive_from is 32 here)
     (pic_e, last_e, steps_e, outs_e), (pic_g, last_g, steps_g, outs_g) = results[False], results[True]
     # Same arithmetic in bf16, the attention split differently (block rows, key splits).
     assert pic_g == pic_e >= 500

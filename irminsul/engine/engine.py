@@ -83,7 +83,7 @@ class Engine:
         on a CUDA device when triton is installed); otherwise each forward gathers its
         sequences' context rows and runs plain torch. ``graphs``: replay CUDA graphs for
         batches of short spans (default: with the kernels, for bfloat16 models whose heads fill
-        16-row blocks)."""
+        16-row blocks; off a GPU, the same padded forwards run without graphs)."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
@@ -99,10 +99,12 @@ class Engine:
         if graphs is None:  # grouped GEMM in float32 reads expert offsets on the host
             graphs = (kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
                       and model.lm_head.weight.dtype == torch.bfloat16)
+        if graphs and not kernels:
+            raise ValueError("graphs replay the kernel path: they need kernels=True")
         self.graphs: CudaGraphs | None = None
         self._scratch = np.zeros(0, dtype=np.int64)  # padding rows' slot, held for good
         if graphs:
-            from .graphs import CudaGraphs  # needs triton and CUDA
+            from .graphs import CudaGraphs  # needs triton
 
             self._scratch = self.pool.alloc(1)
             ckv, kr = unpack(self._scratch)

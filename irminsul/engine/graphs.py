@@ -19,6 +19,8 @@ form); the engine runs the rest eagerly. Needs heads divisible by 16 (DeepSeek-V
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -38,29 +40,34 @@ def block_rows(bucket: int) -> int:
 
 
 class CudaGraphs:
-    """Captured forwards per bucket over one engine's pool, and the buffers they read."""
+    """Captured forwards per bucket over one engine's pool, and the buffers they read.
+
+    On a CUDA device every bucket is captured when the engine starts (about a forward's time
+    each). Elsewhere there are no graphs: each bucket's padded, fixed-shape forward runs as it
+    is, over the same buffers — the path a graph replays, checkable on a CPU.
+    """
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor,
                  scratch: tuple[int, int], *, buckets: tuple[int, ...] = BUCKETS,
                  max_keys: int = 1 << 22) -> None:
         """``ckv``/``kr``: the pool; ``scratch``: a (c_KV, k_r) slot pair the engine keeps for
-        padding rows; ``max_keys``: room for the key slot lists of one batch. Captures every
-        bucket (about a forward's time each)."""
+        padding rows; ``max_keys``: room for the key slot lists of one batch."""
         heads = model.config.num_attention_heads
         if heads % BLOCK_ROWS:
             raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_ROWS}, got {heads}")
         self.model, self.ckv, self.kr, self.scratch = model, ckv, kr, scratch
         self.heads, self.buckets, self.max_keys = heads, buckets, max_keys
         top, device = buckets[-1], ckv.device
+        self.cuda = device.type == "cuda"
         self.rows = torch.zeros(4, top, dtype=torch.int64, device=device)  # ids, pos, slots
         self.blocks = torch.zeros(2, top * heads // BLOCK_ROWS, dtype=torch.int32, device=device)
         self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
         self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays = 0  # forwards served by a graph
-        self.pool = torch.cuda.graph_pool_handle()
+        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> replay
+        self.replays = 0  # forwards served through a bucket
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for bucket in reversed(buckets):  # largest first: the smaller reuse its memory
-            self._capture(bucket)
+            self.forwards[bucket] = self._capture(bucket)
 
     def fits(self, tokens: int, keys: int) -> bool:
         """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
@@ -74,15 +81,13 @@ class CudaGraphs:
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(bucket, tokens, positions, new_ckv, new_kr, spans)
-        graph, out = self.graphs[bucket]
-        graph.replay()
         self.replays += 1
-        return out[:n]
+        return self.forwards[bucket]()[:n]
 
     def _fill(self, bucket: int, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """Copy a batch, padded to ``bucket`` tokens, into the static buffers (asynchronously,
-        ordered after the replay that read them last)."""
+        """Copy a batch, padded to ``bucket`` tokens, into the static buffers (on a GPU
+        asynchronously, ordered after the replay that read them last)."""
         n = len(tokens)
         pad = bucket - n
         scratch_c, scratch_r = self.scratch
@@ -101,13 +106,13 @@ class CudaGraphs:
         for buffer, values in ((self.rows, rows), (self.blocks, blocks),
                                (self.requests, table), (self.keys, keys)):
             host = torch.from_numpy(np.ascontiguousarray(values)).to(buffer.dtype)
-            buffer[:, :values.shape[1]].copy_(host.pin_memory(), non_blocking=True)
+            buffer[:, :values.shape[1]].copy_(host.pin_memory() if self.cuda else host,
+                                              non_blocking=self.cuda)
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the bucket's forward, after a run of a batch of padding only (kernels
-        compiled, libraries' per-stream state made, as capture requires)."""
-        empty = np.zeros(0, dtype=np.int64)
-        self._fill(bucket, empty, empty, empty, empty, [])
+    def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
+        """The bucket's forward over the buffers: on CUDA a graph's replay, captured after a run
+        of a batch of padding only (kernels compiled, libraries' per-stream state made, as
+        capture requires); elsewhere the forward itself."""
         blocks = bucket * self.heads // BLOCK_ROWS
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
@@ -119,6 +124,10 @@ class CudaGraphs:
         def forward() -> torch.Tensor:
             return self.model.hidden_paged(self.rows[0, :bucket], self.rows[1, :bucket], kv)
 
+        if not self.cuda:
+            return forward
+        empty = np.zeros(0, dtype=np.int64)
+        self._fill(bucket, empty, empty, empty, empty, [])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -127,4 +136,9 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = forward()
-        self.graphs[bucket] = (graph, out)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
