@@ -6,11 +6,11 @@ more host time than device time: some sixty launches per layer. A graph captures
 to its bucket and its inputs are copied into the static buffers the graph reads:
 
 - token ids, positions and the new rows' c_KV / k_r slots, [bucket] each;
-- the attention kernel's layout at a fixed shape: bucket · heads/16 blocks (the most a batch
-  can need; unused ones exit at once) of 16 query rows for decode-sized buckets, of 64 for the
-  rest (four tokens of a span share one read of its keys), a fixed number of key splits per
+- the attention kernel's layout at a fixed shape: blocks of 16 query rows (16 heads of one
+  token, so a bucket always has bucket · heads/16 blocks), a fixed number of key splits per
   request (the kernel divides each request's keys itself), key slot lists of any length up to
-  ``max_keys``;
+  ``max_keys``. (64-row blocks for the larger buckets, four tokens sharing a read of their
+  keys, measured slower on the H200: docs/results/2026-11-30-h200-issue5-graph-blocks64.json);
 - the padding tokens as one more request whose keys and new rows are a scratch slot.
 
 Only batches whose every span runs in the kernel qualify (no span long enough for the naive
@@ -29,14 +29,8 @@ from ..model import MLAModel
 from ..model.paged import PagedKV
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BLOCK_ROWS = 16  # the smallest kernel block: one token's 16 heads
+BLOCK_ROWS = 16  # query rows per kernel block: one token's 16 heads
 SM_TARGET = 264  # programs to aim for (two waves over 132 SMs), as the eager launch does
-
-
-def block_rows(bucket: int) -> int:
-    """Query rows per kernel block in a bucket's launch: 16 while a bucket is decode-sized
-    (every token its own request), else 64."""
-    return BLOCK_ROWS if bucket <= 8 else 4 * BLOCK_ROWS
 
 
 class CudaGraphs:
@@ -98,9 +92,7 @@ class CudaGraphs:
         rows[0, :n], rows[1, :n] = tokens, positions
         rows[2], rows[3] = scratch_c, scratch_r
         rows[2, :n], rows[3, :n] = new_ckv, new_kr
-        blocks = np.full((2, bucket * self.heads // BLOCK_ROWS), -1, dtype=np.int64)
-        used = np.stack(PagedLayout.blocks(new, self.heads, block_rows(bucket)))
-        blocks[:, :used.shape[1]] = used
+        blocks = np.stack(PagedLayout.blocks(new, self.heads, BLOCK_ROWS))
         table = PagedLayout.request_table(new, [len(c) for c in ckv])
         keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
         for buffer, values in ((self.rows, rows), (self.blocks, blocks),
@@ -116,8 +108,7 @@ class CudaGraphs:
         blocks = bucket * self.heads // BLOCK_ROWS
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
-                             self.heads, block_rows(bucket),
-                             max(1, min(64, -(-SM_TARGET // blocks))))
+                             self.heads, BLOCK_ROWS, max(1, min(64, -(-SM_TARGET // blocks))))
         kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
                      None, [])
 

@@ -39,8 +39,6 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
                 BLOCK_N: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(BLK_REQ + blk)
-    if req < 0:  # an unused block of a fixed-size (captured) launch
-        return
     q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
     kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req)
     rows = tl.load(BLK_ROW0 + blk) + tl.arange(0, BLOCK_M)
@@ -123,7 +121,7 @@ class PagedLayout:
     kv_kr: torch.Tensor  # int32 [total keys] k_r slots
     kv_delta: torch.Tensor | None  # int32 [total keys] δ to rotate each k_r by on load, or None
     requests: torch.Tensor  # int32 [4, B]: q_start, new, kv_start, kv_len
-    block_req: torch.Tensor  # int32 [blocks]: the request of each block of query rows (-1: none)
+    block_req: torch.Tensor  # int32 [blocks]: the request of each block of query rows
     block_row0: torch.Tensor  # int32 [blocks]: its first folded row within the request
     tokens: int
     heads: int
