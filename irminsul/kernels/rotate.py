@@ -52,7 +52,9 @@ def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
     # The group's layers are unrolled, so their loads are all in flight at once.
     for i in tl.static_range(LAYER_GROUP):
         layer = first + i
-        ok = valid[:, None] & (layer < layers)
+        # The layer test as a tensor compare: Triton 3.9's interpreter rejects a mask that
+        # combines a scalar compare.
+        ok = valid[:, None] & (cols * 0 + layer < layers)
         offset = layer.to(tl.int64) * layer_stride  # a big pool's offsets pass 2^31
         x = tl.load(KR + offset + src[:, None] * ROPE + cols, mask=ok, other=0.0)
         if INTERLEAVED:
