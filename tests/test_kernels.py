@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from engine_scenario import assert_same, serve_shifted
 from tiny_models import build
 
 from irminsul.model import load_model, parse_config
@@ -187,70 +188,34 @@ def test_fused_rotation_equals_materialised(name: str) -> None:
 def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
     """Live PIC prefill, decode and a mixed scheduler batch: the kernel path (attention in place,
     rotation kernel) gives the plain-torch path's logits and tokens; accounting stays exact."""
-    from irminsul.engine import Engine, SamplingParams, Scheduler
+    from irminsul.engine import Engine
 
     build("v2_lite_like", tmp_path, layers=2)
     model = load_model(tmp_path, device=DEVICE)
-    rng = np.random.default_rng(6)
-    doc_a, doc_b = rng.integers(0, 97, 150), rng.integers(0, 97, 120)
-    source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
-    target = np.concatenate([rng.integers(0, 97, 45), doc_b, doc_a, rng.integers(0, 97, 9)])
-    results = {}
-    for kernels in (False, True):
-        engine = Engine(model, num_slots=3000, mode="live", kernels=kernels)
-        seq, _ = engine.prefill(source, [40, 190])
-        engine.finish(seq)
-        seq, last = engine.prefill(target, [45, 165, 315])
-        steps = engine.extend(seq, [int(last.argmax()), 5, 7])
-        engine.finish(seq)
-        scheduler = Scheduler(engine, batch_tokens=200, chunk_tokens=64)
-        ids = [scheduler.add(p, SamplingParams(max_tokens=5)) for p in (source, target[:90])]
-        outs = {i: [] for i in ids}
-        while scheduler.has_work():
-            for out in scheduler.step():
-                outs[out.request_id] += out.new_tokens
-        engine.check()
-        results[kernels] = (seq.stats.pic_tokens, last.cpu(), steps.cpu(), list(outs.values()))
-    (pic_t, last_t, steps_t, outs_t), (pic_k, last_k, steps_k, outs_k) = results[False], results[True]
-    assert pic_k == pic_t >= 200
-    assert (last_k - last_t).abs().max() <= 1e-3
-    assert (steps_k - steps_t).abs().max() <= 1e-3
-    assert outs_k == outs_t
+    served = {kernels: serve_shifted(
+        Engine(model, num_slots=3000, mode="live", kernels=kernels), seed=6, headers=(40, 45),
+        docs=(150, 120), question=9, requests=lambda source, target, _: [source, target[:90]],
+        batch_tokens=200, chunk_tokens=64, max_tokens=5) for kernels in (False, True)}
+    assert served[False].pic_tokens >= 200
+    assert_same(served[True], served[False], 1e-3)
 
 
 def test_graph_path_equals_eager_path(tmp_path) -> None:
     """The forwards a CUDA graph replays — batches padded to their bucket, inputs in static
-    buffers, the kernel at a fixed launch shape with idle blocks, padding rows in the scratch
-    slot — give the eager kernel path's logits and tokens (run as they are off a GPU, replayed
-    on one); accounting stays exact, the scratch slot included."""
-    from irminsul.engine import Engine, SamplingParams, Scheduler
+    buffers, the kernel at the graphs' fixed launch shape, padding rows in the scratch slot — give
+    the eager kernel path's logits and tokens (run as they are off a GPU, replayed on one);
+    accounting stays exact, the scratch slot included."""
+    from irminsul.engine import Engine
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
     model = load_model(tmp_path, device=DEVICE)
-    rng = np.random.default_rng(8)
-    doc_a, doc_b = rng.integers(0, 97, 120), rng.integers(0, 97, 90)
-    source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
-    target = np.concatenate([rng.integers(0, 97, 29), doc_b, doc_a, rng.integers(0, 97, 9)])
-    results = {}
+    served, engines = {}, {}
     for graphs in (False, True):
-        engine = Engine(model, num_slots=3000, mode="live", kernels=True, graphs=graphs)
-        seq, _ = engine.prefill(source, [40, 160])
-        engine.finish(seq)
-        seq, last = engine.prefill(target, [29, 119, 239])
-        steps = engine.extend(seq, [int(last.argmax()), 5, 7])
-        engine.finish(seq)
-        scheduler = Scheduler(engine, batch_tokens=64, chunk_tokens=24)
-        ids = [scheduler.add(p, SamplingParams(max_tokens=4)) for p in (target[:60], doc_a[:30])]
-        outs = {i: [] for i in ids}
-        while scheduler.has_work():
-            for out in scheduler.step():
-                outs[out.request_id] += out.new_tokens
-        engine.check()
-        results[graphs] = (seq.stats.pic_tokens, last.cpu(), steps.cpu(), list(outs.values()))
-        if graphs:
-            assert engine.graphs.replays >= 5  # extend, the scheduler's short spans and steps
-    (pic_e, last_e, steps_e, outs_e), (pic_g, last_g, steps_g, outs_g) = results[False], results[True]
-    assert pic_g == pic_e >= 100  # doc A; doc B starts inside the first 32 positions
-    assert (last_g - last_e).abs().max() <= 1e-4
-    assert (steps_g - steps_e).abs().max() <= 1e-4
-    assert outs_g == outs_e
+        engines[graphs] = Engine(model, num_slots=3000, mode="live", kernels=True, graphs=graphs)
+        served[graphs] = serve_shifted(
+            engines[graphs], seed=8, headers=(40, 29), docs=(120, 90), question=9,
+            requests=lambda _, target, doc_a: [target[:60], doc_a[:30]], batch_tokens=64,
+            chunk_tokens=24, max_tokens=4)
+    assert engines[True].graphs.replays >= 5  # extend, the scheduler's short spans and steps
+    assert served[False].pic_tokens >= 100  # doc A; doc B starts inside the first 32 positions
+    assert_same(served[True], served[False], 1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_scenario import assert_same, serve_shifted
 from tiny_models import build
 
 from irminsul.model import load_model
@@ -105,40 +106,20 @@ def test_paged_forward_never_waits_for_the_device(tmp_path, monkeypatch) -> None
 def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     """Short PIC prefill spans and decode steps replayed from CUDA graphs (padded to their
     bucket, the kernel at the graphs' fixed launch shape) give the eager path's logits and
-    greedy tokens; buckets are captured once and replayed with new data; accounting stays
-    exact (the scratch slot included)."""
-    import numpy as np
-
-    from irminsul.engine import Engine, SamplingParams, Scheduler
+    greedy tokens; accounting stays exact (the scratch slot included)."""
+    from irminsul.engine import Engine
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
     model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)  # graphs need bf16 MoE
-    rng = np.random.default_rng(4)
-    doc_a, doc_b = rng.integers(0, 97, 300), rng.integers(0, 97, 250)
-    source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
-    target = np.concatenate([rng.integers(0, 97, 75), doc_b, doc_a, rng.integers(0, 97, 24)])
-    results = {}
+    served, engines = {}, {}
     for graphs in (False, True):
-        engine = Engine(model, num_slots=4000, mode="live", graphs=graphs)
-        assert (engine.graphs is not None) == graphs
-        seq, _ = engine.prefill(source, [40, 340])
-        engine.finish(seq)
-        seq, last = engine.prefill(target, [75, 325, 625])  # spans of 75 and 24 (+ reuse)
-        steps = engine.extend(seq, [int(last.argmax()), 5, 7])  # 3 tokens: bucket 4
-        engine.finish(seq)
-        scheduler = Scheduler(engine, batch_tokens=256, chunk_tokens=128)
-        ids = [scheduler.add(p, SamplingParams(max_tokens=6)) for p in (source, target, doc_a)]
-        outs = {i: [] for i in ids}
-        while scheduler.has_work():
-            for out in scheduler.step():
-                outs[out.request_id] += out.new_tokens
-        engine.check()
-        results[graphs] = (seq.stats.pic_tokens, last.cpu(), steps.cpu(), list(outs.values()))
-        if graphs:
-            assert engine.graphs.replays >= 5  # extend, decode steps (naive_from is 32 here)
-    (pic_e, last_e, steps_e, outs_e), (pic_g, last_g, steps_g, outs_g) = results[False], results[True]
+        engines[graphs] = Engine(model, num_slots=4000, mode="live", graphs=graphs)
+        served[graphs] = serve_shifted(
+            engines[graphs], seed=4, headers=(40, 75), docs=(300, 250), question=24,
+            requests=lambda source, target, doc_a: [source, target, doc_a], batch_tokens=256,
+            chunk_tokens=128, max_tokens=6)
+    assert engines[False].graphs is None
+    assert engines[True].graphs.replays >= 5  # extend, decode steps (naive_from is 32 here)
+    assert served[False].pic_tokens >= 500
     # Same arithmetic in bf16, the attention split differently (block rows, key splits).
-    assert pic_g == pic_e >= 500
-    assert (last_g - last_e).abs().max() <= 2e-2 * last_e.abs().max()
-    assert (steps_g - steps_e).abs().max() <= 2e-2 * steps_e.abs().max()
-    assert outs_g == outs_e
+    assert_same(served[True], served[False], 2e-2)
