@@ -301,6 +301,7 @@ def test_metrics_count_tokens_and_latency(server: Server) -> None:
     usage = server.metric("irminsul:kv_pool_usage_ratio")
     assert 0 < usage <= 1  # the indexes keep what was served
     assert server.metric("irminsul:kv_pool_capacity_slots") == SLOTS
+    assert server.metric("irminsul:cuda_graph_replays") == 0  # exported; no graphs on a CPU
 
 
 # -- clients that leave, engines that fail ----------------------------------------------------

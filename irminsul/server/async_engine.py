@@ -48,6 +48,7 @@ class EngineSnapshot:
     pool_free: int = 0
     steps: int = 0
     step_errors: int = 0
+    graph_replays: int = 0  # forwards replayed from a CUDA graph
 
     @property
     def pool_usage(self) -> float:
@@ -370,8 +371,10 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         pool = self.scheduler.engine.pool
+        graphs = self.scheduler.engine.graphs
         self.snapshot = EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
-                                       pool.capacity, pool.free, self._steps, self._errors)
+                                       pool.capacity, pool.free, self._steps, self._errors,
+                                       graphs.replays if graphs is not None else 0)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

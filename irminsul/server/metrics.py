@@ -62,6 +62,8 @@ class ServerMetrics:
         gauge("num_requests_running", "Requests being prefilled or decoded", lambda s: s.running)
         gauge("num_requests_waiting", "Requests waiting for admission", lambda s: s.waiting)
         gauge("engine_step_errors", "Engine steps that raised", lambda s: s.step_errors)
+        gauge("cuda_graph_replays", "Forwards replayed from a CUDA graph (batches of short spans)",
+              lambda s: s.graph_replays)
 
     def prompt_served(self, stats: ServeStats, ttft: float | None) -> None:
         """A request's prompt was served (its first token arrived)."""
