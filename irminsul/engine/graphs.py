@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from ..kernels import PagedLayout
+from ..kernels.mla_attention import SM_TARGET
 from ..model import MLAModel
 from ..model.paged import PagedKV
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK_ROWS = 16  # query rows per kernel block: one token's 16 heads
-SM_TARGET = 264  # programs to aim for (two waves over 132 SMs), as the eager launch does
 
 
 class CudaGraphs:
@@ -106,9 +106,12 @@ class CudaGraphs:
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
         blocks = bucket * self.heads // BLOCK_ROWS
+        # Key splits for two waves of programs whatever the lengths (the eager launch also caps
+        # them by the longest request; here the cap is fixed: at most 64 splits per request).
+        splits = max(1, min(64, -(-SM_TARGET // blocks)))
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
-                             self.heads, BLOCK_ROWS, max(1, min(64, -(-SM_TARGET // blocks))))
+                             self.heads, BLOCK_ROWS, splits)
         kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
                      None, [])
 

@@ -25,7 +25,7 @@ from ..model.paged import upload
 from ..model.rope import Rotary
 from .rotate import delta_cos_sin, pair_layout
 
-_SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
+SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 
 
@@ -144,7 +144,7 @@ class PagedLayout:
             block_m = 16 if max(new) * heads <= 16 else 64
         block_req, block_row0 = cls.blocks(new, heads, block_m)
         if splits is None:
-            splits = max(1, min(-(-_SM_TARGET // len(block_req)), -(-max(kv_len) // 256)))
+            splits = max(1, min(-(-SM_TARGET // len(block_req)), -(-max(kv_len) // 256)))
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
             return upload(values, device, np.int32)
