@@ -47,6 +47,14 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
                 prefill=16384, rotate_tokens=15360)
 
 
+def describe(engine: Engine) -> str:
+    """What the engine runs on this device, for the results' header."""
+    if not engine.kernels:
+        return "irminsul, plain torch"
+    graphs = ", CUDA graphs for batches of short spans" if engine.graphs is not None else ""
+    return f"irminsul, Triton attention + rotation kernels{graphs}"
+
+
 def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysvar_depth: int,
                save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Every (length, pattern, H) cell, printed and saved as it finishes."""
@@ -91,8 +99,7 @@ def main() -> None:
     results: dict[str, Any] = {
         **run_metadata(args.device),
         "model": args.model or ("tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16"),
-        "engine": ("irminsul, Triton attention + rotation kernels"
-                   if Engine(model, num_slots=1).kernels else "irminsul, plain torch"),
+        "engine": describe(Engine(model, num_slots=1)),
         "sizes": s}
     if args.extend:
         with open(args.extend, encoding="utf-8") as f:

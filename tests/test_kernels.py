@@ -219,3 +219,24 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
     assert engines[True].graphs.replays >= 5  # extend, the scheduler's short spans and steps
     assert served[False].pic_tokens >= 100  # doc A; doc B starts inside the first 32 positions
     assert_same(served[True], served[False], 1e-4)
+
+
+def test_graphs_leave_the_whole_capacity_to_requests(tmp_path) -> None:
+    """The slot the graphs' padding rows are written to lies outside the pool's capacity: a
+    request needing exactly the capacity is admitted and served with graphs as without."""
+    from irminsul.engine import Engine, SamplingParams, Scheduler
+
+    build("v2_lite_like", tmp_path, layers=1, heads=16)
+    model = load_model(tmp_path, device=DEVICE)
+    for graphs in (False, True):
+        engine = Engine(model, num_slots=64, mode="live", kernels=True, graphs=graphs)
+        assert engine.pool.capacity == 64
+        scheduler = Scheduler(engine, batch_tokens=64, chunk_tokens=64)
+        scheduler.add(np.arange(60) % 97, SamplingParams(max_tokens=4))
+        tokens = []
+        for _ in range(20):  # bounded: a request that is never admitted would spin here
+            tokens += [t for out in scheduler.step() for t in out.new_tokens]
+            if not scheduler.has_work():
+                break
+        assert len(tokens) == 4 and not scheduler.has_work()
+        engine.check()

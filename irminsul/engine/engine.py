@@ -90,24 +90,28 @@ class Engine:
         device = model.lm_head.weight.device
         if kernels is None:
             kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        dtype = model.lm_head.weight.dtype
+        if graphs is None:  # grouped GEMM in float32 reads expert offsets on the host
+            graphs = (kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
+                      and dtype == torch.bfloat16)
+        if graphs and not kernels:
+            raise ValueError("graphs replay the kernel path: they need kernels=True")
+        if graphs and device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"CUDA graphs need a bfloat16 model, not {dtype}: grouped GEMM in "
+                             "other dtypes reads the expert offsets on the host")
         self.model, self.mode, self.rotate, self.kernels = model, mode, rotate, kernels
+        # Graphs pad batches with rows written to a slot of their own, outside the capacity.
         self.pool = KVPool(cfg.num_hidden_layers, num_slots, cfg.kv_lora_rank,
-                           cfg.qk_rope_head_dim, dtype=model.lm_head.weight.dtype, device=device)
+                           cfg.qk_rope_head_dim, dtype=dtype, device=device,
+                           reserved=1 if graphs else 0)
         self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
-        if graphs is None:  # grouped GEMM in float32 reads expert offsets on the host
-            graphs = (kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
-                      and model.lm_head.weight.dtype == torch.bfloat16)
-        if graphs and not kernels:
-            raise ValueError("graphs replay the kernel path: they need kernels=True")
         self.graphs: CudaGraphs | None = None
-        self._scratch = np.zeros(0, dtype=np.int64)  # padding rows' slot, held for good
         if graphs:
             from .graphs import CudaGraphs  # needs triton
 
-            self._scratch = self.pool.alloc(1)
-            ckv, kr = unpack(self._scratch)
+            ckv, kr = unpack(self.pool.reserved)
             self.graphs = CudaGraphs(model, self.pool.ckv, self.pool.kr, (int(ckv[0]), int(kr[0])))
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -403,7 +407,7 @@ class Engine:
 
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""
-        refs = [self._scratch] + [seq.handles for seq in self.sequences]
+        refs = [self.pool.reserved] + [seq.handles for seq in self.sequences]
         refs += list(self.planner.radix.values())
         refs += [entry.handles for entry in self.planner.registry.entries()]
         return refs

@@ -48,11 +48,13 @@ def _counts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class _Slots:
     """A free stack with reference counts; every operation vectorised (a 32K-token prompt's
-    slots are allocated, retained and released per request)."""
+    slots are allocated, retained and released per request). The last ``reserved`` slots are
+    held for good (one reference each) and never handed out."""
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, reserved: int = 0) -> None:
         self.name = name
-        self.refs = np.zeros(size, dtype=np.int32)
+        self.refs = np.zeros(size + reserved, dtype=np.int32)
+        self.refs[size:] = 1
         self._stack = np.arange(size - 1, -1, -1, dtype=np.int64)  # top: low slots first
         self._top = size
 
@@ -92,19 +94,24 @@ class _Slots:
 
 
 class KVPool:
-    """Latent KV rows of ``num_slots`` tokens per slot space, for every layer."""
+    """Latent KV rows of ``num_slots`` tokens per slot space, for every layer, plus
+    ``reserved`` tokens' rows outside them (:attr:`reserved`: held by the pool itself)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_lora_rank: int, rope_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        self.ckv = torch.zeros(num_layers, num_slots, kv_lora_rank, dtype=dtype, device=device)
-        self.kr = torch.zeros(num_layers, num_slots, rope_dim, dtype=dtype, device=device)
-        self.ckv_slots = _Slots(num_slots, "c_KV pool")
-        self.kr_slots = _Slots(num_slots, "k_r pool")
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 reserved: int = 0) -> None:
+        rows = num_slots + reserved
+        self.ckv = torch.zeros(num_layers, rows, kv_lora_rank, dtype=dtype, device=device)
+        self.kr = torch.zeros(num_layers, rows, rope_dim, dtype=dtype, device=device)
+        self.ckv_slots = _Slots(num_slots, "c_KV pool", reserved)
+        self.kr_slots = _Slots(num_slots, "k_r pool", reserved)
+        self.reserved = pack(np.arange(num_slots, rows), np.arange(num_slots, rows))
+        self._capacity = num_slots
 
     @property
     def capacity(self) -> int:
-        """Tokens the pool holds when empty."""
-        return int(self.ckv_slots.refs.size)
+        """Tokens the pool holds when empty (the reserved ones not counted)."""
+        return self._capacity
 
     @property
     def free(self) -> int:
