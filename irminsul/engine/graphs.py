@@ -71,7 +71,8 @@ class CudaGraphs:
                new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> torch.Tensor:
         """The last layer's hidden states [T, D] of a batch: ``spans`` (new tokens, c_KV slots
         and k_r slots of every key, its own rows last) in batch order, as the kernel takes
-        them."""
+        them. The result lives in graph memory the buckets share: read it before the next
+        call."""
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(bucket, tokens, positions, new_ckv, new_kr, spans)
