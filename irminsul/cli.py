@@ -207,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if device.startswith("cuda") else "float32")
     serve(_model_dir(args), host=args.host, port=args.port, mode=args.pic, slots=args.slots,
-          dtype=getattr(torch, dtype), device=device, model_name=args.served_model_name)
+          dtype=getattr(torch, dtype), device=device, model_name=args.served_model_name,
+          graphs=None if args.graphs else False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch device (default: cuda when available, else cpu)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name clients send (default: the directory's name)")
+    serve.add_argument("--no-graphs", dest="graphs", action="store_false",
+                       help="run every forward eagerly (default on CUDA: replay CUDA graphs for "
+                            "batches of short spans, bfloat16 models)")
     serve.set_defaults(func=cmd_serve)
     return parser
 
