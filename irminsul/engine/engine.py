@@ -12,10 +12,12 @@ records would-be PIC hits but prefills them (outputs identical to ``off``); ``li
 ``rotate=False`` is naive reuse (shared c_KV *and* unrotated k_r), kept only to measure what the
 δ-rotation buys.
 
-Every slot reference is owned by a sequence, a radix node or a registry entry; when the pool runs
-out the indexes are evicted (least recently used first across both), never what a sequence
-holds. :meth:`Engine.check` verifies the
-accounting.
+Every slot reference is owned by a sequence, a radix node or a registry entry (or is the pool's
+reserved padding slot); when the pool runs out the indexes are evicted (least recently used
+first across both), never what a sequence holds. :meth:`Engine.check` verifies the accounting.
+
+On CUDA a forward reads the pool in place through the Triton kernels, and a batch of short spans
+only replays a CUDA graph (:mod:`.graphs`).
 """
 
 from __future__ import annotations
