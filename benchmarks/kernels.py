@@ -9,6 +9,8 @@ Per context length, one layer, median of repeats (each the mean of back-to-back 
                materialisation costs once per reuse (gather–rotate–scatter of every k_r row)
     prefill    one 512-token novel segment attending to the whole context, torch vs kernel (and a few
                other tile shapes for the kernel)
+    spans      a PIC prefill's novel spans (a 30-token line and the last token) against the whole
+               context, at the launch shapes a CUDA graph could fix (rows per block, key splits)
     rotation   the materialisation at a few launch shapes (tokens and layers per program, warps)
 
 Prints a table and writes JSON (``--out``).
@@ -33,6 +35,10 @@ from irminsul.model.rope import Rotary, softmax_scale
 HEADS, RANK, ROPE = 16, 512, 64
 PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)),
                  (64, TileConfig(32, 256, 4, 2)), (64, TileConfig(32, 256, 8, 2))]
+# (rows per block, key splits): the graphs' launch for a 32-token bucket (16-row blocks, splits
+# for two waves of its 32 blocks), 64-row blocks with those splits (measured slower end to end)
+# and 64-row blocks with splits for the blocks they use.
+GRAPH_LAUNCHES = [(16, 9), (64, 9), (64, 30)]
 ROTATE_SHAPES = [(64, 4, 4), (32, 4, 4), (64, 9, 4), (128, 3, 8), (32, 27, 4), (16, 9, 2)]
 
 
@@ -71,7 +77,7 @@ def measure(context: int, repeats: int) -> dict:
             return
         row[label] = percentiles([per_call(device, fn) for _ in range(repeats)], 1e3)
 
-    for phase, new in (("decode", [1] * batch), ("prefill", [512])):
+    for phase, new in (("decode", [1] * batch), ("prefill", [512]), ("spans", [30, 1])):
         shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots
         ckv_idx = [np.concatenate([shared, context + i * room + np.arange(n)])
                    for i, n in enumerate(new)]
@@ -95,6 +101,12 @@ def measure(context: int, repeats: int) -> dict:
                 run(f"prefill m{block_m} n{tiles.block_n} dv{tiles.dv} w{tiles.num_warps} "
                     f"s{tiles.num_stages}", partial(paged_mla_attention, q, ckv, kr[0], layout,
                                                     scale, rotary, tiles))
+        if phase == "spans":
+            for block_m, splits in GRAPH_LAUNCHES:
+                layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m,
+                                           splits=splits)
+                run(f"spans m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
+                                                           layout, scale, rotary))
     src = torch.from_numpy(base[0]).to(device)
     dst = torch.from_numpy(own[0]).to(device)
     delta = torch.from_numpy(deltas[0].astype(np.int32)).to(device)
