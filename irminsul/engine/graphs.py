@@ -44,7 +44,7 @@ class CudaGraphs:
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor,
                  scratch: tuple[int, int], *, buckets: tuple[int, ...] = BUCKETS,
                  max_keys: int = 1 << 22) -> None:
-        """``ckv``/``kr``: the pool; ``scratch``: a (c_KV, k_r) slot pair the engine keeps for
+        """``ckv``/``kr``: the pool; ``scratch``: the pool's reserved (c_KV, k_r) slot pair for the
         padding rows; ``max_keys``: room for the key slot lists of one batch."""
         heads = model.config.num_attention_heads
         if heads % BLOCK_ROWS:
