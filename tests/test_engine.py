@@ -23,7 +23,7 @@ import irminsul.cache.planner as planner_module
 import irminsul.cache.registry as registry_module
 from irminsul.engine import Engine, PoolExhausted
 from irminsul.engine.kv_pool import unpack
-from irminsul.model import load_model
+from irminsul.model import MLAModel, load_model
 
 V = 97
 
@@ -221,6 +221,23 @@ def test_observer_is_bitwise_off_and_live_serves_pic(model3) -> None:
     assert not torch.equal(live_logits[4], off_logits[4])
 
 
+def target_logits(model: MLAModel, rotate: bool, source: np.ndarray, rs: list[int],
+                  target: np.ndarray, rt: list[int], cont: np.ndarray) -> torch.Tensor:
+    """Serve the source, then the target live (its documents from the registry, k_r rotated or,
+    for naive reuse, not) and the continuation teacher-forced; the logits after the target's
+    last token and each continuation token, [1 + len(cont), V]."""
+    engine = Engine(model, num_slots=3000, mode="live", rotate=rotate)
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    seq, last = engine.prefill(target, rt)
+    assert seq.stats.pic_tokens >= 0.9 * 550  # the documents really were reused
+    assert seq.stats.prefix_tokens == 0
+    logits = torch.cat([last[None], engine.extend(seq, cont)])
+    engine.finish(seq)
+    engine.check()
+    return logits
+
+
 # -- 3. one layer: PIC is exact --------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["v2_lite_like", "v3_like"])
@@ -233,18 +250,8 @@ def test_one_layer_live_pic_equals_full_recomputation(models1, case: str) -> Non
     source, rs, target, rt, cont = shifted_docs(3)
     full = model.logits(torch.from_numpy(np.concatenate([target, cont])))[len(target) - 1:]
     reference_out = greedy_reference(model, target, 6)
-    errors = {}
-    for rotate in (True, False):
-        engine = Engine(model, num_slots=3000, mode="live", rotate=rotate)
-        seq, _ = engine.prefill(source, rs)
-        engine.finish(seq)
-        seq, last = engine.prefill(target, rt)
-        assert seq.stats.pic_tokens >= 0.9 * 550  # the documents really were reused
-        assert seq.stats.prefix_tokens == 0
-        got = torch.cat([last[None], engine.extend(seq, cont)])
-        engine.finish(seq)
-        engine.check()
-        errors[rotate] = float((got - full).abs().max())
+    errors = {rotate: float((target_logits(model, rotate, source, rs, target, rt, cont)
+                             - full).abs().max()) for rotate in (True, False)}
     # greedy generation through the PIC path (a second engine: the first has the target cached)
     engine = Engine(model, num_slots=3000, mode="live")
     engine.generate(source, 2, resets=rs)
@@ -348,14 +355,8 @@ def test_three_layer_pic_beats_naive_when_rope_attention_matters(model3) -> None
     for seed in KL_SEEDS[:4]:
         source, rs, target, rt, cont = shifted_docs(seed)
         full = model.logits(torch.from_numpy(np.concatenate([target, cont])))[len(target) - 1:]
-        got = {}
-        for rotate in (True, False):
-            engine = Engine(model, num_slots=3000, mode="live", rotate=rotate)
-            seq, _ = engine.prefill(source, rs)
-            engine.finish(seq)
-            seq, last = engine.prefill(target, rt)
-            assert seq.stats.pic_tokens >= 0.9 * 550
-            got[rotate] = float(kl(full, torch.cat([last[None], engine.extend(seq, cont)])).mean())
+        got = {rotate: float(kl(full, target_logits(model, rotate, source, rs, target, rt,
+                                                    cont)).mean()) for rotate in (True, False)}
         print(f"  seed {seed}: pic {got[True]:.6g}  naive {got[False]:.6g}")
         assert got[True] < got[False], (seed, got)
 
