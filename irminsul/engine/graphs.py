@@ -27,7 +27,7 @@ import torch
 from ..kernels import PagedLayout
 from ..kernels.mla_attention import SM_TARGET
 from ..model import MLAModel
-from ..model.paged import PagedKV
+from ..model.paged import PagedKV, upload
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK_ROWS = 16  # query rows per kernel block: one token's 16 heads
@@ -96,11 +96,10 @@ class CudaGraphs:
         blocks = np.stack(PagedLayout.blocks(new, self.heads, BLOCK_ROWS))
         table = PagedLayout.request_table(new, [len(c) for c in ckv])
         keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
-        for buffer, values in ((self.rows, rows), (self.blocks, blocks),
-                               (self.requests, table), (self.keys, keys)):
-            host = torch.from_numpy(np.ascontiguousarray(values)).to(buffer.dtype)
-            buffer[:, :values.shape[1]].copy_(host.pin_memory() if self.cuda else host,
-                                              non_blocking=self.cuda)
+        for buffer, values, dtype in ((self.rows, rows, np.int64), (self.blocks, blocks, np.int32),
+                                      (self.requests, table, np.int32),
+                                      (self.keys, keys, np.int32)):
+            upload(values, buffer.device, dtype, out=buffer[:, :values.shape[1]])
 
     def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The bucket's forward over the buffers: on CUDA a graph's replay, captured after a run
