@@ -106,12 +106,11 @@ class KVPool:
         self.ckv_slots = _Slots(num_slots, "c_KV pool", reserved)
         self.kr_slots = _Slots(num_slots, "k_r pool", reserved)
         self.reserved = pack(np.arange(num_slots, rows), np.arange(num_slots, rows))
-        self._capacity = num_slots
 
     @property
     def capacity(self) -> int:
         """Tokens the pool holds when empty (the reserved ones not counted)."""
-        return self._capacity
+        return int(self.ckv_slots.refs.size - self.reserved.size)
 
     @property
     def free(self) -> int:
