@@ -27,7 +27,7 @@ import torch
 from gpu_common import AgentText, build_model, model_config, run_metadata
 from shift_prompts import build_requests
 
-from irminsul.engine import Engine
+from irminsul.engine.engine import default_graphs, default_kernels
 
 SECTIONS = ("ttft", "energy", "roofline", "decode", "memory", "transformers")
 
@@ -47,11 +47,12 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
                 prefill=16384, rotate_tokens=15360)
 
 
-def describe(engine: Engine) -> str:
-    """What the engine runs on this device, for the results' header."""
-    if not engine.kernels:
+def describe(model: torch.nn.Module) -> str:
+    """What an engine runs by default on this device, for the results' header."""
+    kernels = default_kernels(model)
+    if not kernels:
         return "irminsul, plain torch"
-    graphs = ", CUDA graphs for batches of short spans" if engine.graphs is not None else ""
+    graphs = ", CUDA graphs for batches of short spans" if default_graphs(model, kernels) else ""
     return f"irminsul, Triton attention + rotation kernels{graphs}"
 
 
@@ -99,7 +100,7 @@ def main() -> None:
     results: dict[str, Any] = {
         **run_metadata(args.device),
         "model": args.model or ("tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16"),
-        "engine": describe(Engine(model, num_slots=1)),
+        "engine": describe(model),
         "sizes": s}
     if args.extend:
         with open(args.extend, encoding="utf-8") as f:

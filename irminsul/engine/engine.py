@@ -75,6 +75,21 @@ class Prefill:
     runs: list[tuple[str, int, int, Segment | None]]
 
 
+def default_kernels(model: MLAModel) -> bool:
+    """Whether an engine runs the Triton kernels by default: on a CUDA device with triton."""
+    return (model.lm_head.weight.device.type == "cuda"
+            and importlib.util.find_spec("triton") is not None)
+
+
+def default_graphs(model: MLAModel, kernels: bool) -> bool:
+    """Whether an engine replays CUDA graphs by default: with the kernels on CUDA, for bfloat16
+    models (grouped GEMM in float32 reads expert offsets on the host) whose heads fill 16-row
+    blocks."""
+    weight = model.lm_head.weight
+    return (kernels and weight.device.type == "cuda" and weight.dtype == torch.bfloat16
+            and model.config.num_attention_heads % 16 == 0)
+
+
 class Engine:
     """Prefill through the planner, decode against the split pool, keep slot accounting exact."""
 
@@ -89,13 +104,9 @@ class Engine:
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
-        device = model.lm_head.weight.device
-        if kernels is None:
-            kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        dtype = model.lm_head.weight.dtype
-        if graphs is None:  # grouped GEMM in float32 reads expert offsets on the host
-            graphs = (kernels and device.type == "cuda" and cfg.num_attention_heads % 16 == 0
-                      and dtype == torch.bfloat16)
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        kernels = default_kernels(model) if kernels is None else kernels
+        graphs = default_graphs(model, kernels) if graphs is None else graphs
         if graphs and not kernels:
             raise ValueError("graphs replay the kernel path: they need kernels=True")
         if graphs and device.type == "cuda" and dtype != torch.bfloat16:
