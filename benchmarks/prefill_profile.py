@@ -59,20 +59,26 @@ def phases(engine: Engine, request: ShiftRequest) -> dict[str, float]:
 
 
 def forward_syncs(engine: Engine, request: ShiftRequest) -> Counter[str]:
-    """Source lines that synchronised with the device during one prefill's forward."""
-    prefill = engine.start_prefill(request.prompt, request.resets)
+    """Source lines that synchronised with the device inside one prefill's forwards."""
     found: Counter[str] = Counter()
-    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+    run_batch = engine.run_batch
+
+    def watched(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                engine.run_batch([(prefill.seq, *span)])
+                return run_batch(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        found.update(f"{w.filename}:{w.lineno}" for w in caught)
-    engine.complete_prefill(prefill)
-    engine.finish(prefill.seq)
+                found.update(f"{w.filename}:{w.lineno}" for w in caught)
+
+    engine.run_batch = watched
+    try:
+        seq, _ = engine.prefill(request.prompt, request.resets)
+        engine.finish(seq)
+    finally:
+        del engine.run_batch  # the class's method again
     return found
 
 
