@@ -106,7 +106,7 @@ def test_paged_forward_never_waits_for_the_device(tmp_path, monkeypatch) -> None
 def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     """Short PIC prefill spans and decode steps replayed from CUDA graphs (padded to their
     bucket, the kernel at the graphs' fixed launch shape) give the eager path's logits and
-    greedy tokens; accounting stays exact (the scratch slot included)."""
+    greedy tokens (up to near-ties); accounting stays exact (the scratch slot included)."""
     from irminsul.engine import Engine
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
@@ -119,7 +119,8 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
             requests=lambda source, target, doc_a: [source, target, doc_a], batch_tokens=256,
             chunk_tokens=128, max_tokens=6)
     assert engines[False].graphs is None
-    assert engines[True].graphs.replays >= 5  # extend, decode steps (naive_from is 32 here)
+    assert engines[True].graphs.replays.total() >= 5  # extend, decode (naive_from is 32 here)
     assert served[False].pic_tokens >= 500
-    # Same arithmetic in bf16, the attention split differently (block rows, key splits).
-    assert_same(served[True], served[False], 2e-2)
+    # Same arithmetic in bf16, the attention split differently (block rows, key splits): a
+    # near-tie among a random model's logits may go either way.
+    assert_same(served[True], served[False], 2e-2, reference=engines[False])

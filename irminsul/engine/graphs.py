@@ -6,11 +6,13 @@ more host time than device time: some sixty launches per layer. A graph captures
 to its bucket and its inputs are copied into the static buffers the graph reads:
 
 - token ids, positions and the new rows' c_KV / k_r slots, [bucket] each;
-- the attention kernel's layout at a fixed shape: blocks of 16 query rows (16 heads of one
-  token, so a bucket always has bucket · heads/16 blocks), a fixed number of key splits per
-  request (the kernel divides each request's keys itself), key slot lists of any length up to
-  ``max_keys``. (64-row blocks for the larger buckets, four tokens sharing a read of their
-  keys, measured slower on the H200: docs/results/2026-11-30-h200-issue5-graph-blocks64.json);
+- the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
+  to 8 tokens, mostly decode steps: 16 rows, one token's heads; larger ones, mostly prefill
+  spans: 64 rows, four tokens sharing each read of their keys), room for every block a batch of
+  the bucket's tokens can need (one partial block per request at most), a fixed number of key
+  splits per request sized for the bucket's blocks (the kernel divides each request's keys
+  itself), key slot lists of any length up to ``max_keys``. Unused blocks name rows past their
+  request's end and do nothing;
 - the padding tokens as one more request whose keys and new rows are a scratch slot.
 
 Only batches whose every span runs in the kernel qualify (no span long enough for the naive
@@ -19,6 +21,7 @@ form); the engine runs the rest eagerly. Needs heads divisible by 16 (DeepSeek-V
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -30,7 +33,19 @@ from ..model import MLAModel
 from ..model.paged import PagedKV, upload
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BLOCK_ROWS = 16  # query rows per kernel block: one token's 16 heads
+DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
+
+
+def block_rows(bucket: int) -> int:
+    """Query rows per kernel block in a bucket's launch."""
+    return 16 if bucket <= DECODE_BUCKET else 64
+
+
+def block_room(bucket: int, heads: int) -> int:
+    """Blocks a batch of ``bucket`` tokens can need, padding request included: whole blocks of
+    all its rows, plus one partial block per request."""
+    rows = block_rows(bucket)
+    return -(-bucket * heads // rows) + (0 if heads % rows == 0 else bucket + 1)
 
 
 class CudaGraphs:
@@ -47,18 +62,18 @@ class CudaGraphs:
         """``ckv``/``kr``: the pool; ``scratch``: the pool's reserved (c_KV, k_r) slot pair for the
         padding rows; ``max_keys``: room for the key slot lists of one batch."""
         heads = model.config.num_attention_heads
-        if heads % BLOCK_ROWS:
-            raise ValueError(f"CUDA graphs need heads divisible by {BLOCK_ROWS}, got {heads}")
+        if heads % 16:
+            raise ValueError(f"CUDA graphs need heads divisible by 16, got {heads}")
         self.model, self.ckv, self.kr, self.scratch = model, ckv, kr, scratch
         self.heads, self.buckets, self.max_keys = heads, buckets, max_keys
         top, device = buckets[-1], ckv.device
         self.cuda = device.type == "cuda"
         self.rows = torch.zeros(4, top, dtype=torch.int64, device=device)  # ids, pos, slots
-        self.blocks = torch.zeros(2, top * heads // BLOCK_ROWS, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros(2, block_room(top, heads), dtype=torch.int32, device=device)
         self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
         self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
         self.forwards: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> replay
-        self.replays = 0  # forwards served through a bucket
+        self.replays: Counter[int] = Counter()  # bucket -> forwards served through it
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for bucket in reversed(buckets):  # largest first: the smaller reuse its memory
             self.forwards[bucket] = self._capture(bucket)
@@ -76,7 +91,7 @@ class CudaGraphs:
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(bucket, tokens, positions, new_ckv, new_kr, spans)
-        self.replays += 1
+        self.replays[bucket] += 1
         return self.forwards[bucket]()[:n]
 
     def _fill(self, bucket: int, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
@@ -93,7 +108,11 @@ class CudaGraphs:
         rows[0, :n], rows[1, :n] = tokens, positions
         rows[2], rows[3] = scratch_c, scratch_r
         rows[2, :n], rows[3, :n] = new_ckv, new_kr
-        blocks = np.stack(PagedLayout.blocks(new, self.heads, BLOCK_ROWS))
+        # Unused blocks: the last request, from a row past every request's rows.
+        blocks = np.zeros((2, block_room(bucket, self.heads)), dtype=np.int64)
+        blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
+        used = np.stack(PagedLayout.blocks(new, self.heads, block_rows(bucket)))
+        blocks[:, :used.shape[1]] = used
         table = PagedLayout.request_table(new, [len(c) for c in ckv])
         keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
         for buffer, values, dtype in ((self.rows, rows, np.int64), (self.blocks, blocks, np.int32),
@@ -105,13 +124,13 @@ class CudaGraphs:
         """The bucket's forward over the buffers: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
-        blocks = bucket * self.heads // BLOCK_ROWS
-        # Key splits for two waves of programs whatever the lengths (the eager launch also caps
-        # them by the longest request; here the cap is fixed: at most 64 splits per request).
-        splits = max(1, min(64, -(-SM_TARGET // blocks)))
+        rows, room = block_rows(bucket), block_room(bucket, self.heads)
+        # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
+        # launch also caps them by the longest request; here the cap is fixed: 64 per request).
+        splits = max(1, min(64, -(-SM_TARGET // -(-bucket * self.heads // rows))))
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
-                             self.blocks[0, :blocks], self.blocks[1, :blocks], bucket,
-                             self.heads, BLOCK_ROWS, splits)
+                             self.blocks[0, :room], self.blocks[1, :room], bucket,
+                             self.heads, rows, splits)
         kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
                      None, [])
 

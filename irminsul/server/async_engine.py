@@ -374,7 +374,7 @@ class AsyncEngine:
         graphs = self.scheduler.engine.graphs
         self.snapshot = EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
                                        pool.capacity, pool.free, self._steps, self._errors,
-                                       graphs.replays if graphs is not None else 0)
+                                       sum(graphs.replays.values()) if graphs is not None else 0)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:
