@@ -169,14 +169,14 @@ def workloads(draw):
 
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(prompts=workloads(), use_resets=st.booleans(), s1=st.booleans(),
+@given(prompts=workloads(), use_resets=st.booleans(), s1=st.booleans(), heads=st.booleans(),
        capacity=st.sampled_from([None, None, 600, 2000]), s1_window=st.sampled_from([32, 128]),
        dtype=st.sampled_from([np.int64, np.int32]))
-def test_plans_over_random_workloads(prompts, use_resets, s1, capacity, s1_window, dtype):
+def test_plans_over_random_workloads(prompts, use_resets, s1, heads, capacity, s1_window, dtype):
     """Every plan covers the prompt exactly once, its prefix is the naive LCP (unbounded capacity),
     every hit reuses exactly its own tokens from where an earlier prompt prefilled them, and nothing
     below position 32 is reused."""
-    planner = Planner(capacity=capacity, s1=s1, s1_window=s1_window)
+    planner = Planner(capacity=capacity, s1=s1, s1_window=s1_window, heads=heads)
     history = History()
     for tokens, starts, ns in prompts:
         tokens = tokens.astype(dtype)
@@ -284,6 +284,61 @@ def test_s1_never_reuses_less():
         assert with_s1 >= without
         better += with_s1 > without
     assert better >= 3
+
+
+def _longest_registered_run(planner: Planner, chunk: np.ndarray) -> int:
+    """Naive: the longest run of leading tokens ``chunk`` shares with any registered chunk."""
+    return max((lcp(chunk, e.tokens) for e in planner.registry.entries()), default=0)
+
+
+def test_heads_serve_a_last_chunk_cut_short():
+    """A = header(40) + D committed. B = another header(75) + D[:n] (reset at D): B's last chunk
+    ends where B does, inside one of A's chunks, and misses whole. With heads it is served from
+    that chunk's leading tokens (the naive longest registered run, δ = 35); without, prefilled."""
+    doc = _doc(5)
+    a = np.concatenate([_header(40, 0), doc])
+    plans = {}
+    for heads in (False, True):
+        planner = Planner(heads=heads, s1=False)
+        planner.commit(planner.plan(a, [40]), np.arange(a.size))
+        cuts = chunk_boundaries(doc)
+        n = int(cuts[5]) + (int(cuts[6]) - int(cuts[5])) // 2  # halfway into D's seventh chunk
+        b = np.concatenate([_header(75, 1000), doc[:n]])
+        plans[heads] = plan = planner.plan(b, [75])
+        last = plan.chunks[-1]
+        assert last.kind == "miss" and last.start == 75 + int(cuts[5])
+        if heads:
+            run = _longest_registered_run(planner, b[last.start:])
+            assert run == last.end - last.start  # the whole fragment lies in A's chunk
+            tail = plan.segments[-1]
+            assert (tail.kind, tail.start, tail.end) == ("hit", last.start, last.end)
+            assert tail.delta == 35 and tail.offset == 0
+    assert plans[False].tokens_of("miss") == plans[True].tokens_of("miss") + (
+        plans[True].chunks[-1].end - plans[True].chunks[-1].start)
+
+
+def test_heads_reuse_only_the_shared_run():
+    """Registered: chunk X (100 tokens). Missed: a chunk of X's first 70 tokens, then others
+    (40-token heads). The head hit covers exactly the 70 shared tokens (verified token by token,
+    the naive longest run); a chunk whose head differs in one token reuses nothing (a head
+    fingerprint alone never serves); the head index is namespaced and forgets evicted chunks."""
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 129280, 100)
+    planner = Planner(min_size=40, max_size=100, heads=True, s1=False)
+    entry = planner.registry.register(0, 1, x, np.arange(100) + 5000, 300)
+    prompt = np.concatenate([_header(100, 0), x[:70], rng.integers(0, 129280, 30) + 200_000])
+    plan = planner.plan(prompt, [100])
+    assert (plan.chunks[-1].start, plan.chunks[-1].kind) == (100, "miss")  # one chunk, missed
+    got = [(s.kind, s.start, s.end, s.entry, s.offset) for s in plan.segments[-2:]]
+    assert got == [("hit", 100, 170, entry, 0), ("miss", 170, 200, None, 0)]
+    assert _longest_registered_run(planner, prompt[100:]) == 70
+    assert plan.hits[0].delta == 100 - 300
+    changed = prompt.copy()
+    changed[139] += 1  # the head's last token: its fingerprint differs, nothing is reused
+    assert planner.plan(changed, [100]).tokens_of("hit") == 0
+    assert planner.plan(prompt, [100], namespace=1).tokens_of("hit") == 0
+    assert planner.registry.evict(100) and planner.registry.num_entries == 0
+    assert planner.plan(prompt, [100]).tokens_of("hit") == 0
 
 
 def test_carve_out_hand_built():

@@ -6,8 +6,9 @@ prompt exactly once, in order:
     prefix     tokens [0, L) served by the exact-prefix radix tree (line 1)
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
-    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk) found in the registry
-               and verified token by token; reused with delta = p_target - p_source (lines 7-10)
+    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with heads, the
+               longest registered run a missed chunk starts with) found in the registry and
+               verified token by token; reused with delta = p_target - p_source (lines 7-10)
     miss       tokens to prefill (line 12)
 
 ``Planner.commit(plan, handles)`` runs after the engine has prefilled the misses: it registers every
@@ -95,10 +96,13 @@ class Planner:
 
     def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
                  max_size: int = 512, carve_out: int = 32, s1: bool = True,
-                 s1_window: int = 128, pic: bool = True) -> None:
+                 s1_window: int = 128, heads: bool = False, pic: bool = True) -> None:
+        """``heads``: a missed chunk first reuses the longest run of leading tokens it shares
+        with a registered chunk (at least ``min_size``), beyond the paper's Algorithm 1."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
         self.radix = RadixTree(clock)
-        self.registry = Registry(capacity, window=s1_window, clock=clock)
+        self.registry = Registry(capacity, window=s1_window, head=min_size if heads else 0,
+                                 clock=clock)
         self.capacity = capacity
         self.mask_bits, self.min_size, self.max_size = mask_bits, min_size, max_size
         self.carve_out = carve_out
@@ -148,9 +152,20 @@ class Planner:
                     segments.append(Segment("hit", at, end, entry, at - first))
                 else:
                     chunks.append(Chunk(first, end, fp, "miss"))
-                    segments.extend(self._probe_windows(tokens, at, end, namespace))
+                    segments.extend(self._probe_miss(tokens, first, at, end, namespace))
             first = end
         return Plan(tokens, namespace, prefix, _merge_misses(segments), chunks)
+
+    def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,
+                    namespace: int) -> list[Segment]:
+        """A missed chunk [first, end), served from ``start``: the longest registered run its
+        head starts (with heads indexed), then S1 windows over the rest."""
+        hit = self.registry.lookup_head(namespace, tokens[first:end])
+        if hit is None or first + hit.size <= start:
+            return self._probe_windows(tokens, start, end, namespace)
+        stop = first + hit.size
+        head = Segment("hit", start, stop, hit.entry, start - first)
+        return [head] + (self._probe_windows(tokens, stop, end, namespace) if stop < end else [])
 
     def _probe_windows(self, tokens: np.ndarray, start: int, end: int,
                        namespace: int) -> list[Segment]:

@@ -14,6 +14,11 @@ pointing into the chunk's entry. On a chunk miss the planner fingerprints the mi
 windows at *every* offset and takes the hits left to right, so any registered window that reappears
 anywhere inside a missed chunk is found, whatever the chunk boundaries around it did.
 
+Chunk heads (``head`` > 0). Each chunk's first ``head`` tokens are indexed too. A missed chunk
+whose head is registered reuses the longest run of leading tokens it shares with such a chunk:
+a chunk cut short (the prompt's last chunk ends where the prompt does, not where the content
+says) or grown past a cut, a document edited near its end.
+
 Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget.
 """
 
@@ -26,7 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cdc import window_fingerprints
+from .cdc import fingerprints, window_fingerprints
+
+HEAD_CANDIDATES = 8  # registered chunks compared per head lookup, newest first
 
 
 @dataclass(eq=False)
@@ -41,6 +48,7 @@ class ChunkEntry:
     last_use: int = 0
     refcount: int = 0
     window_keys: list[int] = field(default_factory=list)  # fingerprints of its S1 windows
+    head_key: int | None = None  # fingerprint of its first ``head`` tokens, when indexed
 
     @property
     def size(self) -> int:
@@ -49,7 +57,8 @@ class ChunkEntry:
 
 @dataclass(frozen=True)
 class WindowHit:
-    """A sub-window of a registered chunk found again: ``entry.tokens[offset:offset + size]``."""
+    """A run of a registered chunk found again (an S1 window, a head):
+    ``entry.tokens[offset:offset + size]``."""
 
     entry: ChunkEntry
     offset: int
@@ -65,14 +74,16 @@ def _content(tokens: np.ndarray) -> bytes:
 class Registry:
     """Fingerprint -> chunk entries, verified on every hit, LRU-evicted to ``capacity`` tokens."""
 
-    def __init__(self, capacity: int | None = None, *, window: int = 128,
+    def __init__(self, capacity: int | None = None, *, window: int = 128, head: int = 0,
                  clock: Iterator[int] | None = None) -> None:
-        """``clock``: logical time shared with the radix tree (one LRU timeline for both)."""
+        """``head``: leading tokens a chunk head is indexed by (0: heads not indexed);
+        ``clock``: logical time shared with the radix tree (one LRU timeline for both)."""
         self.capacity = capacity
-        self.window = window
+        self.window, self.head = window, head
         # namespace -> fingerprint -> entries (a list: distinct content may share a fingerprint)
         self._chunks: dict[int, dict[int, list[ChunkEntry]]] = {}
         self._windows: dict[int, dict[int, list[tuple[ChunkEntry, int]]]] = {}
+        self._heads: dict[int, dict[int, list[ChunkEntry]]] = {}
         self._clock = clock if clock is not None else itertools.count(1)
         self._lru: list[tuple[int, int, ChunkEntry]] = []  # (last_use, tiebreak, entry), lazy
         self.total_tokens = 0
@@ -105,6 +116,26 @@ class Registry:
             self.verify_failures += 1
         return None
 
+    def lookup_head(self, namespace: int, tokens: np.ndarray) -> WindowHit | None:
+        """The registered chunk sharing the longest run of leading tokens with ``tokens`` (at
+        least its head; compared token by token), or None."""
+        if not self.head or tokens.size < self.head:
+            return None
+        best = None
+        entries = self._heads.get(namespace, {}).get(self._head_key(namespace, tokens), [])
+        for entry in reversed(entries[-HEAD_CANDIDATES:]):
+            m = min(entry.size, tokens.size)
+            differ = np.flatnonzero(entry.tokens[:m] != tokens[:m])
+            run = int(differ[0]) if differ.size else m
+            if run < self.head:
+                self.verify_failures += 1
+            elif best is None or run > best.size:
+                best = WindowHit(entry, 0, run)
+        return best
+
+    def _head_key(self, namespace: int, tokens: np.ndarray) -> int:
+        return int(fingerprints(tokens[:self.head], np.array([self.head]), seed=namespace)[0])
+
     def register(self, namespace: int, fingerprint: int, tokens: np.ndarray, handles: np.ndarray,
                  p_source: int) -> ChunkEntry:
         """Add a chunk (or return the existing entry with the same content) and index its windows."""
@@ -125,6 +156,9 @@ class Registry:
             for k, fp in enumerate(fps.tolist()):
                 table.setdefault(fp, []).append((entry, k * self.window))
                 entry.window_keys.append(fp)
+        if self.head and tokens.size >= self.head:
+            entry.head_key = self._head_key(namespace, tokens)
+            self._heads.setdefault(namespace, {}).setdefault(entry.head_key, []).append(entry)
         self.total_tokens += entry.size
         self.num_entries += 1
         self.touch(entry)
@@ -209,6 +243,11 @@ class Registry:
             wbucket[:] = [(e, o) for e, o in wbucket if e is not entry]
             if not wbucket:
                 del windows[fp]
+        if entry.head_key is not None:
+            heads = self._heads[entry.namespace]
+            heads[entry.head_key].remove(entry)
+            if not heads[entry.head_key]:
+                del heads[entry.head_key]
         self.total_tokens -= entry.size
         self.num_entries -= 1
         return True

@@ -95,10 +95,14 @@ class Engine:
 
     def __init__(self, model: MLAModel, *, num_slots: int, mode: Mode = "live",
                  rotate: bool = True, capacity: int | None = None, s1: bool = True,
-                 kernels: bool | None = None, graphs: bool | None = None) -> None:
-        """``kernels``: attend and rotate in place in the pool with the Triton kernels (default:
-        on a CUDA device when triton is installed); otherwise each forward gathers its
-        sequences' context rows and runs plain torch. ``graphs``: replay CUDA graphs for
+                 heads: bool = True, kernels: bool | None = None,
+                 graphs: bool | None = None) -> None:
+        """``s1`` / ``heads``: the planner's probes of a missed chunk (S1 windows; the longest
+        registered run its head starts, which serves a prompt's last chunk, cut where the
+        prompt ends, from a longer chunk seen before). ``kernels``: attend and rotate in place
+        in the pool with the Triton kernels (default: on a CUDA device when triton is
+        installed); otherwise each forward gathers its sequences' context rows and runs plain
+        torch. ``graphs``: replay CUDA graphs for
         batches of short spans (default: with the kernels, for bfloat16 models whose heads fill
         16-row blocks; off a GPU, the same padded forwards run without graphs)."""
         if mode not in MODES:
@@ -117,7 +121,7 @@ class Engine:
         self.pool = KVPool(cfg.num_hidden_layers, num_slots, cfg.kv_lora_rank,
                            cfg.qk_rope_head_dim, dtype=dtype, device=device,
                            reserved=1 if graphs else 0)
-        self.planner = Planner(capacity=capacity, s1=s1, pic=mode != "off")
+        self.planner = Planner(capacity=capacity, s1=s1, heads=heads, pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
         self.graphs: CudaGraphs | None = None
