@@ -55,7 +55,7 @@ def ideal(engine: Engine, reference: Sequence, request: ShiftRequest) -> None:
     engine.pool.retain(handles[cached])
     engine.make_room(compute.size)
     handles[compute] = engine.pool.alloc(compute.size)
-    seq = Sequence(request.prompt.tolist(), handles, reference.namespace)
+    seq = Sequence(request.prompt, handles, reference.namespace)
     engine.sequences.append(seq)  # owned by the engine, so finish() releases it
     engine.run_batch([(seq, request.prompt[compute], compute)])
     engine.finish(seq, remember=False)

@@ -454,7 +454,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
                 if rng.random() < 0.5:
                     resets.append(len(tokens))
                 tokens += rng.integers(0, V, int(rng.integers(0, 13))).tolist()
-            if len(tokens) <= max_prompt and all(o.seq.tokens != tokens for o in open_):
+            if len(tokens) <= max_prompt and all(o.seq.tokens.tolist() != tokens for o in open_):
                 resets_of[tuple(tokens)] = resets
                 return tokens, resets
 
@@ -511,7 +511,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
             twin = engine.fork(o.seq)
             forced = (int(o.logits.argmax()) + 1 + int(rng.integers(V - 1))) % V
             assert forced != int(o.logits.argmax())  # the twin diverges at once
-            t = _Open(twin, list(o.seq.tokens) + [forced], engine.extend(twin, [forced])[-1])
+            t = _Open(twin, o.seq.tokens.tolist() + [forced], engine.extend(twin, [forced])[-1])
             t.clean = o.clean
             resets_of[tuple(t.prompt)] = resets_of.get(tuple(o.prompt), [])
             open_.append(t)

@@ -58,11 +58,15 @@ class ServeStats:
 class Sequence:
     """A request's tokens and the pool handles of their KV rows (one reference each)."""
 
-    tokens: list[int]
+    tokens: np.ndarray  # int64: the prompt, then every token appended
     handles: np.ndarray
     namespace: int
     stats: ServeStats = field(default_factory=ServeStats)
     finished: bool = False
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Tokens whose rows were just computed (a decode step, a teacher-forced run)."""
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, dtype=np.int64)])
 
 
 @dataclass
@@ -145,7 +149,7 @@ class Engine:
                              f"{self.model.config.max_position_embeddings}")
         plan = self.planner.plan(prompt, resets, namespace=namespace)
         self.planner.acquire(plan)
-        seq = Sequence(prompt.tolist(), np.zeros(0, dtype=np.int64), namespace)
+        seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
         seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
         self.sequences.append(seq)
@@ -367,7 +371,7 @@ class Engine:
             raise ValueError("sequence already finished")
         at = np.arange(len(seq.tokens), len(seq.tokens) + len(new))
         logits = self.run_batch([(seq, new, at)], all_logits=True)[0]
-        seq.tokens.extend(new.tolist())
+        seq.append(new)
         return logits
 
     def generate(self, tokens: Iterable[int], max_tokens: int, *, resets: Iterable[int] = (),
@@ -389,7 +393,7 @@ class Engine:
         """A second sequence sharing every KV slot of ``seq`` so far (one more reference each)."""
         if seq.finished:
             raise ValueError("cannot fork a finished sequence")
-        twin = Sequence(list(seq.tokens), seq.handles.copy(), seq.namespace, seq.stats)
+        twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats)
         self.pool.retain(twin.handles)
         self.sequences.append(twin)
         return twin
@@ -399,7 +403,7 @@ class Engine:
         if seq.finished:
             return
         if remember and seq.handles.size == len(seq.tokens):
-            self._apply(self.planner.remember(np.asarray(seq.tokens), seq.handles, seq.namespace))
+            self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace))
         self.pool.release(seq.handles)
         seq.finished = True
         self.sequences.remove(seq)
@@ -407,10 +411,11 @@ class Engine:
     # -- slots -----------------------------------------------------------------------------------
 
     def _apply(self, commit: Commit) -> None:
-        for handles in commit.held:
-            self.pool.retain(handles)
-        for handles in commit.freed:
-            self.pool.release(handles)
+        # One retain and one release for all of a commit's arrays: each counts its slots once.
+        if commit.held:
+            self.pool.retain(np.concatenate(commit.held))
+        if commit.freed:
+            self.pool.release(np.concatenate(commit.freed))
 
     def make_room(self, n: int) -> None:
         """Evict index entries (never what a sequence holds) until n fresh tokens fit."""
@@ -419,8 +424,7 @@ class Engine:
             if not freed:
                 raise PoolExhausted(f"KV pool full: {n} slots needed, {self.pool.free} free, "
                                     "nothing evictable")
-            for handles in freed:
-                self.pool.release(handles)
+            self.pool.release(np.concatenate(freed))
 
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""

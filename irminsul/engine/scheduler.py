@@ -201,7 +201,7 @@ class Scheduler:
         logits = self.engine.run_batch([(r.seq, tokens, at) for r, tokens, at in work])
         for (request, tokens, _), out in zip(work, logits):
             if request.state == "decode":
-                request.seq.tokens.extend(tokens.tolist())
+                request.seq.append(tokens)
             elif request.seq.handles.size < len(request.prompt):
                 continue  # more prompt to prefill (the last prompt token is always computed)
             else:
