@@ -200,10 +200,12 @@ def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
     assert_same(served[True], served[False], 1e-3)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
+                    "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
 def test_graph_path_equals_eager_path(tmp_path) -> None:
     """The forwards a CUDA graph replays — batches padded to their bucket, inputs in static
     buffers, the kernel at the graphs' fixed launch shape, padding rows in the scratch slot — give
-    the eager kernel path's logits and tokens (run as they are off a GPU, replayed on one);
+    the eager kernel path's logits and tokens (off a GPU, run as they are, in float32);
     accounting stays exact, the scratch slot included."""
     from irminsul.engine import Engine
     from irminsul.engine.graphs import DECODE_BUCKET
@@ -230,7 +232,8 @@ def test_graphs_leave_the_whole_capacity_to_requests(tmp_path) -> None:
     from irminsul.engine import Engine, SamplingParams, Scheduler
 
     build("v2_lite_like", tmp_path, layers=1, heads=16)
-    model = load_model(tmp_path, device=DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA graphs need bf16
+    model = load_model(tmp_path, device=DEVICE, dtype=dtype)
     for graphs in (False, True):
         engine = Engine(model, num_slots=64, mode="live", kernels=True, graphs=graphs)
         assert engine.pool.capacity == 64

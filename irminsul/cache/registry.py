@@ -42,7 +42,7 @@ class ChunkEntry:
 
     namespace: int
     fingerprint: int
-    tokens: np.ndarray
+    content: bytes  # the token ids as int64 bytes: what a hit is verified against
     handles: np.ndarray
     p_source: int
     last_use: int = 0
@@ -51,8 +51,13 @@ class ChunkEntry:
     head_key: int | None = None  # fingerprint of its first ``head`` tokens, when indexed
 
     @property
+    def tokens(self) -> np.ndarray:
+        """The token ids (a read-only view of ``content``)."""
+        return np.frombuffer(self.content, dtype=np.int64)
+
+    @property
     def size(self) -> int:
-        return int(self.tokens.size)
+        return len(self.content) // 8
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ class Registry:
         """The entry holding exactly ``tokens`` under this fingerprint, or None."""
         content = _content(tokens)
         for entry in self._chunks.get(namespace, {}).get(int(fingerprint), ()):
-            if _content(entry.tokens) == content:
+            if entry.content == content:
                 return entry
             self.verify_failures += 1
         return None
@@ -111,7 +116,7 @@ class Registry:
         """A registered sub-window holding exactly ``tokens`` (one window) under this fingerprint."""
         content = _content(tokens)
         for entry, offset in self.window_table(namespace).get(int(fingerprint), ()):
-            if _content(entry.tokens[offset:offset + tokens.size]) == content:
+            if entry.content[8 * offset:8 * (offset + tokens.size)] == content:
                 return WindowHit(entry, offset, int(tokens.size))
             self.verify_failures += 1
         return None
@@ -147,7 +152,8 @@ class Registry:
         if existing is not None:
             self.touch(existing)
             return existing
-        entry = ChunkEntry(namespace, int(fingerprint), tokens.copy(), handles.copy(), int(p_source))
+        entry = ChunkEntry(namespace, int(fingerprint), _content(tokens), handles.copy(),
+                           int(p_source))
         self._chunks.setdefault(namespace, {}).setdefault(entry.fingerprint, []).append(entry)
         whole = tokens.size // self.window
         if whole:
