@@ -99,7 +99,8 @@ def rotation_bandwidth(model: MLAModel, rotate: RotateFn, tokens: int, copy_gbps
                        repeats: int = 20) -> dict[str, float]:
     """GB/s of rotating a reused chunk of ``tokens`` tokens' k_r in every layer (source rows read,
     destination rows written, distinct slots, δ varying per row) and its fraction of the copy
-    bandwidth."""
+    bandwidth: ``copy_gbps`` (a large copy's) and that of a copy moving the same bytes (a
+    ~100 MB copy does not reach a 1 GiB copy's rate either)."""
     cfg = model.config
     device = str(model.lm_head.weight.device)
     kr = torch.randn(cfg.num_hidden_layers, 2 * tokens, cfg.qk_rope_head_dim, device=device,
@@ -111,5 +112,7 @@ def rotation_bandwidth(model: MLAModel, rotate: RotateFn, tokens: int, copy_gbps
     seconds = _median_seconds(device, lambda: rotate(kr, src, dst, delta, model.rotary), repeats)
     nbytes = 2 * kr[:, :tokens].numel() * kr.element_size()
     achieved = nbytes / seconds / 1e9
+    same = copy_bandwidth(device, nbytes // 2, repeats)
     return {"tokens": tokens, "bytes": nbytes, "us": 1e6 * seconds, "gbps": achieved,
-            "fraction_of_copy_bandwidth": achieved / copy_gbps}
+            "fraction_of_copy_bandwidth": achieved / copy_gbps,
+            "same_bytes_copy_gbps": same, "fraction_of_same_bytes_copy": achieved / same}
