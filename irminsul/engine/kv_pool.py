@@ -67,17 +67,15 @@ class _Slots:
     def _counts(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
         """(distinct slots, how often each occurs). Mostly the slots are distinct (a sequence's
         k_r slots, a chunk's): each write of its index to a scratch slot survives exactly then,
-        and the count is 1, at two scatters' cost (a bincount over the slots' span cost 0.4 ms
-        per 16K slots). Otherwise that bincount: linear, where a sort (np.unique) or np.add.at
-        costs milliseconds at 32K tokens."""
+        and the count is 1, at two scatters' cost. Otherwise np.unique, hash-based: 0.1 ms for
+        20K slots whatever the pool's size (a bincount over the slots' span took 0.4 ms in a
+        131K-slot pool, 2.4 ms in a 1M-slot one; np.add.at 0.6 ms)."""
         order = np.arange(slots.size)
         self._mark[slots] = order
         if (self._mark[slots] == order).all():
             return slots, 1
-        low = int(slots.min())
-        counts = np.bincount(slots - low)
-        distinct = np.flatnonzero(counts)
-        return distinct + low, counts[distinct].astype(np.int32)
+        distinct, counts = np.unique(slots, return_counts=True)
+        return distinct, counts.astype(np.int32)
 
     def retain(self, slots: np.ndarray) -> None:
         distinct, counts = self._counts(slots)
