@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul.cache.cdc import chunk_boundaries
-from irminsul.cache.planner import Plan, Planner
+from irminsul.cache.planner import HEAD_TOKENS, Plan, Planner
 
 CARVE_OUT = 32
 HANDLE_STRIDE = 1 << 20  # prompt k gets handles k * STRIDE + position
@@ -318,10 +318,10 @@ def test_heads_serve_a_last_chunk_cut_short():
 
 
 def test_heads_reuse_only_the_shared_run():
-    """Registered: chunk X (100 tokens). Missed: a chunk of X's first 70 tokens, then others
-    (40-token heads). The head hit covers exactly the 70 shared tokens (verified token by token,
-    the naive longest run); a chunk whose head differs in one token reuses nothing (a head
-    fingerprint alone never serves); the head index is namespaced and forgets evicted chunks."""
+    """Registered: chunk X (100 tokens). Missed: a chunk of X's first 70 tokens, then others.
+    The head hit covers exactly the 70 shared tokens (verified token by token, the naive longest
+    run); a chunk whose head differs in one token reuses nothing (a head fingerprint alone never
+    serves); the head index is namespaced and forgets evicted chunks."""
     rng = np.random.default_rng(11)
     x = rng.integers(0, 129280, 100)
     planner = Planner(min_size=40, max_size=100, heads=True, s1=False)
@@ -334,7 +334,7 @@ def test_heads_reuse_only_the_shared_run():
     assert _longest_registered_run(planner, prompt[100:]) == 70
     assert plan.hits[0].delta == 100 - 300
     changed = prompt.copy()
-    changed[139] += 1  # the head's last token: its fingerprint differs, nothing is reused
+    changed[100 + HEAD_TOKENS - 1] += 1  # the head's last token: nothing is reused
     assert planner.plan(changed, [100]).tokens_of("hit") == 0
     assert planner.plan(prompt, [100], namespace=1).tokens_of("hit") == 0
     assert planner.registry.evict(100) and planner.registry.num_entries == 0

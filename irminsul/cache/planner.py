@@ -32,6 +32,9 @@ from .radix import PrefixMatch, RadixTree
 from .registry import ChunkEntry, Registry
 
 SegmentKind = Literal["prefix", "carve_out", "hit", "miss"]
+# Leading tokens a chunk head is indexed by: half the smallest chunk, since a prompt's last chunk
+# (cut where the prompt ends) is often shorter than a chunk.
+HEAD_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,10 @@ class Planner:
                  max_size: int = 512, carve_out: int = 32, s1: bool = True,
                  s1_window: int = 128, heads: bool = False, pic: bool = True) -> None:
         """``heads``: a missed chunk first reuses the longest run of leading tokens it shares
-        with a registered chunk (at least ``min_size``), beyond the paper's Algorithm 1."""
+        with a registered chunk (at least HEAD_TOKENS), beyond the paper's Algorithm 1."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
         self.radix = RadixTree(clock)
-        self.registry = Registry(capacity, window=s1_window, head=min_size if heads else 0,
+        self.registry = Registry(capacity, window=s1_window, head=HEAD_TOKENS if heads else 0,
                                  clock=clock)
         self.capacity = capacity
         self.mask_bits, self.min_size, self.max_size = mask_bits, min_size, max_size
