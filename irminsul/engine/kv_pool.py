@@ -46,7 +46,7 @@ class _Slots:
         self.refs[size:] = 1
         self._stack = np.arange(size - 1, -1, -1, dtype=np.int64)  # top: low slots first
         self._top = size
-        self._mark = np.zeros(size + reserved, dtype=np.int64)  # scratch of _counts
+        self._mark = np.zeros(size + reserved, dtype=np.int64)  # scratch of _rounds
 
     @property
     def free(self) -> int:
@@ -64,36 +64,42 @@ class _Slots:
         self.refs[slots] = 1
         return slots
 
-    def _counts(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
-        """(distinct slots, how often each occurs). Mostly the slots are distinct (a sequence's
-        k_r slots, a chunk's): each write of its index to a scratch slot survives exactly then,
-        and the count is 1, at two scatters' cost. Otherwise np.unique, hash-based: 0.1 ms for
-        20K slots whatever the pool's size (a bincount over the slots' span took 0.4 ms in a
-        131K-slot pool, 2.4 ms in a 1M-slot one; np.add.at 0.6 ms)."""
-        order = np.arange(slots.size)
-        self._mark[slots] = order
-        if (self._mark[slots] == order).all():
-            return slots, 1
-        distinct, counts = np.unique(slots, return_counts=True)
-        return distinct, counts.astype(np.int32)
+    def _rounds(self, slots: np.ndarray) -> list[np.ndarray]:
+        """The slots as rounds of distinct slots: round k holds every slot occurring more than
+        k times, once (round 0: the distinct slots). Each round writes the occurrences' indices
+        to a scratch array; the one write that survives per slot is that slot's occurrence in
+        the round. Mostly one round (a sequence's k_r slots, a chunk's), two or three where
+        indexes share c_KV slots: linear, where np.unique sorts and a bincount spans the pool."""
+        rounds = []
+        while slots.size:
+            order = np.arange(slots.size)
+            self._mark[slots] = order
+            won = self._mark[slots] == order
+            rounds.append(slots[won])
+            slots = slots[~won]
+        return rounds
 
     def retain(self, slots: np.ndarray) -> None:
-        distinct, counts = self._counts(slots)
-        self.refs[distinct] += counts
+        for distinct in self._rounds(slots):
+            self.refs[distinct] += 1
 
-    def releasable(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
-        """(slots, counts) of a release, checked against the counts before anything changes."""
-        distinct, counts = self._counts(slots)
-        if (self.refs[distinct] < counts).any():
-            raise RuntimeError(f"{self.name}: a slot was released more often than retained")
-        return distinct, counts
+    def releasable(self, slots: np.ndarray) -> list[np.ndarray]:
+        """The rounds of a release, checked against the counts before anything changes: a
+        slot in round k occurs k + 1 times at least."""
+        rounds = self._rounds(slots)
+        for k, distinct in enumerate(rounds):
+            if (self.refs[distinct] <= k).any():
+                raise RuntimeError(f"{self.name}: a slot was released more often than retained")
+        return rounds
 
-    def release(self, slots: np.ndarray, counts: np.ndarray | int) -> None:
-        """Drop references to distinct ``slots`` (from :meth:`releasable`)."""
-        self.refs[slots] -= counts
-        freed = slots[self.refs[slots] == 0]
-        self._stack[self._top:self._top + freed.size] = freed
-        self._top += freed.size
+    def release(self, rounds: list[np.ndarray]) -> None:
+        """Drop the references of a release's rounds (from :meth:`releasable`)."""
+        for distinct in rounds:
+            self.refs[distinct] -= 1
+        if rounds:
+            freed = rounds[0][self.refs[rounds[0]] == 0]
+            self._stack[self._top:self._top + freed.size] = freed
+            self._top += freed.size
 
 
 class KVPool:
@@ -141,8 +147,8 @@ class KVPool:
         ckv, kr = unpack(handles)
         # Check both slot spaces before touching either: a bad release changes nothing.
         ckv_release, kr_release = self.ckv_slots.releasable(ckv), self.kr_slots.releasable(kr)
-        self.ckv_slots.release(*ckv_release)
-        self.kr_slots.release(*kr_release)
+        self.ckv_slots.release(ckv_release)
+        self.kr_slots.release(kr_release)
 
     def rows(self, handles: np.ndarray) -> list[torch.Tensor]:
         """Per-layer latent rows [n, L+R] of tokens, gathered from both stores."""
