@@ -21,6 +21,7 @@ from tiny_models import build
 
 import irminsul.cache.planner as planner_module
 import irminsul.cache.registry as registry_module
+from irminsul.cache.cdc import chunk_boundaries
 from irminsul.engine import Engine, PoolExhausted
 from irminsul.engine.kv_pool import unpack
 from irminsul.model import MLAModel, load_model
@@ -261,6 +262,34 @@ def test_one_layer_live_pic_equals_full_recomputation(models1, case: str) -> Non
     assert out == reference_out
     assert errors[True] <= 1e-5, errors
     assert errors[False] > 1e-3, errors
+
+
+def test_one_layer_chunk_heads_serve_a_cut_document_exactly(models1) -> None:
+    """A document served once, then sent again cut 20 tokens into one of its chunks (and
+    shifted): with chunk heads the cut chunk is served from the registered one, every token but
+    the last (always computed) reused; without, it is prefilled. One layer: both give full
+    recomputation's logits (1e-5)."""
+    model = models1["v2_lite_like"]
+    rng = np.random.default_rng(5)
+    doc, h1, h2 = rng.integers(0, V, 600), rng.integers(0, V, 40), rng.integers(0, V, 75)
+    h2[0] = (h1[0] + 1) % V  # no exact prefix in common
+    cuts = chunk_boundaries(doc)
+    j = next(i for i in range(len(cuts) - 1) if cuts[i + 1] - cuts[i] > 40)
+    cut = int(cuts[j]) + 20
+    source, target = np.concatenate([h1, doc]), np.concatenate([h2, doc[:cut]])
+    full = model.logits(torch.from_numpy(target))[-1]
+    reused = {}
+    for heads in (False, True):
+        engine = Engine(model, num_slots=3000, mode="live", heads=heads)
+        seq, _ = engine.prefill(source, [40])
+        engine.finish(seq)
+        seq, last = engine.prefill(target, [75])
+        reused[heads] = seq.stats.pic_tokens
+        assert (last - full).abs().max() <= 1e-5
+        engine.finish(seq)
+        engine.check()
+    assert reused[True] == cut - 1
+    assert reused[False] == int(cuts[j])  # the chunks before the cut one
 
 
 def test_novel_spans_run_in_one_forward(models1) -> None:

@@ -15,7 +15,7 @@ import reference_cdc as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from irminsul.cache.registry import ChunkEntry, Registry
+from irminsul.cache.registry import HEAD_CANDIDATES, ChunkEntry, Registry
 
 WEAK_FPS = {
     "zero": lambda toks: 0,
@@ -404,3 +404,31 @@ def test_chunk_repeating_a_window_evicts_cleanly():
     assert [h.size for h in reg.evict(1)] == [266]
     assert reg.lookup_window(0, window_fp(half, 0), half) is None
     assert reg.window_table(0) == {} and reg.total_tokens == 0
+
+
+def test_head_lookup_takes_the_longest_run_among_the_newest():
+    """Chunks sharing their first 16 tokens: a head lookup returns the one sharing the longest run
+    of leading tokens with the query (naive runs computed here), among the newest
+    HEAD_CANDIDATES; an older one with a longer run is not compared (the bound on the work).
+    Queries shorter than the head, or whose head differs, find nothing."""
+    rng = np.random.default_rng(3)
+    head = rng.integers(0, 1000, 16)
+    query = np.concatenate([head, rng.integers(0, 1000, 80)])
+    reg = Registry(head=16)
+    runs = [70] + [20 + 3 * i for i in range(HEAD_CANDIDATES)]  # oldest: the longest run
+    entries = []
+    for i, run in enumerate(runs):
+        chunk = np.concatenate([query[:run], 5000 + rng.integers(0, 1000, 100 - run)])
+        entries.append(reg.register(0, i, chunk, np.arange(100) + 1000 * i, 40))
+        naive = next(k for k in range(100) if k == query.size or chunk[k] != query[k])
+        assert naive == run
+    hit = reg.lookup_head(0, query)
+    assert (hit.entry, hit.offset, hit.size) == (entries[-1], 0, runs[-1])
+    reg.evict(1)  # the oldest goes; the answer is unchanged
+    assert reg.lookup_head(0, query).entry is entries[-1]
+    assert reg.lookup_head(0, query[:15]) is None
+    other = query.copy()
+    other[3] += 1
+    assert reg.lookup_head(0, other) is None
+    assert reg.lookup_head(1, query) is None  # another namespace
+    assert Registry().lookup_head(0, query) is None  # heads not indexed
