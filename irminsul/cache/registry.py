@@ -24,8 +24,8 @@ Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget
 
 from __future__ import annotations
 
-import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -90,7 +90,7 @@ class Registry:
         self._windows: dict[int, dict[int, list[tuple[ChunkEntry, int]]]] = {}
         self._heads: dict[int, dict[int, list[ChunkEntry]]] = {}
         self._clock = clock if clock is not None else itertools.count(1)
-        self._lru: list[tuple[int, int, ChunkEntry]] = []  # (last_use, tiebreak, entry), lazy
+        self._lru: OrderedDict[ChunkEntry, None] = OrderedDict()  # least recently used first
         self.total_tokens = 0
         self.num_entries = 0
         self.verify_failures = 0  # fingerprint matched, tokens did not: collisions caught
@@ -167,16 +167,15 @@ class Registry:
             self._heads.setdefault(namespace, {}).setdefault(entry.head_key, []).append(entry)
         self.total_tokens += entry.size
         self.num_entries += 1
+        self._lru[entry] = None
         self.touch(entry)
         return entry
 
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
         entry.last_use = next(self._clock)
-        heapq.heappush(self._lru, (entry.last_use, id(entry), entry))
-        if len(self._lru) > 4 * self.num_entries + 1024:  # drop stale heap items
-            self._lru = [(e.last_use, id(e), e) for e in self.entries()]
-            heapq.heapify(self._lru)
+        if entry in self._lru:  # an entry evicted since (a stale handle to it) stays out
+            self._lru.move_to_end(entry)
 
     def lock(self, entry: ChunkEntry) -> None:
         """Hold an entry (a running request uses its handles): it cannot be evicted."""
@@ -189,22 +188,7 @@ class Registry:
 
     def oldest(self) -> int | None:
         """Last-use stamp of the least recently used unheld entry, or None if none."""
-        held, oldest = [], None
-        while self._lru:
-            stamp, _, entry = self._lru[0]
-            if stamp != entry.last_use or not self._present(entry):
-                heapq.heappop(self._lru)  # stale, or already removed
-            elif entry.refcount:
-                held.append(heapq.heappop(self._lru))  # may become evictable later: keep
-            else:
-                oldest = stamp
-                break
-        for item in held:
-            heapq.heappush(self._lru, item)
-        return oldest
-
-    def _present(self, entry: ChunkEntry) -> bool:
-        return entry in self._chunks.get(entry.namespace, {}).get(entry.fingerprint, [])
+        return next((entry.last_use for entry in self._lru if not entry.refcount), None)
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:
         """Drop least-recently-used unheld entries until ``num_tokens`` tokens are freed.
@@ -213,18 +197,13 @@ class Registry:
         """
         freed: list[np.ndarray] = []
         removed = 0
-        skipped: list[tuple[int, int, ChunkEntry]] = []
-        while removed < num_tokens and self._lru:
-            item = heapq.heappop(self._lru)
-            stamp, _, entry = item
-            if stamp != entry.last_use or not self._remove(entry, only_if_unheld=True):
-                if stamp == entry.last_use:
-                    skipped.append(item)  # held now; may become evictable later
-                continue
+        while removed < num_tokens:
+            entry = next((e for e in self._lru if not e.refcount), None)  # held ones stay
+            if entry is None:
+                break
+            self._remove(entry)
             freed.append(entry.handles)
             removed += entry.size
-        for item in skipped:
-            heapq.heappush(self._lru, item)
         return freed
 
     def evict_to_capacity(self) -> list[np.ndarray]:
@@ -233,15 +212,11 @@ class Registry:
             return []
         return self.evict(self.total_tokens - self.capacity)
 
-    def _remove(self, entry: ChunkEntry, *, only_if_unheld: bool) -> bool:
-        if only_if_unheld and entry.refcount:
-            return False
-        table = self._chunks.get(entry.namespace, {})
-        bucket = table.get(entry.fingerprint, [])
-        if entry not in bucket:
-            return False
-        bucket.remove(entry)
-        if not bucket:
+    def _remove(self, entry: ChunkEntry) -> None:
+        del self._lru[entry]
+        table = self._chunks[entry.namespace]
+        table[entry.fingerprint].remove(entry)
+        if not table[entry.fingerprint]:
             del table[entry.fingerprint]
         windows = self._windows.get(entry.namespace, {})
         for fp in set(entry.window_keys):  # a chunk may repeat a window: one key, two offsets
@@ -256,4 +231,3 @@ class Registry:
                 del heads[entry.head_key]
         self.total_tokens -= entry.size
         self.num_entries -= 1
-        return True
