@@ -52,6 +52,9 @@ def build_requests(pattern: str, text: AgentText, length: int, count: int, *, he
     out = []
     for j in range(count):
         line = renderer.encode(_variable(rng, j) + "\n").astype(np.int64) % text.vocab
+        if pattern != "rerank" and header + line.size >= length:
+            raise ValueError(f"{pattern}: a {header}-token header and its {line.size}-token "
+                             f"line leave no room in a {length}-token prompt")
         out.append(build(text, length, header, line, rng, seen))
     return out
 

@@ -51,6 +51,11 @@ def test_shift_requests(pattern: str, text: AgentText) -> None:
         assert all(r.novel for r in requests)
 
 
+def test_shift_requests_reject_a_header_longer_than_the_prompt(text: AgentText) -> None:
+    with pytest.raises(ValueError, match="2000-token header .* 512-token prompt"):
+        build_requests("agent_meta", text, 512, 2, header=2000)
+
+
 def test_energy_zero_readings() -> None:
     out = energy.aggregate([0.0, 2.0, 0.0, 4.0, 3.0, 5.0, 1.0])
     assert out["zero_readings"] == 2 and out["reported"]
@@ -80,3 +85,16 @@ def test_cpu_run_and_table(tmp_path: Path) -> None:
     assert [m["sessions"] for m in results["memory"]] == [1, 2]
     table = results_table.render(results)
     assert "PIC-live TTFT" in table and "rerank" in table and "transformers" in table
+
+
+def test_cache_host_time_runs(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_host_time.py"),
+                    "--lengths", "512", "--headers", "50", "--requests", "3", "--warmup", "1",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    rows = json.loads(out.read_text())["phases_ms_p50"]
+    assert [(r["pattern"], r["header_tokens"]) for r in rows] == [
+        ("agent_meta", 50), ("sysvar", 50), ("rerank", 0)]
+    assert all(r[p] > 0 for r in rows for p in ("plan", "serve reused", "commit"))

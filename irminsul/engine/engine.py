@@ -263,18 +263,23 @@ class Engine:
         self.make_room(len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv)
-        _, kr_dst = unpack(handles)
-        src, dst = upload(kr_src, self.pool.kr.device), upload(kr_dst, self.pool.kr.device)
+        self._rotate(kr_src, unpack(handles)[1], deltas)
+        return handles
+
+    def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
+        """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src``
+        rotated by ``deltas`` (copied unrotated for naive reuse)."""
+        device = self.pool.kr.device
+        src_slots, dst_slots = upload(src, device), upload(dst, device)
         if self.kernels and self.rotate:
             from ..kernels import rotate_kr
 
-            delta = upload(deltas, self.pool.kr.device, np.int32)
-            rotate_kr(self.pool.kr, src, dst, delta, self.model.rotary)
-            return handles
-        base = self.pool.kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
+            rotate_kr(self.pool.kr, src_slots, dst_slots, upload(deltas, device, np.int32),
+                      self.model.rotary)
+            return
+        base = self.pool.kr[:, src_slots].transpose(0, 1)  # [tokens, layers, rope_dim]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
-        self.pool.kr[:, dst] = rotated.transpose(0, 1)
-        return handles
+        self.pool.kr[:, dst_slots] = rotated.transpose(0, 1)
 
     def run_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]], *,
                   all_logits: bool = False) -> list[torch.Tensor]:

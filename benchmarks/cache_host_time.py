@@ -1,0 +1,108 @@
+"""The cache's own host time per live prefill, per TTFT cell, the device work stubbed out.
+
+What live PIC adds on the host to a prefill of issue #5's cells (benchmarks/shift_prompts.py):
+before its forward can be issued — planning (radix match, chunking, fingerprints, registry
+lookups) and serving the reused runs (slot allocation, eviction, reference counts) — and after it
+(registering the new chunks, inserting the prompt in the radix tree; on a GPU this overlaps the
+forward). The engine is the real one, over the tiny stand-in model; its forward and its k_r
+rotation are stubbed, so what is timed is the bookkeeping alone, on whatever CPU runs this (on the
+GPU machine, the one TTFT pays). Medians over the requests after the warm-ups, in ms.
+
+    python benchmarks/cache_host_time.py [--lengths 4096 16384 32768] [--headers 50 2000]
+                                         [--requests 20] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gpu_common import V2_LITE, AgentText, build_model, run_metadata
+from shift_prompts import build_requests
+
+from irminsul.engine import Engine
+from irminsul.engine.engine import Sequence
+
+PHASES = ("plan", "serve reused", "commit")
+
+
+class HostOnly(Engine):
+    """The engine with no device work: forwards return zero logits, reuses rotate nothing."""
+
+    def run_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]], *,
+                  all_logits: bool = False) -> list[torch.Tensor]:
+        return [torch.zeros(len(tokens) if all_logits else 1, 1) for _, tokens, _ in work]
+
+    def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
+        pass
+
+
+def cell(engine: Engine, requests: list, warmup: int) -> dict[str, float]:
+    """Median ms of each phase over ``requests`` after the first ``warmup``."""
+    times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for i, request in enumerate(requests):
+        t0 = time.perf_counter()
+        prefill = engine.start_prefill(request.prompt, request.resets)
+        t1 = time.perf_counter()
+        while engine.advance(prefill, prefill.prompt.size) is not None:
+            pass
+        t2 = time.perf_counter()
+        engine.complete_prefill(prefill)
+        t3 = time.perf_counter()
+        engine.finish(prefill.seq)
+        if i >= warmup:
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                times[phase].append(seconds)
+    return {phase: 1e3 * statistics.median(values) for phase, values in times.items()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform reports."""
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--headers", type=int, nargs="+", default=[50, 2000],
+                        help="agent_meta's persona lengths")
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", help="also write the figures as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = build_model("cpu", tiny=True)
+    text = AgentText(V2_LITE["vocab_size"])  # chunk boundaries as over V2-Lite's token ids
+    rows = []
+    print(f"{'pattern':>10} {'prompt':>6} {'H':>5} " + " ".join(f"{p:>13}" for p in PHASES))
+    for length in args.lengths:
+        specs = [("agent_meta", h) for h in args.headers] + [("sysvar", 50), ("rerank", 0)]
+        for pattern, header in specs:
+            requests = build_requests(pattern, text, length, args.requests + args.warmup,
+                                      header=header, seed=length)
+            engine = HostOnly(model, num_slots=4 * length + 64, mode="live", kernels=False,
+                              graphs=False)
+            row = {"pattern": pattern, "prompt_tokens": length, "header_tokens": header,
+                   **cell(engine, requests, args.warmup)}
+            rows.append(row)
+            print(f"{pattern:>10} {length:>6} {header:>5} "
+                  + " ".join(f"{row[p]:>13.3f}" for p in PHASES), flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({**run_metadata("cpu"), "cpu": cpu_name(), "numpy": np.__version__,
+                       "phases_ms_p50": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
