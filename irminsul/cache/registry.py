@@ -2,8 +2,9 @@
 
 An entry records a chunk of tokens that was prefilled at position ``p_source`` together with one
 opaque handle per token (the engine stores KV slot indices: the shared ``c_KV`` slots and the
-``k_r`` base slots). A lookup hashes nothing itself: callers bring the fingerprint and the tokens,
-and every hit compares the tokens, so a fingerprint collision can never serve the wrong content.
+``k_r`` base slots). A chunk or window lookup hashes nothing itself: callers bring the fingerprint
+and the tokens (a head lookup hashes the head it is given). Every hit compares the tokens, so a
+fingerprint collision can never serve the wrong content.
 
 Keys are ``(namespace, fingerprint)``; the namespace is the fingerprint seed (model and tenant), so
 content registered under one namespace is invisible to every other.
