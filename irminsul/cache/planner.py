@@ -142,6 +142,8 @@ class Planner:
                                   max_size=self.max_size, resets=resets[resets > anchor] - anchor)
         chunks: list[Chunk] = []
         fps = fingerprints(tail, bounds, seed=namespace).tolist()
+        content = tail.astype(np.int64).tobytes()  # each chunk's bytes, sliced for its lookup
+        lookup = self.registry.lookup
         first = anchor
         for end, fp in zip((bounds + anchor).tolist(), fps):
             if end > start:
@@ -149,7 +151,8 @@ class Planner:
                 if first < self.carve_out:
                     chunks.append(Chunk(first, end, fp, "carve_out"))
                     segments.append(Segment("carve_out", at, end))
-                elif (entry := self.registry.lookup(namespace, fp, tokens[first:end])) is not None:
+                elif (entry := lookup(namespace, fp, content[8 * (first - anchor):
+                                                             8 * (end - anchor)])) is not None:
                     chunks.append(Chunk(first, end, fp, "hit"))
                     segments.append(Segment("hit", at, end, entry, at - first))
                 else:

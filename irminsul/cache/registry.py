@@ -100,9 +100,11 @@ class Registry:
         """Every registered entry, all namespaces."""
         return [e for table in self._chunks.values() for bucket in table.values() for e in bucket]
 
-    def lookup(self, namespace: int, fingerprint: int, tokens: np.ndarray) -> ChunkEntry | None:
-        """The entry holding exactly ``tokens`` under this fingerprint, or None."""
-        content = _content(tokens)
+    def lookup(self, namespace: int, fingerprint: int,
+               tokens: np.ndarray | bytes) -> ChunkEntry | None:
+        """The entry holding exactly ``tokens`` (or their int64 bytes) under this fingerprint,
+        or None."""
+        content = tokens if isinstance(tokens, bytes) else _content(tokens)
         for entry in self._chunks.get(namespace, {}).get(int(fingerprint), ()):
             if entry.content == content:
                 return entry
