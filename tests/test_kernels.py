@@ -246,3 +246,28 @@ def test_graphs_leave_the_whole_capacity_to_requests(tmp_path) -> None:
                 break
         assert len(tokens) == 4 and not scheduler.has_work()
         engine.check()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_graph_block_room_holds_every_batch_of_its_bucket(heads: int) -> None:
+    """For random batches of every bucket (spans of any sizes, the padding request last), the
+    blocks the kernel layout makes never exceed the room the bucket's graph keeps for them; a
+    batch of one-token spans fills the room exactly where blocks hold one token's heads."""
+    from irminsul.engine.graphs import BUCKETS, block_room, block_rows
+    from irminsul.kernels import PagedLayout
+
+    rng = np.random.default_rng(0)
+    for bucket in BUCKETS:
+        room, rows = block_room(bucket, heads), block_rows(bucket)
+        for _ in range(50):
+            n = int(rng.integers(1, bucket + 1))
+            cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(0, n)),
+                                      replace=False)) if n > 1 else np.array([], dtype=int)
+            spans = np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+            new = spans + ([bucket - n] if bucket > n else [])
+            assert sum(new) == bucket and min(new) >= 1
+            assert len(PagedLayout.blocks(new, heads, rows)[0]) <= room
+        worst = len(PagedLayout.blocks([1] * bucket, heads, rows)[0])
+        assert worst <= room
+        if heads % rows == 0:
+            assert worst == room
