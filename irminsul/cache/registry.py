@@ -93,8 +93,11 @@ class Registry:
         self._clock = clock if clock is not None else itertools.count(1)
         self._lru: OrderedDict[ChunkEntry, None] = OrderedDict()  # least recently used first
         self.total_tokens = 0
-        self.num_entries = 0
         self.verify_failures = 0  # fingerprint matched, tokens did not: collisions caught
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._lru)
 
     def entries(self) -> list[ChunkEntry]:
         """Every registered entry, all namespaces."""
@@ -169,7 +172,6 @@ class Registry:
             entry.head_key = self._head_key(namespace, tokens)
             self._heads.setdefault(namespace, {}).setdefault(entry.head_key, []).append(entry)
         self.total_tokens += entry.size
-        self.num_entries += 1
         self._lru[entry] = None
         self.touch(entry)
         return entry
@@ -191,7 +193,11 @@ class Registry:
 
     def oldest(self) -> int | None:
         """Last-use stamp of the least recently used unheld entry, or None if none."""
-        return next((entry.last_use for entry in self._lru if not entry.refcount), None)
+        entry = self._oldest_unheld()
+        return None if entry is None else entry.last_use
+
+    def _oldest_unheld(self) -> ChunkEntry | None:
+        return next((entry for entry in self._lru if not entry.refcount), None)
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:
         """Drop least-recently-used unheld entries until ``num_tokens`` tokens are freed.
@@ -201,7 +207,7 @@ class Registry:
         freed: list[np.ndarray] = []
         removed = 0
         while removed < num_tokens:
-            entry = next((e for e in self._lru if not e.refcount), None)  # held ones stay
+            entry = self._oldest_unheld()  # held ones stay
             if entry is None:
                 break
             self._remove(entry)
@@ -233,4 +239,3 @@ class Registry:
             if not heads[entry.head_key]:
                 del heads[entry.head_key]
         self.total_tokens -= entry.size
-        self.num_entries -= 1

@@ -106,9 +106,9 @@ class Engine:
         prompt ends, from a longer chunk seen before). ``kernels``: attend and rotate in place
         in the pool with the Triton kernels (default: on a CUDA device when triton is
         installed); otherwise each forward gathers its sequences' context rows and runs plain
-        torch. ``graphs``: replay CUDA graphs for
-        batches of short spans (default: with the kernels, for bfloat16 models whose heads fill
-        16-row blocks; off a GPU, the same padded forwards run without graphs)."""
+        torch. ``graphs``: replay CUDA graphs for batches of short spans (default: with the
+        kernels, for bfloat16 models whose heads fill 16-row blocks; off a GPU, the same padded
+        forwards run without graphs)."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config

@@ -41,11 +41,15 @@ def block_rows(bucket: int) -> int:
     return 16 if bucket <= DECODE_BUCKET else 64
 
 
+def whole_blocks(bucket: int, heads: int) -> int:
+    """Blocks holding a bucket's query rows back to back."""
+    return -(-bucket * heads // block_rows(bucket))
+
+
 def block_room(bucket: int, heads: int) -> int:
     """Blocks a batch of ``bucket`` tokens can need, padding request included: whole blocks of
     all its rows, plus one partial block per request."""
-    rows = block_rows(bucket)
-    return -(-bucket * heads // rows) + (0 if heads % rows == 0 else bucket + 1)
+    return whole_blocks(bucket, heads) + (0 if heads % block_rows(bucket) == 0 else bucket + 1)
 
 
 class CudaGraphs:
@@ -127,7 +131,7 @@ class CudaGraphs:
         rows, room = block_rows(bucket), block_room(bucket, self.heads)
         # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
         # launch also caps them by the longest request; here the cap is fixed: 64 per request).
-        splits = max(1, min(64, -(-SM_TARGET // -(-bucket * self.heads // rows))))
+        splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
         layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
                              self.blocks[0, :room], self.blocks[1, :room], bucket,
                              self.heads, rows, splits)

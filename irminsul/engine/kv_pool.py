@@ -160,7 +160,7 @@ class KVPool:
         """Raise unless every slot's count equals its references and free means unreferenced."""
         for space, slots in ((self.ckv_slots, 0), (self.kr_slots, 1)):
             expected = np.zeros_like(space.refs)
-            for handles in references:  # np.add.at: slow, but independent of _counts
+            for handles in references:  # np.add.at: slow, but independent of _rounds
                 np.add.at(expected, unpack(handles)[slots], 1)
             if not np.array_equal(expected, space.refs):
                 bad = np.flatnonzero(expected != space.refs)[:5].tolist()

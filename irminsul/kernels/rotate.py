@@ -79,8 +79,8 @@ def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: tor
     """kr[:, dst] = kr[:, src] rotated by ``delta`` (one per row), for every layer of the pool
     ``kr`` [layers, slots, rope_dim]; src/dst int64 slots, delta int32, all on kr's device.
     Source and destination slots must not overlap. ``block`` tokens and ``group`` layers per
-    program, ``num_warps`` warps: the launch shape (the default is the fastest of those
-    benchmarks/kernels.py sweeps on an H200: 2.9 TB/s, 72% of copy bandwidth)."""
+    program, ``num_warps`` warps: the launch shape (the default is among the fastest of those
+    benchmarks/kernels.py sweeps on an H200: docs/results/2026-11-30-h200-kernels.json)."""
     n = src.numel()
     if n == 0:
         return
