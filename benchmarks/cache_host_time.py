@@ -3,10 +3,11 @@
 What live PIC adds on the host to a prefill of issue #5's cells (benchmarks/shift_prompts.py):
 before its forward can be issued — planning (radix match, chunking, fingerprints, registry
 lookups) and serving the reused runs (slot allocation, eviction, reference counts) — and after it
-(registering the new chunks, inserting the prompt in the radix tree; on a GPU this overlaps the
-forward). The engine is the real one, over the tiny stand-in model; its forward and its k_r
-rotation are stubbed, so what is timed is the bookkeeping alone, on whatever CPU runs this (on the
-GPU machine, the one TTFT pays). Medians over the requests after the warm-ups, in ms.
+(registering the new chunks, inserting the prompt in the radix tree, finishing the sequence; on a
+GPU the registration overlaps the forward). The engine is the real one, over the tiny stand-in
+model; its forward and its k_r rotation are stubbed, so what is timed is the bookkeeping alone,
+on whatever CPU runs this (on the GPU machine, the one TTFT pays). Phases as
+benchmarks/prefill_profile.py times them; medians over the requests after the warm-ups, in ms.
 
     python benchmarks/cache_host_time.py [--lengths 4096 16384 32768] [--headers 50 2000]
                                          [--requests 20] [--out F]
@@ -18,18 +19,18 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from gpu_common import V2_LITE, AgentText, build_model, run_metadata
+from prefill_profile import phases
 from shift_prompts import build_requests
 
 from irminsul.engine import Engine
 from irminsul.engine.engine import Sequence
 
-PHASES = ("plan", "serve reused", "commit")
+PHASES = ("plan", "advance (reuse, alloc)", "commit")
 
 
 class HostOnly(Engine):
@@ -44,22 +45,10 @@ class HostOnly(Engine):
 
 
 def cell(engine: Engine, requests: list, warmup: int) -> dict[str, float]:
-    """Median ms of each phase over ``requests`` after the first ``warmup``."""
-    times: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    for i, request in enumerate(requests):
-        t0 = time.perf_counter()
-        prefill = engine.start_prefill(request.prompt, request.resets)
-        t1 = time.perf_counter()
-        while engine.advance(prefill, prefill.prompt.size) is not None:
-            pass
-        t2 = time.perf_counter()
-        engine.complete_prefill(prefill)
-        t3 = time.perf_counter()
-        engine.finish(prefill.seq)
-        if i >= warmup:
-            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
-                times[phase].append(seconds)
-    return {phase: 1e3 * statistics.median(values) for phase, values in times.items()}
+    """Median ms of each of :func:`prefill_profile.phases`' host phases over ``requests`` after
+    the first ``warmup`` (the stubbed forward's own phases left out)."""
+    times = [phases(engine, request) for request in requests][warmup:]
+    return {phase: statistics.median(t[phase] for t in times) for phase in PHASES}
 
 
 def cpu_name() -> str:
@@ -85,7 +74,7 @@ def main() -> None:
     model = build_model("cpu", tiny=True)
     text = AgentText(V2_LITE["vocab_size"])  # chunk boundaries as over V2-Lite's token ids
     rows = []
-    print(f"{'pattern':>10} {'prompt':>6} {'H':>5} " + " ".join(f"{p:>13}" for p in PHASES))
+    print(f"{'pattern':>10} {'prompt':>6} {'H':>5} " + " ".join(f"{p:>22}" for p in PHASES))
     for length in args.lengths:
         specs = [("agent_meta", h) for h in args.headers] + [("sysvar", 50), ("rerank", 0)]
         for pattern, header in specs:
@@ -97,7 +86,7 @@ def main() -> None:
                    **cell(engine, requests, args.warmup)}
             rows.append(row)
             print(f"{pattern:>10} {length:>6} {header:>5} "
-                  + " ".join(f"{row[p]:>13.3f}" for p in PHASES), flush=True)
+                  + " ".join(f"{row[p]:>22.3f}" for p in PHASES), flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({**run_metadata("cpu"), "cpu": cpu_name(), "numpy": np.__version__,

@@ -97,4 +97,4 @@ def test_cache_host_time_runs(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["phases_ms_p50"]
     assert [(r["pattern"], r["header_tokens"]) for r in rows] == [
         ("agent_meta", 50), ("sysvar", 50), ("rerank", 0)]
-    assert all(r[p] > 0 for r in rows for p in ("plan", "serve reused", "commit"))
+    assert all(r[p] > 0 for r in rows for p in ("plan", "advance (reuse, alloc)", "commit"))
