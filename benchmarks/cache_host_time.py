@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gpu_common import V2_LITE, AgentText, build_model, run_metadata
+from gpu_ttft import cache_slots
 from prefill_profile import phases
 from shift_prompts import build_requests
 
@@ -80,8 +81,8 @@ def main() -> None:
         for pattern, header in specs:
             requests = build_requests(pattern, text, length, args.requests + args.warmup,
                                       header=header, seed=length)
-            engine = HostOnly(model, num_slots=4 * length + 64, mode="live", kernels=False,
-                              graphs=False)
+            engine = HostOnly(model, num_slots=cache_slots(length, len(requests)), mode="live",
+                              kernels=False, graphs=False)
             row = {"pattern": pattern, "prompt_tokens": length, "header_tokens": header,
                    **cell(engine, requests, args.warmup)}
             rows.append(row)

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -110,15 +110,57 @@ def timed(device: torch.device | str, fn: Callable[..., T], *args: Any) -> tuple
     return time.perf_counter() - start, result
 
 
-def per_call(device: torch.device | str, fn: Callable[[], Any], calls: int = 10) -> float:
-    """Seconds per call of ``calls`` back-to-back calls: the device stays busy, so launch latency
-    hides behind the previous call, as it does inside a forward (a kernel's own time)."""
+class CallTime(NamedTuple):
+    """Seconds per call of back-to-back calls."""
+
+    device: float  # the device's time: a kernel's own, as inside a forward
+    issue: float  # the host's time to issue one (launch overhead; the device's on a CPU)
+
+
+def per_call(device: torch.device | str, fn: Callable[[], Any], calls: int = 10) -> CallTime:
+    """Time ``calls`` back-to-back calls. On a GPU a spin kernel holds the queue while the host
+    issues them and device events time them: a short kernel would otherwise be timed by how fast
+    the host launches it, not by the device (inside a forward earlier kernels keep the device
+    busy while the next is issued; the engine's own launch costs are in the TTFT figures).
+    Elsewhere wall time."""
 
     def back_to_back() -> None:
         for _ in range(calls):
             fn()
 
-    return timed(device, back_to_back)[0] / calls
+    if torch.device(device).type != "cuda":
+        wall = timed(device, back_to_back)[0] / calls
+        return CallTime(wall, wall)
+    sync(device)
+    start = time.perf_counter()
+    back_to_back()  # also the warm-up: how long the host takes to issue them
+    issue = time.perf_counter() - start
+    sync(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int((2 * issue + 1e-3) * _sleep_cycles_per_second(device)))
+    begin.record()
+    back_to_back()
+    end.record()
+    end.synchronize()
+    return CallTime(begin.elapsed_time(end) / 1e3 / calls, issue / calls)
+
+
+_CYCLES: dict[str, float] = {}
+
+
+def _sleep_cycles_per_second(device: torch.device | str) -> float:
+    """The rate of ``torch.cuda._sleep``'s spin (the SM clock), measured once per device."""
+    key = str(device)
+    if key not in _CYCLES:
+        cycles = 10**7
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _CYCLES[key] = cycles / (begin.elapsed_time(end) / 1e3)
+    return _CYCLES[key]
 
 
 def percentiles(values: Sequence[float], scale: float = 1.0, unit: str = "ms") -> dict[str, float]:

@@ -34,6 +34,14 @@ def _device(model: MLAModel) -> torch.device:
     return model.lm_head.weight.device
 
 
+def cache_slots(length: int, requests: int) -> int:
+    """Pool slots of a caching engine in a cell: every request's prompt. A server gives its pool
+    the memory its weights leave (an H200 serving V2-Lite holds some 3M tokens); a pool of a few
+    prompts evicts an agent's persona, or a document, between the requests that share it, which
+    the ideal counts as cached."""
+    return (requests + 1) * length + 64
+
+
 def no_cache(engine: Engine, request: ShiftRequest, namespace: int) -> None:
     """A full prefill through the serving path: a namespace no other request uses, so neither
     cache can serve anything."""
@@ -66,9 +74,10 @@ def ttft_cell(model: MLAModel, requests: list[ShiftRequest], warmup: int) -> dic
     requests after the first ``warmup`` (which fill the caches)."""
     device = _device(model)
     length = requests[0].prompt.size
-    engines = {name: Engine(model, num_slots=4 * length + 64, mode=mode)
-               for name, mode in (("no cache", "off"), ("exact prefix", "off"),
-                                  ("PIC live", "live"), ("ideal", "off"))}
+    small, large = 4 * length + 64, cache_slots(length, len(requests))  # without, with reuse
+    engines = {name: Engine(model, num_slots=slots, mode=mode)
+               for name, mode, slots in (("no cache", "off", small), ("exact prefix", "off", large),
+                                         ("PIC live", "live", large), ("ideal", "off", small))}
     times: dict[str, list[float]] = {name: [] for name in MODES}
     served: dict[str, list[float]] = {"exact prefix": [], "PIC live prefix": [], "PIC live pic": []}
     reference, _ = engines["ideal"].prefill(requests[0].prompt, namespace=-1)  # held throughout

@@ -1,7 +1,8 @@
 """The attention kernel against the plain-torch path, and fused rotation-on-load against the
 materialised rotation (issue #5), at DeepSeek-V2-Lite's attention shapes (16 heads, 512 + 64).
 
-Per context length, one layer, median of repeats (each the mean of back-to-back calls):
+Per context length, one layer, median of repeats (each the device time per call of back-to-back
+calls, `gpu_common.per_call`):
 
     decode     8 requests × 1 new token: torch (gather the rows, SDPA over head-folded queries)
                vs the kernel reading the pool in place, with k_r materialised (rotated copies)
@@ -75,7 +76,7 @@ def measure(context: int, repeats: int) -> dict:
         except OutOfResources as err:  # a tile shape this GPU cannot hold: report, go on
             row[label] = str(err)
             return
-        row[label] = percentiles([per_call(device, fn) for _ in range(repeats)], 1e3)
+        row[label] = percentiles([per_call(device, fn).device for _ in range(repeats)], 1e3)
 
     for phase, new in (("decode", [1] * batch), ("prefill", [512]), ("spans", [30, 1])):
         shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots

@@ -25,7 +25,7 @@ from contextlib import redirect_stdout
 
 import torch
 from gpu_common import AgentText, build_model, sync
-from gpu_ttft import ideal
+from gpu_ttft import cache_slots, ideal
 from shift_prompts import PATTERNS, ShiftRequest, build_requests
 
 from irminsul.engine import Engine
@@ -94,7 +94,7 @@ def main() -> None:
     text = AgentText(model.config.vocab_size)
     requests = build_requests(args.pattern, text, args.length, args.warmup + 3,
                               header=args.header, seed=args.length)
-    live = Engine(model, num_slots=4 * args.length + 64, mode="live")
+    live = Engine(model, num_slots=cache_slots(args.length, len(requests)), mode="live")
     floor = Engine(model, num_slots=4 * args.length + 64, mode="off")
     reference, _ = floor.prefill(requests[0].prompt, namespace=-1)
     for request in requests[:args.warmup]:

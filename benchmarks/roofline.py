@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_common import per_call, sync
+from gpu_common import CallTime, per_call, sync
 
 from irminsul.model import MLAModel
 from irminsul.model.config import MLAConfig
@@ -43,8 +43,14 @@ def prefill_flops(cfg: MLAConfig, tokens: int, logit_tokens: int) -> int:
 
 
 def _median_seconds(device: str, fn: Callable[[], Any], repeats: int) -> float:
+    """Median device seconds per call."""
+    return _median_times(device, fn, repeats).device
+
+
+def _median_times(device: str, fn: Callable[[], Any], repeats: int) -> CallTime:
     fn()  # warm-up: kernels chosen, memory allocated
-    return statistics.median(per_call(device, fn, 5) for _ in range(repeats))
+    times = [per_call(device, fn, 5) for _ in range(repeats)]
+    return CallTime(*(statistics.median(t[i] for t in times) for i in range(2)))
 
 
 def matmul_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
@@ -109,10 +115,12 @@ def rotation_bandwidth(model: MLAModel, rotate: RotateFn, tokens: int, copy_gbps
     src, dst = slots[:tokens].contiguous(), slots[tokens:].contiguous()
     delta = torch.randint(-tokens, tokens, (tokens,), dtype=torch.int32, device=device)
     sync(device)
-    seconds = _median_seconds(device, lambda: rotate(kr, src, dst, delta, model.rotary), repeats)
+    times = _median_times(device, lambda: rotate(kr, src, dst, delta, model.rotary), repeats)
+    seconds = times.device
     nbytes = 2 * kr[:, :tokens].numel() * kr.element_size()
     achieved = nbytes / seconds / 1e9
     same = copy_bandwidth(device, nbytes // 2, repeats)
-    return {"tokens": tokens, "bytes": nbytes, "us": 1e6 * seconds, "gbps": achieved,
+    return {"tokens": tokens, "bytes": nbytes, "us": 1e6 * seconds,
+            "issue_us": 1e6 * times.issue, "gbps": achieved,
             "fraction_of_copy_bandwidth": achieved / copy_gbps,
             "same_bytes_copy_gbps": same, "fraction_of_same_bytes_copy": achieved / same}
