@@ -60,10 +60,10 @@ def ideal(engine: Engine, reference: Sequence, request: ShiftRequest) -> None:
     cached = np.ones(request.prompt.size, dtype=bool)
     cached[compute] = False
     handles = reference.handles[:request.prompt.size].copy()
-    engine.pool.retain(handles[cached])
     engine.make_room(compute.size)
     handles[compute] = engine.pool.alloc(compute.size)
     seq = Sequence(request.prompt, handles, reference.namespace)
+    seq.owed.append(handles[cached])  # counted once the forward is issued, as in PIC live
     engine.sequences.append(seq)  # owned by the engine, so finish() releases it
     engine.run_batch([(seq, request.prompt[compute], compute)])
     engine.finish(seq, remember=False)

@@ -321,6 +321,35 @@ def test_novel_spans_run_in_one_forward(models1) -> None:
         engine.check()
 
 
+
+def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
+    """advance serves an exact prefix and PIC hits without counting their slots; until the
+    forward counts them, check() sees them as owed, and the plan's locks keep eviction off them
+    even when the pool is drained of everything else. Then the counts are exact and the logits
+    equal full recomputation (one layer)."""
+    model = models1["v2_lite_like"]
+    source, rs, target, rt, _ = shifted_docs(4)
+    engine = Engine(model, num_slots=2000, mode="live")
+    for prompt, resets in ((source, rs), (target[:100], rt[:1])):
+        seq, _ = engine.prefill(prompt, resets)
+        engine.finish(seq)
+    prefill = engine.start_prefill(target, rt)
+    tokens, at = engine.advance(prefill, len(target))
+    seq = prefill.seq
+    assert seq.stats.prefix_tokens == 100 and seq.stats.pic_tokens > 400
+    assert seq.owed and seq.owed_ckv
+    engine.check()
+    with pytest.raises(PoolExhausted):
+        engine.make_room(engine.pool.capacity)  # evicts every unheld index entry
+    engine.check()
+    logits = engine.run_batch([(seq, tokens, at)])[0][-1]
+    assert not seq.owed and not seq.owed_ckv
+    engine.check()
+    engine.complete_prefill(prefill)
+    engine.finish(seq)
+    engine.check()
+    assert (logits - model.logits(torch.from_numpy(target))[-1]).abs().max() <= 1e-5
+
 # -- 4. three layers: δ-rotation vs naive reuse ----------------------------------------------------
 
 KL_SEEDS = (0, 1, 2, 3, 4, 5)

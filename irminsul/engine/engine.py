@@ -63,6 +63,12 @@ class Sequence:
     namespace: int
     stats: ServeStats = field(default_factory=ServeStats)
     finished: bool = False
+    # References the sequence holds that the pool has not counted yet: :meth:`Engine.advance`
+    # serves cached runs without counting them, so that their forward is issued sooner, and
+    # :meth:`Engine.run_batch` counts them once it is (the plan's locks on the radix node and
+    # the registry entries hold those slots meanwhile). Handles (both slots); c_KV slots alone.
+    owed: list[np.ndarray] = field(default_factory=list)
+    owed_ckv: list[np.ndarray] = field(default_factory=list)
 
     def append(self, tokens: np.ndarray) -> None:
         """Tokens whose rows were just computed (a decode step, a teacher-forced run)."""
@@ -185,8 +191,8 @@ class Engine:
                 continue
             prefill.runs.pop(0)
             if kind == "prefix":
-                handles = prefill.plan.prefix.handles[start:end].copy()
-                self.pool.retain(handles)
+                handles = prefill.plan.prefix.handles[start:end]
+                seq.owed.append(handles)
                 seq.stats.prefix_tokens += end - start
             else:
                 # Consecutive hits are reused in one gather-rotate-scatter, one δ per token.
@@ -199,7 +205,7 @@ class Engine:
                     if not prefill.runs or prefill.runs[0][0] != "reuse":
                         break
                     _, start, end, seg = prefill.runs.pop(0)
-                handles = self._reuse(np.concatenate(sources), np.repeat(deltas, sizes))
+                handles = self._reuse(seq, np.concatenate(sources), np.repeat(deltas, sizes))
                 seq.stats.pic_tokens += len(handles)
             seq.handles = np.concatenate([seq.handles, handles])
         if not positions:
@@ -209,6 +215,7 @@ class Engine:
 
     def complete_prefill(self, prefill: Prefill) -> None:
         """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
+        self._settle(prefill.seq)  # before the plan's locks go
         try:
             self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
         finally:
@@ -256,13 +263,14 @@ class Engine:
             runs.append(("compute", end - 1, end, None))
         return runs
 
-    def _reuse(self, source: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-        """Share the source tokens' c_KV slots; give the sequence their k_r rotated by ``deltas``
-        (one per token; or, for the naive-reuse study, copied unrotated) in fresh k_r slots, all
-        layers at once."""
+    def _reuse(self, seq: Sequence, source: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+        """Share the source tokens' c_KV slots (owed to ``seq``); give it their k_r rotated by
+        ``deltas`` (one per token; or, for the naive-reuse study, copied unrotated) in fresh k_r
+        slots, all layers at once."""
         self.make_room(len(source))
         ckv, kr_src = unpack(source)
-        handles = self.pool.alloc_kr(ckv)
+        handles = self.pool.alloc_kr(ckv, retain=False)
+        seq.owed_ckv.append(ckv)
         self._rotate(kr_src, unpack(handles)[1], deltas)
         return handles
 
@@ -270,13 +278,13 @@ class Engine:
         """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src``
         rotated by ``deltas`` (copied unrotated for naive reuse)."""
         device = self.pool.kr.device
-        src_slots, dst_slots = upload(src, device), upload(dst, device)
         if self.kernels and self.rotate:
             from ..kernels import rotate_kr
 
-            rotate_kr(self.pool.kr, src_slots, dst_slots, upload(deltas, device, np.int32),
-                      self.model.rotary)
+            src_slots, dst_slots, delta = upload(np.stack([src, dst, deltas]), device)  # one copy
+            rotate_kr(self.pool.kr, src_slots, dst_slots, delta, self.model.rotary)
             return
+        src_slots, dst_slots = upload(src, device), upload(dst, device)
         base = self.pool.kr[:, src_slots].transpose(0, 1)  # [tokens, layers, rope_dim]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
         self.pool.kr[:, dst_slots] = rotated.transpose(0, 1)
@@ -310,9 +318,13 @@ class Engine:
                     appended.append(None)
                     keys.append(seq.handles)
                 new.append(keys[-1][at])
-            logits = self._forward(
-                np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work]), positions,
-                keys, np.concatenate(new), all_logits)
+            try:
+                logits = self._forward(
+                    np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work]),
+                    positions, keys, np.concatenate(new), all_logits)
+            finally:
+                for seq, _, _ in work:  # the forward is issued: the host counts while it runs
+                    self._settle(seq)
         except BaseException:
             for handles in appended:
                 if handles is not None:
@@ -398,6 +410,7 @@ class Engine:
         """A second sequence sharing every KV slot of ``seq`` so far (one more reference each)."""
         if seq.finished:
             raise ValueError("cannot fork a finished sequence")
+        self._settle(seq)
         twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats)
         self.pool.retain(twin.handles)
         self.sequences.append(twin)
@@ -407,6 +420,7 @@ class Engine:
         """Insert the finished sequence into the radix tree, then drop its own references."""
         if seq.finished:
             return
+        self._settle(seq)
         if remember and seq.handles.size == len(seq.tokens):
             self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace))
         self.pool.release(seq.handles)
@@ -414,6 +428,12 @@ class Engine:
         self.sequences.remove(seq)
 
     # -- slots -----------------------------------------------------------------------------------
+
+    def _settle(self, seq: Sequence) -> None:
+        """Count the references ``seq`` is owed (:attr:`Sequence.owed`)."""
+        if seq.owed or seq.owed_ckv:
+            self.pool.retain_slots(*_owed_slots(seq))
+            seq.owed, seq.owed_ckv = [], []
 
     def _apply(self, commit: Commit) -> None:
         # One retain and one release for all of a commit's arrays: each counts its slots once.
@@ -439,5 +459,13 @@ class Engine:
         return refs
 
     def check(self) -> None:
-        """Verify that every slot is free or referenced exactly as often as it is counted."""
-        self.pool.check(self.references())
+        """Verify that every slot is free or referenced exactly as often as it is counted (the
+        references sequences are owed not yet)."""
+        owed = [_owed_slots(seq) for seq in self.sequences]
+        self.pool.check(self.references(), uncounted=([c for c, _ in owed], [k for _, k in owed]))
+
+
+def _owed_slots(seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """The (c_KV, k_r) slots whose references ``seq`` is owed."""
+    ckv, kr = unpack(np.concatenate(seq.owed)) if seq.owed else (np.zeros(0, np.int64),) * 2
+    return np.concatenate([ckv, *seq.owed_ckv]), kr

@@ -132,14 +132,20 @@ class KVPool:
             raise PoolExhausted(f"need {n} token slots, {self.free} free")
         return pack(self.ckv_slots.alloc(n), self.kr_slots.alloc(n))
 
-    def alloc_kr(self, ckv: np.ndarray) -> np.ndarray:
-        """Handles sharing existing c_KV slots (one more reference each) with fresh k_r slots."""
+    def alloc_kr(self, ckv: np.ndarray, *, retain: bool = True) -> np.ndarray:
+        """Handles sharing existing c_KV slots with fresh k_r slots. ``retain``: take one more
+        reference to each c_KV slot now; False: the caller takes it later (:meth:`retain_slots`),
+        while something else is sure to hold those slots."""
         kr = self.kr_slots.alloc(len(ckv))
-        self.ckv_slots.retain(np.asarray(ckv, dtype=np.int64))
+        if retain:
+            self.ckv_slots.retain(np.asarray(ckv, dtype=np.int64))
         return pack(ckv, kr)
 
     def retain(self, handles: np.ndarray) -> None:
-        ckv, kr = unpack(handles)
+        self.retain_slots(*unpack(handles))
+
+    def retain_slots(self, ckv: np.ndarray, kr: np.ndarray) -> None:
+        """One more reference to each c_KV slot in ``ckv`` and each k_r slot in ``kr``."""
         self.ckv_slots.retain(ckv)
         self.kr_slots.retain(kr)
 
@@ -156,12 +162,17 @@ class KVPool:
         return [torch.cat([self.ckv[layer, ckv], self.kr[layer, kr]], dim=-1)
                 for layer in range(self.ckv.shape[0])]
 
-    def check(self, references: list[np.ndarray]) -> None:
-        """Raise unless every slot's count equals its references and free means unreferenced."""
+    def check(self, references: list[np.ndarray], *,
+              uncounted: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])) -> None:
+        """Raise unless every slot's count equals its references and free means unreferenced.
+        ``uncounted``: (c_KV, k_r) slot arrays among the references whose counts are yet to be
+        taken."""
         for space, slots in ((self.ckv_slots, 0), (self.kr_slots, 1)):
             expected = np.zeros_like(space.refs)
             for handles in references:  # np.add.at: slow, but independent of _rounds
                 np.add.at(expected, unpack(handles)[slots], 1)
+            for owed in uncounted[slots]:
+                np.add.at(expected, owed, -1)
             if not np.array_equal(expected, space.refs):
                 bad = np.flatnonzero(expected != space.refs)[:5].tolist()
                 raise AssertionError(f"{space.name}: reference counts off at slots {bad}")
