@@ -82,6 +82,11 @@ def forward_syncs(engine: Engine, request: ShiftRequest) -> Counter[str]:
     return found
 
 
+def _busy(table: torch.autograd.profiler_util.EventList) -> float:
+    """Milliseconds the device spent in the profiled operators."""
+    return sum(e.self_device_time_total for e in table) / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pattern", choices=PATTERNS, default="agent_meta")
@@ -119,8 +124,10 @@ def main() -> None:
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=25))
         print(table.table(sort_by="self_device_time_total", row_limit=15))
-        busy = sum(e.self_device_time_total for e in table) / 1e3
-        print(f"device busy {busy:.1f} ms of the profiled prefill")
+        print(f"device busy {_busy(table):.1f} ms of the profiled prefill")
+        with torch.profiler.profile(activities=activities) as prof:
+            ideal(floor, reference, requests[args.warmup + 2])
+        print(f"ideal: device busy {_busy(prof.key_averages()):.1f} ms")
     print(report.getvalue())
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
