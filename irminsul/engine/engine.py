@@ -23,9 +23,10 @@ only replays a CUDA graph (:mod:`.graphs`).
 from __future__ import annotations
 
 import importlib.util
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -75,6 +76,16 @@ class Sequence:
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, dtype=np.int64)])
 
 
+class Run(NamedTuple):
+    """Prompt tokens [start, end) served one way: "prefix" (the exact prefix), "reuse" (live PIC
+    hits, consecutive ones together: ``hits``) or "compute"."""
+
+    kind: str
+    start: int
+    end: int
+    hits: list[Segment]
+
+
 @dataclass
 class Prefill:
     """A prompt being served: its plan and the runs still to do."""
@@ -82,7 +93,7 @@ class Prefill:
     seq: Sequence
     plan: Plan
     prompt: np.ndarray
-    runs: list[tuple[str, int, int, Segment | None]]
+    runs: deque[Run]
 
 
 def default_kernels(model: MLAModel) -> bool:
@@ -159,7 +170,7 @@ class Engine:
         seq.stats.prompt_tokens = int(prompt.size)
         seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
         self.sequences.append(seq)
-        return Prefill(seq, plan, prompt, list(self._runs(plan)))
+        return Prefill(seq, plan, prompt, self._runs(plan))
 
     def advance(self, prefill: Prefill, budget: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Serve the prefill's cached runs and give its next ``budget`` tokens to compute fresh
@@ -171,43 +182,39 @@ class Engine:
         as they come: one forward computes every novel span up to the budget, each attending to
         the rows before it (reused rows are already in place; earlier spans' rows are stored
         layer by layer in the same forward)."""
-        seq = prefill.seq
+        seq, runs = prefill.seq, prefill.runs
         positions: list[np.ndarray] = []
-        while prefill.runs:
-            kind, start, end, seg = prefill.runs[0]
-            start = max(start, len(seq.handles))
-            if start >= end:
-                prefill.runs.pop(0)
-                continue
-            if kind == "compute":
-                if budget <= 0:
-                    break
-                stop = min(end, start + budget)
-                self.make_room(stop - start)
-                seq.handles = np.concatenate([seq.handles, self.pool.alloc(stop - start)])
-                seq.stats.prefilled_tokens += stop - start
-                positions.append(np.arange(start, stop))
-                budget -= stop - start
-                continue
-            prefill.runs.pop(0)
-            if kind == "prefix":
-                handles = prefill.plan.prefix.handles[start:end]
-                seq.owed.append(handles)
-                seq.stats.prefix_tokens += end - start
-            else:
-                # Consecutive hits are reused in one gather-rotate-scatter, one δ per token.
-                sources, deltas, sizes = [], [], []
-                while True:
-                    first = seg.offset + (start - seg.start)
-                    sources.append(seg.entry.handles[first:first + end - start])
-                    deltas.append(seg.delta)
-                    sizes.append(end - start)
-                    if not prefill.runs or prefill.runs[0][0] != "reuse":
+        pieces, served = [seq.handles], len(seq.handles)  # one concatenation at the end
+        try:
+            while runs:
+                kind, start, end, hits = runs[0]
+                start = max(start, served)
+                if start >= end:
+                    runs.popleft()
+                    continue
+                if kind == "compute":
+                    if budget <= 0:
                         break
-                    _, start, end, seg = prefill.runs.pop(0)
-                handles = self._reuse(seq, np.concatenate(sources), np.repeat(deltas, sizes))
-                seq.stats.pic_tokens += len(handles)
-            seq.handles = np.concatenate([seq.handles, handles])
+                    stop = min(end, start + budget)
+                    self.make_room(stop - start)
+                    pieces.append(self.pool.alloc(stop - start))
+                    seq.stats.prefilled_tokens += stop - start
+                    positions.append(np.arange(start, stop))
+                    budget -= stop - start
+                    served = stop
+                    continue
+                runs.popleft()  # cached runs are served whole
+                if kind == "prefix":
+                    pieces.append(prefill.plan.prefix.handles[start:end])
+                    seq.owed.append(pieces[-1])
+                    seq.stats.prefix_tokens += end - start
+                else:
+                    pieces.append(self._reuse(seq, hits))
+                    seq.stats.pic_tokens += end - start
+                served = end
+        finally:  # what was served belongs to the sequence, whatever happens next
+            if len(pieces) > 1:
+                seq.handles = np.concatenate(pieces)
         if not positions:
             return None
         at = np.concatenate(positions)
@@ -244,29 +251,36 @@ class Engine:
             raise
         return prefill.seq, logits[-1]
 
-    def _runs(self, plan: Plan) -> list[tuple[str, int, int, Segment | None]]:
-        """The plan as (kind, start, end, segment) runs: "prefix", "reuse" (a live PIC hit) or
-        "compute". Adjacent computed segments fuse into one span, so observer mode runs exactly
-        the forwards that off mode runs; and the last token is always computed, since its logits
-        start the generation."""
-        runs: list[tuple[str, int, int, Segment | None]] = []
+    def _runs(self, plan: Plan) -> deque[Run]:
+        """The plan as runs (:class:`Run`). Adjacent computed segments fuse into one span, so
+        observer mode runs exactly the forwards that off mode runs; consecutive live hits fuse
+        into one reuse (one gather-rotate-scatter); and the last token is always computed, since
+        its logits start the generation."""
+        runs: list[list] = []  # [kind, start, end, hits], mutable while fusing
         for seg in plan.segments:
             kind = ("prefix" if seg.kind == "prefix" else
                     "reuse" if seg.kind == "hit" and self.mode == "live" else "compute")
-            if kind == "compute" and runs and runs[-1][0] == "compute":
-                runs[-1] = ("compute", runs[-1][1], seg.end, None)
+            if runs and kind == runs[-1][0] and kind != "prefix":
+                runs[-1][2] = seg.end
+                runs[-1][3].append(seg)
             else:
-                runs.append((kind, seg.start, seg.end, None if kind == "compute" else seg))
-        kind, start, end, seg = runs[-1]
+                runs.append([kind, seg.start, seg.end, [seg]])
+        kind, start, end, hits = runs[-1]
         if kind != "compute":
-            runs[-1] = (kind, start, end - 1, seg)
-            runs.append(("compute", end - 1, end, None))
-        return runs
+            if kind == "reuse":
+                hits[-1] = hits[-1]._replace(end=end - 1)
+            runs[-1] = [kind, start, end - 1, [h for h in hits if h.size]]
+            runs.append(["compute", end - 1, end, []])
+        return deque(Run(kind, start, end, hits if kind == "reuse" else [])
+                     for kind, start, end, hits in runs)
 
-    def _reuse(self, seq: Sequence, source: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-        """Share the source tokens' c_KV slots (owed to ``seq``); give it their k_r rotated by
-        ``deltas`` (one per token; or, for the naive-reuse study, copied unrotated) in fresh k_r
-        slots, all layers at once."""
+    def _reuse(self, seq: Sequence, hits: list[Segment]) -> np.ndarray:
+        """Serve consecutive hits: share their tokens' c_KV slots (owed to ``seq``); give it
+        their k_r rotated by each hit's δ (or, for the naive-reuse study, copied unrotated) in
+        fresh k_r slots, all layers in one gather-rotate-scatter."""
+        source = np.concatenate([h.entry.handles[h.offset:h.offset + h.end - h.start]
+                                 for h in hits])
+        deltas = np.repeat([h.delta for h in hits], [h.end - h.start for h in hits])
         self.make_room(len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv, retain=False)
