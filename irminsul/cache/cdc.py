@@ -117,17 +117,15 @@ def _low_state_bits(tokens: np.ndarray, bits: int, resets: np.ndarray) -> np.nda
         h[span:] += h[:-span] << dtype(span)
         span *= 2
     if resets.size:
-        # The first bits-1 states after a reset must not see tokens before it: rebuild them from a
-        # zero state, stopping at the next reset (which rebuilds its own).
-        limit = np.append(resets[1:], tokens.size)
-        state = np.zeros(resets.size, dtype=dtype)
-        for j in range(bits - 1):
-            pos = resets + j
-            live = pos < limit
-            if not live.any():
-                break
-            state = (state << dtype(1)) + gear[np.minimum(pos, tokens.size - 1)]
-            h[pos[live]] = state[live]
+        # The first bits-1 states after a reset r must not see tokens before it. The state after
+        # token r + j is (state after r - 1) << (j + 1) plus the state from zero, so subtracting
+        # the first term restarts it (all of them at once, each up to the next reset, which
+        # restarts its own). Resets are > 0, and low bits only ever depend on low bits.
+        shift = np.arange(1, bits, dtype=dtype)
+        pos = resets[:, None] + np.arange(bits - 1)
+        live = pos < np.append(resets[1:], tokens.size)[:, None]
+        restarted = h[np.minimum(pos, tokens.size - 1)] - (h[resets - 1][:, None] << shift)
+        h[pos[live]] = restarted[live]
     return h
 
 

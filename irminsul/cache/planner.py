@@ -143,22 +143,22 @@ class Planner:
         chunks: list[Chunk] = []
         fps = fingerprints(tail, bounds, seed=namespace).tolist()
         content = tail.astype(np.int64).tobytes()  # each chunk's bytes, sliced for its lookup
-        lookup = self.registry.lookup
-        first = anchor
-        for end, fp in zip((bounds + anchor).tolist(), fps):
+        lookup, carve_out = self.registry.lookup, self.carve_out
+        first, low = anchor, 0  # the chunk's first token; its first byte in content
+        # Some 500 chunks at 32K tokens: plain locals and ints in this loop.
+        for end, high, fp in zip((bounds + anchor).tolist(), (8 * bounds).tolist(), fps):
             if end > start:
-                at = max(first, start)  # where the part past the exact prefix begins
-                if first < self.carve_out:
+                at = first if first > start else start  # where the part past the prefix begins
+                if first < carve_out:
                     chunks.append(Chunk(first, end, fp, "carve_out"))
                     segments.append(Segment("carve_out", at, end))
-                elif (entry := lookup(namespace, fp, content[8 * (first - anchor):
-                                                             8 * (end - anchor)])) is not None:
+                elif (entry := lookup(namespace, fp, content[low:high])) is not None:
                     chunks.append(Chunk(first, end, fp, "hit"))
                     segments.append(Segment("hit", at, end, entry, at - first))
                 else:
                     chunks.append(Chunk(first, end, fp, "miss"))
                     segments.extend(self._probe_miss(tokens, first, at, end, namespace))
-            first = end
+            first, low = end, high
         return Plan(tokens, namespace, prefix, _merge_misses(segments), chunks)
 
     def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,

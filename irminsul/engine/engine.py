@@ -278,14 +278,17 @@ class Engine:
         """Serve consecutive hits: share their tokens' c_KV slots (owed to ``seq``); give it
         their k_r rotated by each hit's δ (or, for the naive-reuse study, copied unrotated) in
         fresh k_r slots, all layers in one gather-rotate-scatter."""
-        source = np.concatenate([h.entry.handles[h.offset:h.offset + h.end - h.start]
-                                 for h in hits])
-        deltas = np.repeat([h.delta for h in hits], [h.end - h.start for h in hits])
+        parts, deltas, sizes = [], [], []
+        for _, start, end, entry, offset in hits:  # some 500 hits at 32K: one plain loop
+            parts.append(entry.handles[offset:offset + end - start])
+            deltas.append(start - entry.p_source - offset)  # Segment.delta
+            sizes.append(end - start)
+        source = np.concatenate(parts)
         self.make_room(len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv, retain=False)
         seq.owed_ckv.append(ckv)
-        self._rotate(kr_src, unpack(handles)[1], deltas)
+        self._rotate(kr_src, unpack(handles)[1], np.repeat(deltas, sizes))
         return handles
 
     def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
