@@ -83,7 +83,7 @@ def prefill_efficiency(model: MLAModel, ids: torch.Tensor, peak_tflops: float,
 
 def torch_rotate(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
                  rotary: Rotary) -> None:
-    """The engine's plain-torch gather–rotate–scatter (``Engine._reuse`` before the kernel)."""
+    """The engine's plain-torch gather–rotate–scatter (``Engine._rotate`` without the kernels)."""
     base = kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
     kr[:, dst] = rotary.rotate(base, delta).transpose(0, 1)
 

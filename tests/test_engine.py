@@ -738,6 +738,25 @@ def test_failed_prefill_gives_back_its_computed_and_reused_slots(model3) -> None
     engine.check()
 
 
+
+def test_failed_rotation_gives_back_the_reused_slots(models1, monkeypatch) -> None:
+    """A reuse whose device work fails (here: the rotation raises) loses nothing: the prefill
+    raises, every slot it took is free again and the accounting is exact."""
+    source, rs, target, rt, _ = shifted_docs(16)
+    engine = Engine(models1["v2_lite_like"], num_slots=2000, mode="live")
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    free = engine.pool.free
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "_rotate", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.prefill(target, rt)
+    engine.check()
+    assert engine.pool.free == free
+
 @pytest.mark.parametrize("cached_prefix", [False, True])
 def test_out_of_range_reset_is_rejected_or_ignored(models1, cached_prefix: bool) -> None:
     """A negative reset offset is either rejected up front with a ValueError about resets or

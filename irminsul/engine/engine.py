@@ -209,7 +209,9 @@ class Engine:
                     seq.owed.append(pieces[-1])
                     seq.stats.prefix_tokens += end - start
                 else:
-                    pieces.append(self._reuse(seq, hits))
+                    handles, source, deltas = self._share(seq, hits)
+                    pieces.append(handles)  # the sequence's before the device work can fail
+                    self._rotate(source, unpack(handles)[1], deltas)
                     seq.stats.pic_tokens += end - start
                 served = end
         finally:  # what was served belongs to the sequence, whatever happens next
@@ -274,10 +276,12 @@ class Engine:
         return deque(Run(kind, start, end, hits if kind == "reuse" else [])
                      for kind, start, end, hits in runs)
 
-    def _reuse(self, seq: Sequence, hits: list[Segment]) -> np.ndarray:
-        """Serve consecutive hits: share their tokens' c_KV slots (owed to ``seq``); give it
-        their k_r rotated by each hit's δ (or, for the naive-reuse study, copied unrotated) in
-        fresh k_r slots, all layers in one gather-rotate-scatter."""
+    def _share(self, seq: Sequence, hits: list[Segment]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Consecutive hits' tokens as handles sharing their c_KV slots (owed to ``seq``) with
+        fresh k_r slots, which :meth:`_rotate` fills with the source k_r rotated by each hit's δ
+        (all layers in one gather-rotate-scatter). Returns the handles, the source k_r slots
+        and each token's δ."""
         parts, deltas, sizes = [], [], []
         for _, start, end, entry, offset in hits:  # some 500 hits at 32K: one plain loop
             parts.append(entry.handles[offset:offset + end - start])
@@ -288,8 +292,7 @@ class Engine:
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv, retain=False)
         seq.owed_ckv.append(ckv)
-        self._rotate(kr_src, unpack(handles)[1], np.repeat(deltas, sizes))
-        return handles
+        return handles, kr_src, np.repeat(deltas, sizes)
 
     def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
         """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src``
