@@ -1,23 +1,25 @@
 """Where a live-PIC prefill's time goes: host phases, operators, and host–device syncs.
 
-For one TTFT cell (pattern, prompt length), after the cell's warm-up requests, one request is
-served three ways and reported:
+For one TTFT cell (pattern, prompt length), after the cell's warm-up requests:
 
-    phases   host seconds of planning (start_prefill), serving cached runs and allocating
+    phases   host milliseconds of planning (start_prefill), serving cached runs and allocating
              (advance), issuing the forward (run_batch, returns before the device is done),
-             waiting for the device, and committing (complete_prefill); the same for the ideal
-             forward (novel spans only) as the floor
-    syncs    every call inside the forward that made the host wait for the device (torch's
-             sync debug mode): each one stops the host from queueing ahead
-    ops      the top operators by host time and by device time (torch.profiler)
+             waiting for the device, and committing (complete_prefill), medians over
+             ``--samples`` requests; the ideal forward's (novel spans only) as the floor
+    syncs    every call inside one request's forward that made the host wait for the device
+             (torch's sync debug mode): each one stops the host from queueing ahead
+    ops      the top operators of one request by host time and by device time (torch.profiler),
+             and the device time of the ideal forward of the same request
 
-    python benchmarks/prefill_profile.py [--pattern agent_meta] [--length 16384] [--out F.txt]
+    python benchmarks/prefill_profile.py [--pattern agent_meta] [--length 16384] [--samples 5]
+                                         [--out F.txt]
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import statistics
 import time
 import warnings
 from collections import Counter
@@ -93,11 +95,13 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--header", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=5,
+                        help="requests whose phases are timed (medians printed)")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
     model = build_model("cuda")
     text = AgentText(model.config.vocab_size)
-    requests = build_requests(args.pattern, text, args.length, args.warmup + 3,
+    requests = build_requests(args.pattern, text, args.length, args.warmup + args.samples + 2,
                               header=args.header, seed=args.length)
     live = Engine(model, num_slots=cache_slots(args.length, len(requests)), mode="live")
     floor = Engine(model, num_slots=4 * args.length + 64, mode="off")
@@ -108,25 +112,31 @@ def main() -> None:
     report = io.StringIO()
     with redirect_stdout(report):
         print(f"{args.pattern} L={args.length} H={args.header}, {torch.cuda.get_device_name()}")
-        timing = phases(live, requests[args.warmup])
-        print("PIC live phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
+        timed = requests[args.warmup:args.warmup + args.samples]
+        samples = [phases(live, request) for request in timed]
+        timing = {name: statistics.median(t[name] for t in samples) for name in samples[0]}
+        print(f"PIC live phases (ms, median of {len(samples)}): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
               + f"; total {sum(timing.values()):.1f}")
-        start = time.perf_counter()
-        ideal(floor, reference, requests[args.warmup])
-        sync("cuda")
-        print(f"ideal forward (ms): {1e3 * (time.perf_counter() - start):.1f}")
-        syncs = forward_syncs(live, requests[args.warmup + 1])
+        floors = []
+        for request in timed:
+            start = time.perf_counter()
+            ideal(floor, reference, request)
+            sync("cuda")
+            floors.append(time.perf_counter() - start)
+        print(f"ideal forward (ms, median): {1e3 * statistics.median(floors):.1f}")
+        syncs = forward_syncs(live, requests[-2])
         print(f"syncs inside the forward: {sum(syncs.values())}"
               + "".join(f"\n  {n:4d}  {where}" for where, n in syncs.most_common()))
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            phases(live, requests[args.warmup + 2])
+            phases(live, requests[-1])
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=25))
         print(table.table(sort_by="self_device_time_total", row_limit=15))
         print(f"device busy {_busy(table):.1f} ms of the profiled prefill")
         with torch.profiler.profile(activities=activities) as prof:
-            ideal(floor, reference, requests[args.warmup + 2])
+            ideal(floor, reference, requests[-1])
         print(f"ideal: device busy {_busy(prof.key_averages()):.1f} ms")
     print(report.getvalue())
     if args.out:
