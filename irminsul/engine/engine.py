@@ -232,6 +232,7 @@ class Engine:
 
     def abort_prefill(self, prefill: Prefill) -> None:
         """Give up a prefill: drop its references, keep the indexes as they were."""
+        self._settle(prefill.seq)  # while the plan's locks still hold what it is owed
         self.planner.release(prefill.plan)
         self.finish(prefill.seq, remember=False)
 
