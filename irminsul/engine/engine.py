@@ -80,7 +80,7 @@ class Run(NamedTuple):
     """Prompt tokens [start, end) served one way: "prefix" (the exact prefix), "reuse" (live PIC
     hits, consecutive ones together: ``hits``) or "compute"."""
 
-    kind: str
+    kind: Literal["prefix", "reuse", "compute"]
     start: int
     end: int
     hits: list[Segment]
