@@ -207,8 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if device.startswith("cuda") else "float32")
     serve(_model_dir(args), host=args.host, port=args.port, mode=args.pic, slots=args.slots,
-          dtype=getattr(torch, dtype), device=device, model_name=args.served_model_name,
-          graphs=None if args.graphs else False)
+          kr_slots=args.kr_slots, dtype=getattr(torch, dtype), device=device,
+          model_name=args.served_model_name, graphs=None if args.graphs else False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(record would-be hits), live (serve them; default)")
     serve.add_argument("--slots", type=int, default=None,
                        help="KV pool size in tokens (default: 4x the context, at most 65536)")
+    serve.add_argument("--kr-slots", type=int, default=None,
+                       help="k_r slots, when not --slots: sessions reusing shifted content "
+                            "share c_KV rows but each hold their own k_r rows (1/9 of a c_KV "
+                            "row's bytes), so more k_r slots hold more of them in the same "
+                            "memory")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="weights and KV (auto: bfloat16 on CUDA, else "
                                             "float32)")

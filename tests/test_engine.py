@@ -350,6 +350,33 @@ def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     engine.check()
     assert (logits - model.logits(torch.from_numpy(target))[-1]).abs().max() <= 1e-5
 
+
+def test_more_kr_slots_hold_more_sessions_sharing_a_document(models1) -> None:
+    """Sessions reusing one document at shifted positions share its c_KV slots and each hold
+    their own k_r: four of them fit a pool with room for the document's c_KV once and four k_r
+    copies, but not a pool of the same c_KV slots and as many k_r slots. Each session's logits
+    equal full recomputation (one layer: exact) and the accounting holds."""
+    model = models1["v2_lite_like"]
+    rng = np.random.default_rng(21)
+    doc = rng.integers(0, V, 400)
+    prompts = []
+    for i in range(4):
+        header = rng.integers(0, V, 40 + 7 * i)
+        header[0] = i  # no exact prefix in common
+        prompts.append(np.concatenate([header, doc]))
+    need_kr = sum(len(p) for p in prompts)
+    engine = Engine(model, num_slots=700, num_kr_slots=need_kr + 50, mode="live")
+    for prompt in prompts:
+        seq, logits = engine.prefill(prompt, [len(prompt) - len(doc)])  # held: sessions live
+        assert (logits - model.logits(torch.from_numpy(prompt))[-1]).abs().max() <= 1e-5
+        engine.check()
+    assert seq.stats.pic_tokens > 300 and engine.pool.free < 100  # c_KV nearly full
+    equal = Engine(model, num_slots=700, mode="live")
+    with pytest.raises(PoolExhausted):
+        for prompt in prompts:
+            equal.prefill(prompt, [len(prompt) - len(doc)])
+    equal.check()
+
 # -- 4. three layers: δ-rotation vs naive reuse ----------------------------------------------------
 
 KL_SEEDS = (0, 1, 2, 3, 4, 5)

@@ -20,8 +20,8 @@ from irminsul.engine.kv_pool import KVPool, PoolExhausted, pack, unpack
 LAYERS, RANK, ROPE = 3, 8, 4
 
 
-def _pool(num_slots: int) -> KVPool:
-    return KVPool(LAYERS, num_slots, RANK, ROPE)
+def _pool(num_slots: int, num_kr_slots: int | None = None) -> KVPool:
+    return KVPool(LAYERS, num_slots, RANK, ROPE, num_kr_slots=num_kr_slots)
 
 
 def _counts(references: list[np.ndarray]) -> tuple[Counter, Counter]:
@@ -63,22 +63,23 @@ def test_pack_is_the_documented_bit_layout() -> None:
 # -- reference counting against a naive model --------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 12), st.data())
-def test_refcounts_match_naive_counter_model(num_slots: int, data) -> None:
-    """Under random alloc / alloc_kr / retain / release sequences: every slot's count equals the
-    number of held references to it (pool.check against the naive list), ``free`` is the number of
-    unreferenced slots, a slot is handed out again only once its count reached 0, and a failing
-    alloc changes nothing."""
-    pool = _pool(num_slots)
+@given(st.integers(1, 12), st.integers(1, 24), st.data())
+def test_refcounts_match_naive_counter_model(num_slots: int, num_kr_slots: int, data) -> None:
+    """Under random alloc / alloc_kr / retain / release sequences, with slot spaces of any two
+    sizes: every slot's count equals the number of held references to it (pool.check against
+    the naive list), ``free`` / ``kr_free`` are the unreferenced slots, a slot is handed out again
+    only once its count reached 0, and a failing alloc changes nothing."""
+    pool = _pool(num_slots, num_kr_slots)
+    assert pool.capacity == min(num_slots, num_kr_slots)
     held: list[np.ndarray] = []  # the naive model: every handle array holding one reference each
     for _ in range(data.draw(st.integers(1, 40), label="ops")):
         ckv_counts, kr_counts = _counts(held)
         free_ckv = num_slots - sum(1 for v in ckv_counts.values() if v > 0)
-        free_kr = num_slots - sum(1 for v in kr_counts.values() if v > 0)
-        assert pool.free == min(free_ckv, free_kr)
+        free_kr = num_kr_slots - sum(1 for v in kr_counts.values() if v > 0)
+        assert pool.free == min(free_ckv, free_kr) and pool.kr_free == free_kr
         op = data.draw(st.sampled_from(["alloc", "alloc_kr", "retain", "release"]), label="op")
         if op == "alloc":
-            n = data.draw(st.integers(0, num_slots + 1), label="n")
+            n = data.draw(st.integers(0, max(num_slots, num_kr_slots) + 1), label="n")
             if n > min(free_ckv, free_kr):
                 with pytest.raises(PoolExhausted):
                     pool.alloc(n)
@@ -274,3 +275,11 @@ def test_check_catches_a_corrupted_count() -> None:
     pool.retain(free_handle)
     with pytest.raises(AssertionError, match="free list"):
         pool.check([a, b, free_handle])
+
+
+def test_slot_spaces_must_be_nonempty() -> None:
+    """A pool without c_KV or k_r slots is refused, naming both counts."""
+    with pytest.raises(ValueError, match="0 c_KV and 4 k_r"):
+        _pool(0, 4)
+    with pytest.raises(ValueError, match="4 c_KV and 0 k_r"):
+        _pool(4, 0)

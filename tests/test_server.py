@@ -421,7 +421,8 @@ def test_cli_serve_subprocess(model_dir: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen([sys.executable, "-m", "irminsul.cli", "serve", "--model",
                              str(model_dir), "--port", str(port), "--pic", "observer",
-                             "--slots", "1024"], env=env, stdout=subprocess.DEVNULL,
+                             "--slots", "1024", "--kr-slots", "4096"], env=env,
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"

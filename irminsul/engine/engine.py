@@ -114,18 +114,19 @@ def default_graphs(model: MLAModel, kernels: bool) -> bool:
 class Engine:
     """Prefill through the planner, decode against the split pool, keep slot accounting exact."""
 
-    def __init__(self, model: MLAModel, *, num_slots: int, mode: Mode = "live",
-                 rotate: bool = True, capacity: int | None = None, s1: bool = True,
-                 heads: bool = True, kernels: bool | None = None,
+    def __init__(self, model: MLAModel, *, num_slots: int, num_kr_slots: int | None = None,
+                 mode: Mode = "live", rotate: bool = True, capacity: int | None = None,
+                 s1: bool = True, heads: bool = True, kernels: bool | None = None,
                  graphs: bool | None = None) -> None:
-        """``s1`` / ``heads``: the planner's probes of a missed chunk (S1 windows; the longest
-        registered run its head starts, which serves a prompt's last chunk, cut where the
-        prompt ends, from a longer chunk seen before). ``kernels``: attend and rotate in place
-        in the pool with the Triton kernels (default: on a CUDA device when triton is
-        installed); otherwise each forward gathers its sequences' context rows and runs plain
-        torch. ``graphs``: replay CUDA graphs for batches of short spans (default: with the
-        kernels, for bfloat16 models whose heads fill 16-row blocks; off a GPU, the same padded
-        forwards run without graphs)."""
+        """``num_slots`` / ``num_kr_slots``: the pool's c_KV and k_r slot spaces
+        (:class:`KVPool`; k_r default: as many). ``s1`` / ``heads``: the planner's probes of a
+        missed chunk (S1 windows; the longest registered run its head starts, which serves a
+        prompt's last chunk, cut where the prompt ends, from a longer chunk seen before).
+        ``kernels``: attend and rotate in place in the pool with the Triton kernels (default: on
+        a CUDA device when triton is installed); otherwise each forward gathers its sequences'
+        context rows and runs plain torch. ``graphs``: replay CUDA graphs for batches of short
+        spans (default: with the kernels, for bfloat16 models whose heads fill 16-row blocks;
+        off a GPU, the same padded forwards run without graphs)."""
         if mode not in MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose from {', '.join(MODES)}")
         cfg = model.config
@@ -140,8 +141,8 @@ class Engine:
         self.model, self.mode, self.rotate, self.kernels = model, mode, rotate, kernels
         # Graphs pad batches with rows written to a slot of their own, outside the capacity.
         self.pool = KVPool(cfg.num_hidden_layers, num_slots, cfg.kv_lora_rank,
-                           cfg.qk_rope_head_dim, dtype=dtype, device=device,
-                           reserved=1 if graphs else 0)
+                           cfg.qk_rope_head_dim, num_kr_slots=num_kr_slots, dtype=dtype,
+                           device=device, reserved=1 if graphs else 0)
         self.planner = Planner(capacity=capacity, s1=s1, heads=heads, pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
@@ -289,7 +290,7 @@ class Engine:
             deltas.append(start - entry.p_source - offset)  # Segment.delta
             sizes.append(end - start)
         source = np.concatenate(parts)
-        self.make_room(len(source))
+        self.make_room(len(source), kr_only=True)
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv, retain=False)
         seq.owed_ckv.append(ckv)
@@ -463,12 +464,16 @@ class Engine:
         if commit.freed:
             self.pool.release(np.concatenate(commit.freed))
 
-    def make_room(self, n: int) -> None:
-        """Evict index entries (never what a sequence holds) until n fresh tokens fit."""
-        while self.pool.free < n:
-            freed = self.planner.evict(n - self.pool.free)
+    def make_room(self, n: int, *, kr_only: bool = False) -> None:
+        """Evict index entries (never what a sequence holds) until n fresh tokens fit (with
+        ``kr_only``, n tokens reusing c_KV slots: k_r slots alone)."""
+        def free() -> int:
+            return self.pool.kr_free if kr_only else self.pool.free
+
+        while free() < n:
+            freed = self.planner.evict(n - free())
             if not freed:
-                raise PoolExhausted(f"KV pool full: {n} slots needed, {self.pool.free} free, "
+                raise PoolExhausted(f"KV pool full: {n} slots needed, {free()} free, "
                                     "nothing evictable")
             self.pool.release(np.concatenate(freed))
 

@@ -103,28 +103,43 @@ class _Slots:
 
 
 class KVPool:
-    """Latent KV rows of ``num_slots`` tokens per slot space, for every layer, plus
-    ``reserved`` tokens' rows outside them (:attr:`reserved`: held by the pool itself)."""
+    """Latent KV rows for every layer: ``num_slots`` c_KV slots and ``num_kr_slots`` k_r slots
+    (default: as many), plus ``reserved`` tokens' rows outside them (:attr:`reserved`: held by
+    the pool itself). A k_r row is 1/9 of a c_KV row's bytes at DeepSeek's shapes, and sessions
+    reusing shifted content share c_KV but each hold their own k_r: a pool with more k_r slots
+    than c_KV slots holds more such sessions in the same memory."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_lora_rank: int, rope_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 reserved: int = 0) -> None:
-        rows = num_slots + reserved
-        self.ckv = torch.zeros(num_layers, rows, kv_lora_rank, dtype=dtype, device=device)
-        self.kr = torch.zeros(num_layers, rows, rope_dim, dtype=dtype, device=device)
+                 num_kr_slots: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", reserved: int = 0) -> None:
+        num_kr_slots = num_slots if num_kr_slots is None else num_kr_slots
+        if num_slots < 1 or num_kr_slots < 1:
+            raise ValueError(f"a KV pool needs slots in both spaces, got {num_slots} c_KV and "
+                             f"{num_kr_slots} k_r")
+        self.ckv = torch.zeros(num_layers, num_slots + reserved, kv_lora_rank, dtype=dtype,
+                               device=device)
+        self.kr = torch.zeros(num_layers, num_kr_slots + reserved, rope_dim, dtype=dtype,
+                              device=device)
         self.ckv_slots = _Slots(num_slots, "c_KV pool", reserved)
-        self.kr_slots = _Slots(num_slots, "k_r pool", reserved)
-        self.reserved = pack(np.arange(num_slots, rows), np.arange(num_slots, rows))
+        self.kr_slots = _Slots(num_kr_slots, "k_r pool", reserved)
+        self.reserved = pack(np.arange(num_slots, num_slots + reserved),
+                             np.arange(num_kr_slots, num_kr_slots + reserved))
 
     @property
     def capacity(self) -> int:
-        """Tokens the pool holds when empty (the reserved ones not counted)."""
-        return int(self.ckv_slots.refs.size - self.reserved.size)
+        """Tokens the pool holds when empty, each computed fresh (the reserved ones not
+        counted): the smaller slot space."""
+        return int(min(self.ckv_slots.refs.size, self.kr_slots.refs.size) - self.reserved.size)
 
     @property
     def free(self) -> int:
         """Tokens that can be allocated fresh (both slot spaces)."""
         return min(self.ckv_slots.free, self.kr_slots.free)
+
+    @property
+    def kr_free(self) -> int:
+        """Tokens that can reuse existing c_KV slots (:meth:`alloc_kr`)."""
+        return self.kr_slots.free
 
     def alloc(self, n: int) -> np.ndarray:
         """Handles of ``n`` fresh tokens (a new c_KV and a new k_r slot each, one reference)."""

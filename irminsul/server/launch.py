@@ -27,17 +27,20 @@ def default_slots(context: int) -> int:
 
 
 def build_server(model_dir: str | os.PathLike, *, mode: Mode = "live", slots: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 kr_slots: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu",
                  model_name: str | None = None,
                  graphs: bool | None = None) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
-    its engine (started and stopped by the app's lifespan). ``graphs``: as :class:`Engine`'s
-    (None: its default; False: every forward eager)."""
+    its engine (started and stopped by the app's lifespan). ``slots`` / ``kr_slots``: the
+    pool's c_KV and k_r slot spaces (default: :func:`default_slots`; k_r as many as c_KV).
+    ``graphs``: as :class:`Engine`'s (None: its default; False: every forward eager)."""
     path = Path(model_dir)
     renderer = ChatRenderer.from_dir(path)  # fails fast without tokenizer.json / a template
     model = load_model(path, dtype=dtype, device=device)
     num_slots = slots or default_slots(model.config.max_position_embeddings)
-    engine = AsyncEngine(Scheduler(Engine(model, num_slots=num_slots, mode=mode, graphs=graphs)))
+    engine = AsyncEngine(Scheduler(Engine(model, num_slots=num_slots, num_kr_slots=kr_slots,
+                                          mode=mode, graphs=graphs)))
     name = model_name or path.resolve().name
     stops = stop_token_ids(path, renderer)
     if not stops:
