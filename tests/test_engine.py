@@ -706,7 +706,7 @@ def test_prompt_longer_than_pool_raises_pool_exhausted(model3) -> None:
     already held an exact-prefix match and PIC hits, and when live sequences hold the pool."""
     rng = np.random.default_rng(11)
     engine = Engine(model3, num_slots=100, mode="live")
-    with pytest.raises(PoolExhausted, match=r"KV pool full: \d+ slots needed"):
+    with pytest.raises(PoolExhausted, match=r"KV pool full: \d+ c_KV and \d+ k_r slots needed"):
         engine.prefill(rng.integers(0, V, 150).tolist())
     engine.check()
     prompt = rng.integers(0, V, 60).tolist()

@@ -154,3 +154,35 @@ def test_ragged_batch_equals_separate_forwards(model) -> None:
         assert torch.allclose(out.logits, single.logits, atol=1e-5)
         for a, b in zip(out.latents, single.latents):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_requests_sharing_a_document_are_admitted_by_their_plans(model) -> None:
+    """Admission counts what a request's plan will allocate: requests reusing a cached
+    document at shifted positions need k_r slots for it, not c_KV ones. With k_r room for all of
+    them and c_KV room for their own tokens, three run together; with as many k_r slots as c_KV
+    ones, one at a time. All finish and the accounting holds."""
+    rng = np.random.default_rng(7)
+    doc, tokens = rng.integers(0, 97, 300), 4
+    prompts = []
+    for i in range(4):
+        header = rng.integers(0, 97, 40 + 5 * i)  # the document past the sink's 32
+        header[0] = i  # no exact prefix in common
+        prompts.append(np.concatenate([header, doc]))
+    first = len(prompts[0]) + tokens  # held by the indexes once served
+    own = sum(len(p) - len(doc) + tokens for p in prompts[1:])  # each request's own tokens
+    shared = sum(len(p) + tokens for p in prompts[1:])  # its k_r, the document's included
+    admitted = {}
+    for name, kr_slots in (("split", first + shared + 8), ("equal", None)):
+        engine = Engine(model, num_slots=first + own + 8, num_kr_slots=kr_slots, mode="live")
+        scheduler = Scheduler(engine)
+        _drain(scheduler, [scheduler.add(prompts[0], SamplingParams(max_tokens=tokens),
+                                         resets=[len(prompts[0]) - len(doc)])])
+        ids = [scheduler.add(p, SamplingParams(max_tokens=tokens), resets=[len(p) - len(doc)])
+               for p in prompts[1:]]
+        first_step = scheduler.step()
+        admitted[name] = len(scheduler.running)
+        outs = _drain(scheduler, ids)
+        for out in first_step:
+            outs[out.request_id] += out.new_tokens
+        assert all(len(out) == tokens for out in outs.values())
+    assert admitted == {"split": 3, "equal": 1}

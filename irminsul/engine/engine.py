@@ -95,6 +95,17 @@ class Prefill:
     prompt: np.ndarray
     runs: deque[Run]
 
+    def slots_to_come(self) -> tuple[int, int]:
+        """(c_KV, k_r) slots the rest of this prefill allocates: a computed token one of each,
+        a reused one a k_r slot alone, the exact prefix none."""
+        served, ckv, kr = len(self.seq.handles), 0, 0
+        for kind, start, end, _ in self.runs:
+            n = end - max(start, served)
+            if n > 0 and kind != "prefix":
+                kr += n
+                ckv += n if kind == "compute" else 0
+        return ckv, kr
+
 
 def default_kernels(model: MLAModel) -> bool:
     """Whether an engine runs the Triton kernels by default: on a CUDA device with triton."""
@@ -290,7 +301,7 @@ class Engine:
             deltas.append(start - entry.p_source - offset)  # Segment.delta
             sizes.append(end - start)
         source = np.concatenate(parts)
-        self.make_room(len(source), kr_only=True)
+        self.make_room(0, len(source))
         ckv, kr_src = unpack(source)
         handles = self.pool.alloc_kr(ckv, retain=False)
         seq.owed_ckv.append(ckv)
@@ -464,18 +475,19 @@ class Engine:
         if commit.freed:
             self.pool.release(np.concatenate(commit.freed))
 
-    def make_room(self, n: int, *, kr_only: bool = False) -> None:
-        """Evict index entries (never what a sequence holds) until n fresh tokens fit (with
-        ``kr_only``, n tokens reusing c_KV slots: k_r slots alone)."""
-        def free() -> int:
-            return self.pool.kr_free if kr_only else self.pool.free
-
-        while free() < n:
-            freed = self.planner.evict(n - free())
+    def make_room(self, ckv: int, kr: int | None = None) -> None:
+        """Evict index entries (never what a sequence holds) until ``ckv`` c_KV and ``kr`` k_r
+        slots are free (default: as many; ``make_room(n)``: n fresh tokens)."""
+        kr = ckv if kr is None else kr
+        pool = self.pool
+        while pool.ckv_slots.free < ckv or pool.kr_free < kr:
+            short = max(ckv - pool.ckv_slots.free, kr - pool.kr_free)
+            freed = self.planner.evict(short)
             if not freed:
-                raise PoolExhausted(f"KV pool full: {n} slots needed, {free()} free, "
+                raise PoolExhausted(f"KV pool full: {ckv} c_KV and {kr} k_r slots needed, "
+                                    f"{pool.ckv_slots.free} and {pool.kr_free} free, "
                                     "nothing evictable")
-            self.pool.release(np.concatenate(freed))
+            pool.release(np.concatenate(freed))
 
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""

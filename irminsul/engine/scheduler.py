@@ -2,10 +2,12 @@
 
 Each :meth:`Scheduler.step` builds one ragged batch: a token for every decoding request, then
 prefill spans (long prompts in chunks of at most ``chunk_tokens``) up to ``batch_tokens`` in all,
-and runs it as a single forward. A request is admitted only when the pool can hold its whole
-prompt and ``max_tokens`` on top of what running requests may still need (the engine evicts index
-entries to make room, never anything a request holds), so an admitted request never runs out of
-slots mid-flight.
+and runs it as a single forward. A request is planned first and admitted only when the pool can
+hold the slots its plan will allocate — c_KV and k_r for every computed token and ``max_tokens``,
+k_r alone for every reused one — on top of what running requests' plans may still allocate (the
+engine evicts index entries to make room, never anything a request holds), so an admitted request
+never runs out of slots mid-flight; otherwise its plan is dropped and it waits for a request to
+finish.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
+        # Requests that left (finished, aborted, dropped) so far, and that count when the head of
+        # the queue last did not fit: it is planned again only once another has left.
+        self._left, self._blocked_at = 0, -1
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
             namespace: int = 0, request_id: str | None = None) -> str:
@@ -143,6 +148,7 @@ class Scheduler:
             if request.id == request_id:
                 self.waiting.remove(request)
                 request.state, request.finish_reason = "finished", reason
+                self._left += 1
                 return True
         for request in self.running:
             if request.id == request_id:
@@ -156,28 +162,51 @@ class Scheduler:
         leak; ``Engine.check`` would say so)."""
         self.running = [r for r in self.running if r.id != request_id]
         self.waiting = [r for r in self.waiting if r.id != request_id]
+        self._left += 1
 
-    def _reserved(self) -> int:
-        """Slots running requests may still allocate."""
-        total = 0
+    def _reserved(self) -> tuple[int, int]:
+        """(c_KV, k_r) slots running requests may still allocate."""
+        ckv = kr = 0
         for r in self.running:
-            done = r.seq.handles.size if r.seq is not None else 0
-            total += len(r.prompt) + r.params.max_tokens - done
-        return total
+            decode = r.params.max_tokens - len(r.output)  # tokens still to append, at most
+            plan = r.prefill.slots_to_come() if r.state == "prefill" else (0, 0)
+            ckv, kr = ckv + plan[0] + decode, kr + plan[1] + decode
+        return ckv, kr
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while (self.waiting and len(self.running) < self.max_running
+               and self._blocked_at != self._left):
             request = self.waiting[0]
-            need = self._reserved() + len(request.prompt) + request.params.max_tokens
-            try:
-                self.engine.make_room(need)
-            except PoolExhausted:
-                return  # wait for running requests to finish
+            prefill = self._fit(request)
+            if prefill is None:
+                self._blocked_at = self._left  # wait for a running request to finish
+                return
             self.waiting.pop(0)
-            request.prefill = self.engine.start_prefill(request.prompt, request.resets,
-                                                        namespace=request.namespace)
-            request.seq, request.state = request.prefill.seq, "prefill"
+            request.prefill, request.seq, request.state = prefill, prefill.seq, "prefill"
             self.running.append(request)
+
+    def _fit(self, request: Request) -> Prefill | None:
+        """The request planned, with room made for what its plan will allocate on top of what
+        running requests may; else room as if it reused nothing (evicting what the first plan
+        held, which can be all that stood in the way), planned again; else None."""
+        held_ckv, held_kr = self._reserved()
+        decode = request.params.max_tokens
+        prefill = self.engine.start_prefill(request.prompt, request.resets,
+                                            namespace=request.namespace)
+        ckv, kr = prefill.slots_to_come()
+        try:
+            self.engine.make_room(held_ckv + ckv + decode, held_kr + kr + decode)
+            return prefill
+        except PoolExhausted:
+            self.engine.abort_prefill(prefill)
+        fresh = len(request.prompt) + decode
+        try:
+            self.engine.make_room(held_ckv + fresh, held_kr + fresh)
+        except PoolExhausted:
+            return None
+        # Whatever this plan reuses needs fewer slots than computing it, which now fit.
+        return self.engine.start_prefill(request.prompt, request.resets,
+                                         namespace=request.namespace)
 
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one batch, sample, and report what changed."""
@@ -227,3 +256,4 @@ class Scheduler:
             self.engine.finish(request.seq)
         request.state, request.finish_reason = "finished", reason
         self.running.remove(request)
+        self._left += 1
