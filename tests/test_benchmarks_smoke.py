@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other
 
 import energy  # noqa: E402
 import results_table  # noqa: E402
+import session_memory  # noqa: E402
 from gpu_common import TINY, AgentText, build_model  # noqa: E402
 from roofline import prefill_flops  # noqa: E402
 from shift_prompts import PATTERNS, build_requests  # noqa: E402
@@ -98,3 +99,14 @@ def test_cache_host_time_runs(tmp_path: Path) -> None:
     assert [(r["pattern"], r["header_tokens"]) for r in rows] == [
         ("agent_meta", 50), ("sysvar", 50), ("rerank", 0)]
     assert all(r[p] > 0 for r in rows for p in ("plan", "advance (reuse, alloc)", "commit"))
+
+
+def test_sessions_held_at_a_budget_hand_counted() -> None:
+    """Sessions of a 64-token header and a shared 512-token body in the bytes of 1,920 full
+    rows: exact prefixes hold 3 (1,920 // 576); live PIC with equal spaces also 3 (each session
+    holds k_r for all its tokens); with 8 k_r slots per c_KV slot (1,080 c_KV slots) 1 + (1,080 -
+    576) // 65 = 8 (each later session computes its header and the prompt's last token)."""
+    budget = 1920 * sum(session_memory.ROW_BYTES.values())
+    rows = session_memory.sessions_held(budget, [1, 8], body_tokens=512, header=64)
+    assert [(r["mode"], r["ckv_slots"], r["kr_slots"], r["sessions"]) for r in rows] == [
+        ("off", 1920, 1920, 3), ("live", 1920, 1920, 3), ("live", 1080, 8640, 8)]
