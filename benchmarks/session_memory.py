@@ -98,7 +98,7 @@ def sessions_held(budget_bytes: int, ratios: list[float], body_tokens: int = 409
                 break
             held += 1
         else:
-            raise ValueError(f"the agent text ran out after {held} sessions: a smaller budget")
+            raise ValueError(f"the agent text ran out after {held} sessions; use a smaller budget")
         engine.check()
         rows.append({"mode": mode, "kr_per_ckv_slot": ratio, "ckv_slots": ckv_slots,
                      "kr_slots": int(ratio * ckv_slots), "sessions": held})
