@@ -67,8 +67,9 @@ def test_pack_is_the_documented_bit_layout() -> None:
 def test_refcounts_match_naive_counter_model(num_slots: int, num_kr_slots: int, data) -> None:
     """Under random alloc / alloc_kr / retain / release sequences, with slot spaces of any two
     sizes: every slot's count equals the number of held references to it (pool.check against
-    the naive list), ``free`` / ``kr_free`` are the unreferenced slots, a slot is handed out again
-    only once its count reached 0, and a failing alloc changes nothing."""
+    the naive list), ``free`` and the k_r space's free count are the unreferenced slots, a
+    slot is handed out again only once its count reached 0, and a failing alloc changes
+    nothing."""
     pool = _pool(num_slots, num_kr_slots)
     assert pool.capacity == min(num_slots, num_kr_slots)
     held: list[np.ndarray] = []  # the naive model: every handle array holding one reference each
@@ -76,7 +77,7 @@ def test_refcounts_match_naive_counter_model(num_slots: int, num_kr_slots: int, 
         ckv_counts, kr_counts = _counts(held)
         free_ckv = num_slots - sum(1 for v in ckv_counts.values() if v > 0)
         free_kr = num_kr_slots - sum(1 for v in kr_counts.values() if v > 0)
-        assert pool.free == min(free_ckv, free_kr) and pool.kr_free == free_kr
+        assert pool.free == min(free_ckv, free_kr) and pool.kr_slots.free == free_kr
         op = data.draw(st.sampled_from(["alloc", "alloc_kr", "retain", "release"]), label="op")
         if op == "alloc":
             n = data.draw(st.integers(0, max(num_slots, num_kr_slots) + 1), label="n")

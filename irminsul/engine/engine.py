@@ -296,10 +296,10 @@ class Engine:
         (all layers in one gather-rotate-scatter). Returns the handles, the source k_r slots
         and each token's δ."""
         parts, deltas, sizes = [], [], []
-        for _, start, end, entry, offset in hits:  # some 500 hits at 32K: one plain loop
-            parts.append(entry.handles[offset:offset + end - start])
-            deltas.append(start - entry.p_source - offset)  # Segment.delta
-            sizes.append(end - start)
+        for hit in hits:  # some 500 hits at 32K: one plain loop
+            parts.append(hit.entry.handles[hit.offset:hit.offset + hit.size])
+            deltas.append(hit.delta)
+            sizes.append(hit.size)
         source = np.concatenate(parts)
         self.make_room(0, len(source))
         ckv, kr_src = unpack(source)
@@ -480,12 +480,12 @@ class Engine:
         slots are free (default: as many; ``make_room(n)``: n fresh tokens)."""
         kr = ckv if kr is None else kr
         pool = self.pool
-        while pool.ckv_slots.free < ckv or pool.kr_free < kr:
-            short = max(ckv - pool.ckv_slots.free, kr - pool.kr_free)
+        while pool.ckv_slots.free < ckv or pool.kr_slots.free < kr:
+            short = max(ckv - pool.ckv_slots.free, kr - pool.kr_slots.free)
             freed = self.planner.evict(short)
             if not freed:
                 raise PoolExhausted(f"KV pool full: {ckv} c_KV and {kr} k_r slots needed, "
-                                    f"{pool.ckv_slots.free} and {pool.kr_free} free, "
+                                    f"{pool.ckv_slots.free} and {pool.kr_slots.free} free, "
                                     "nothing evictable")
             pool.release(np.concatenate(freed))
 

@@ -136,11 +136,6 @@ class KVPool:
         """Tokens that can be allocated fresh (both slot spaces)."""
         return min(self.ckv_slots.free, self.kr_slots.free)
 
-    @property
-    def kr_free(self) -> int:
-        """Tokens that can reuse existing c_KV slots (:meth:`alloc_kr`)."""
-        return self.kr_slots.free
-
     def alloc(self, n: int) -> np.ndarray:
         """Handles of ``n`` fresh tokens (a new c_KV and a new k_r slot each, one reference)."""
         if n > self.free:

@@ -6,8 +6,8 @@ and runs it as a single forward. A request is planned first and admitted only wh
 hold the slots its plan will allocate — c_KV and k_r for every computed token and ``max_tokens``,
 k_r alone for every reused one — on top of what running requests' plans may still allocate (the
 engine evicts index entries to make room, never anything a request holds), so an admitted request
-never runs out of slots mid-flight; otherwise its plan is dropped and it waits for a request to
-finish.
+never runs out of slots mid-flight. Otherwise its plan is dropped and room is made as if it reused
+nothing, then it is planned again; if even that does not fit, it waits for a request to leave.
 """
 
 from __future__ import annotations
