@@ -61,20 +61,30 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
         pos = s.end
     assert pos == n
     assert sum(s.size for s in segs) == n
-    # Chunks cover the tail likewise, anchored at the last reset at or before the prefix end
-    # (or at the prefix end when there is none); the first one reaches past the prefix.
+    # Chunks (and with regions, the regions found whole) cover the tail likewise, anchored at
+    # the last reset at or before the prefix end (or at the prefix end when there is none); the
+    # first one reaches past the prefix.
     L = plan.prefix.length
     earlier = [r for r in resets if r <= L]
     anchor = max(earlier) if earlier else L
-    pos = plan.chunks[0].start if plan.chunks else L
+    whole = [r for r in plan.regions if r.kind == "hit"]
+    pieces = sorted(plan.chunks + whole)
+    pos = pieces[0].start if pieces else L
     assert anchor <= pos <= L
-    assert not plan.chunks or plan.chunks[0].end > L
-    for c in plan.chunks:
+    assert not pieces or pieces[0].end > L
+    for c in pieces:
         assert c.start == pos and c.end > c.start
         pos = c.end
     assert pos == n
-    chunk_starts = {c.start for c in plan.chunks}
-    assert {r for r in resets if plan.prefix.length < r < n} <= chunk_starts
+    assert {r for r in resets if plan.prefix.length < r < n} <= {c.start for c in pieces}
+    # Regions: those looked up lie between resets, start past the carve-out and reach past the
+    # prefix; each one found whole is one hit segment.
+    bounds = {0, n, *resets}
+    for r in plan.regions:
+        assert r.start >= planner.carve_out and r.end > L and r.end in bounds
+        assert r.start in bounds or r.start == anchor
+    for r in whole:
+        assert any(s.kind == "hit" and (s.start, s.end) == (max(r.start, L), r.end) for s in segs)
     # (b) the prefix segment, and its length against a naive LCP over earlier prompts.
     L = plan.prefix.length
     if L > 0:
@@ -170,13 +180,15 @@ def workloads(draw):
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(prompts=workloads(), use_resets=st.booleans(), s1=st.booleans(), heads=st.booleans(),
-       capacity=st.sampled_from([None, None, 600, 2000]), s1_window=st.sampled_from([32, 128]),
-       dtype=st.sampled_from([np.int64, np.int32]))
-def test_plans_over_random_workloads(prompts, use_resets, s1, heads, capacity, s1_window, dtype):
+       regions=st.booleans(), capacity=st.sampled_from([None, None, 600, 2000]),
+       s1_window=st.sampled_from([32, 128]), dtype=st.sampled_from([np.int64, np.int32]))
+def test_plans_over_random_workloads(prompts, use_resets, s1, heads, regions, capacity, s1_window,
+                                     dtype):
     """Every plan covers the prompt exactly once, its prefix is the naive LCP (unbounded capacity),
     every hit reuses exactly its own tokens from where an earlier prompt prefilled them, and nothing
     below position 32 is reused."""
-    planner = Planner(capacity=capacity, s1=s1, s1_window=s1_window, heads=heads)
+    planner = Planner(capacity=capacity, s1=s1, s1_window=s1_window, heads=heads,
+                      regions=regions)
     history = History()
     for tokens, starts, ns in prompts:
         tokens = tokens.astype(dtype)
@@ -235,6 +247,37 @@ def test_shifted_document_is_reused_with_delta(reset_in_a):
             range(10_000 + s.start - 35, 10_000 + s.end - 35))
     if reset_in_a:  # everything not reused is in the header
         assert all(s.end <= 75 for s in plan_b.segments if s.kind in ("miss", "carve_out"))
+
+
+def test_regions_moved_whole_are_one_hit_each():
+    """A = header(40) + D1 + D2, B = header(75) + D2 + D1, resets at every document. With
+    regions, B's documents are one hit each (D2 by δ = 75 - 2040, D1 by δ = 75 + 1500 - 40), their
+    handles A's at those tokens; without, the same tokens are served chunk by chunk (12 hits).
+    A third prompt moving D1 by one token more still finds it whole."""
+    d1, d2 = _doc(1, 2000), _doc(2, 1500)
+    a = np.concatenate([_header(40, 0), d1, d2])
+    b = np.concatenate([_header(75, 1000), d2, d1])
+    plans = {}
+    for regions in (False, True):
+        planner = Planner(regions=regions, s1=False)
+        plan_a = planner.plan(a, [40, 2040])
+        assert plan_a.tokens_of("hit") == 0
+        assert [(r.start, r.end, r.kind) for r in plan_a.regions] == (
+            [(40, 2040, "miss"), (2040, 3540, "miss")] if regions else [])
+        planner.commit(plan_a, np.arange(a.size) + 10_000)
+        plans[regions] = planner.plan(b, [75, 1575])
+    assert plans[True].tokens_of("hit") == plans[False].tokens_of("hit") == 3500
+    hits = [(s.start, s.end, s.delta) for s in plans[True].hits]
+    assert hits == [(75, 1575, 75 - 2040), (1575, 3575, 1575 - 40)]
+    assert len(plans[False].hits) > 2
+    for s in plans[True].hits:
+        assert s.entry.handles[s.offset:s.offset + s.size].tolist() == list(
+            range(10_000 + s.start - s.delta, 10_000 + s.end - s.delta))
+    assert plans[True].chunks == [c for c in plans[False].chunks if c.end <= 75]  # the header
+    planner.commit(plans[True], np.arange(b.size) + 20_000)
+    c = np.concatenate([_header(76, 2000), d1])
+    (hit,) = planner.plan(c, [76]).hits
+    assert (hit.start, hit.end, hit.size) == (76, 2076, 2000)
 
 
 def _s1_pair(seed: int) -> dict[bool, Plan]:

@@ -7,8 +7,9 @@ prompt exactly once, in order:
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
     hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with heads, the
-               longest registered run a missed chunk starts with) found in the registry and
-               verified token by token; reused with delta = p_target - p_source (lines 7-10)
+               longest registered run a missed chunk starts with; with regions, a whole region)
+               found in the registry and verified token by token; reused with
+               delta = p_target - p_source (lines 7-10)
     miss       tokens to prefill (line 12)
 
 ``Planner.commit(plan, handles)`` runs after the engine has prefilled the misses: it registers every
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -67,6 +68,16 @@ class Chunk(NamedTuple):
     kind: Literal["carve_out", "hit", "miss"]
 
 
+class Tail(NamedTuple):
+    """What the planner chunks: the prompt from the last reset at or before the exact prefix's
+    end (the anchor) on."""
+
+    tokens: np.ndarray
+    anchor: int
+    resets: np.ndarray  # reset offsets past the anchor, relative to it
+    content: bytes  # the tokens as int64 bytes, sliced for each lookup
+
+
 @dataclass
 class Plan:
     """Algorithm 1's decision for one prompt."""
@@ -75,7 +86,8 @@ class Plan:
     namespace: int
     prefix: PrefixMatch
     segments: list[Segment]
-    chunks: list[Chunk]
+    chunks: list[Chunk]  # the chunks of the tail that was chunked
+    regions: list[Chunk] = field(default_factory=list)  # with regions: the tail's, looked up
 
     def tokens_of(self, kind: SegmentKind) -> int:
         return sum(s.size for s in self.segments if s.kind == kind)
@@ -98,9 +110,15 @@ class Planner:
 
     def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
                  max_size: int = 512, carve_out: int = 32, s1: bool = True,
-                 s1_window: int = 128, heads: bool = False, pic: bool = True) -> None:
-        """``heads``: a missed chunk first reuses the longest run of leading tokens it shares
-        with a registered chunk (at least HEAD_TOKENS), beyond the paper's Algorithm 1."""
+                 s1_window: int = 128, heads: bool = False, regions: bool = False,
+                 pic: bool = True) -> None:
+        """Beyond the paper's Algorithm 1: ``heads``, a missed chunk first reuses the longest run
+        of leading tokens it shares with a registered chunk (at least HEAD_TOKENS); ``regions``,
+        each region of the tail (the tokens between two resets) is looked up whole before it
+        is chunked, and registered whole at commit, so content that moves region by region (a
+        re-ranked document, a tool schema, a message) is one lookup and one hit instead of one
+        per chunk. The chunks are cut as without regions (the chunker restarts at every reset),
+        so a region not found whole is served chunk by chunk as before."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
         self.radix = RadixTree(clock)
         self.registry = Registry(capacity, window=s1_window, head=HEAD_TOKENS if heads else 0,
@@ -110,6 +128,7 @@ class Planner:
         self.carve_out = carve_out
         self.s1 = s1
         self.s1_window = s1_window
+        self.regions = regions
         self.pic = pic  # False: exact-prefix only (the baseline); the tail is one miss
 
     def plan(self, tokens: Iterable[int] | np.ndarray, resets: Iterable[int] | np.ndarray = (), *,
@@ -123,10 +142,11 @@ class Planner:
                   resets: Iterable[int] | np.ndarray = (), *, namespace: int = 0) -> Plan:
         """Algorithm 1 after line 1: chunk and look up everything past a given exact prefix."""
         start = prefix.length
-        segments = [Segment("prefix", 0, start)] if start else []
+        plan = Plan(tokens, namespace, prefix, [Segment("prefix", 0, start)] if start else [], [])
         if not self.pic:
-            tail_segments = [Segment("miss", start, tokens.size)] if start < tokens.size else []
-            return Plan(tokens, namespace, prefix, segments + tail_segments, [])
+            if start < tokens.size:
+                plan.segments.append(Segment("miss", start, tokens.size))
+            return plan
         # Chunk from the last reset at or before the prefix end, not from the prefix end itself:
         # an exact prefix often runs a few tokens into the next message (a shared role token),
         # and chunking from there would misalign every chunk of that message. A chunk that
@@ -137,29 +157,64 @@ class Planner:
                              f"got {int(resets[0])}..{int(resets[-1])}")
         earlier = resets[resets <= start]
         anchor = int(earlier[-1]) if earlier.size else start
-        tail = tokens[anchor:]
-        bounds = chunk_boundaries(tail, mask_bits=self.mask_bits, min_size=self.min_size,
-                                  max_size=self.max_size, resets=resets[resets > anchor] - anchor)
-        chunks: list[Chunk] = []
-        fps = fingerprints(tail, bounds, seed=namespace).tolist()
-        content = tail.astype(np.int64).tobytes()  # each chunk's bytes, sliced for its lookup
-        lookup, carve_out = self.registry.lookup, self.carve_out
-        first, low = anchor, 0  # the chunk's first token; its first byte in content
+        part = tokens[anchor:]
+        tail = Tail(part, anchor, resets[resets > anchor] - anchor, part.astype(np.int64).tobytes())
+        if self.regions:
+            self._plan_regions(plan, tail)
+        else:
+            self._plan_chunks(plan, tail, 0, tail.tokens.size)
+        plan.segments = _merge_misses(plan.segments)
+        return plan
+
+    def _plan_regions(self, plan: Plan, tail: Tail) -> None:
+        """Look each region of the tail up whole; chunk the runs of regions not found."""
+        ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size)
+        fps = fingerprints(tail.tokens, ends, seed=plan.namespace).tolist()
+        start, lookup, content = plan.prefix.length, self.registry.lookup, tail.content
+        first = pending = 0  # the region's first tail offset; the first not served whole
+        for end, fp in zip(ends.tolist(), fps):
+            # A region within the prefix (the whole prompt matched) or the carve-out is not
+            # looked up; the chunk path handles both.
+            if tail.anchor + end > start and tail.anchor + first >= self.carve_out:
+                entry = lookup(plan.namespace, fp, content[8 * first:8 * end])
+                plan.regions.append(Chunk(tail.anchor + first, tail.anchor + end, fp,
+                                          "miss" if entry is None else "hit"))
+                if entry is not None:
+                    self._plan_chunks(plan, tail, pending, first)
+                    at = max(tail.anchor + first, start)
+                    plan.segments.append(Segment("hit", at, tail.anchor + end, entry,
+                                                 at - tail.anchor - first))
+                    pending = end
+            first = end
+        self._plan_chunks(plan, tail, pending, tail.tokens.size)
+
+    def _plan_chunks(self, plan: Plan, tail: Tail, low: int, high: int) -> None:
+        """Algorithm 1 lines 2-12 over tail offsets [low, high): chunk, look up, probe misses."""
+        if low >= high:
+            return
+        start, namespace, anchor = plan.prefix.length, plan.namespace, tail.anchor + low
+        tokens, segments, chunks = plan.tokens, plan.segments, plan.chunks
+        resets = tail.resets[(tail.resets > low) & (tail.resets < high)] - low
+        bounds = chunk_boundaries(tail.tokens[low:high], mask_bits=self.mask_bits,
+                                  min_size=self.min_size, max_size=self.max_size, resets=resets)
+        fps = fingerprints(tail.tokens[low:high], bounds, seed=namespace).tolist()
+        lookup, carve_out, content = self.registry.lookup, self.carve_out, tail.content
+        first, byte = anchor, 8 * low  # the chunk's first token; its first byte in content
         # Some 500 chunks at 32K tokens: plain locals and ints in this loop.
-        for end, high, fp in zip((bounds + anchor).tolist(), (8 * bounds).tolist(), fps):
+        for end, high_byte, fp in zip((bounds + anchor).tolist(), (8 * (bounds + low)).tolist(),
+                                      fps):
             if end > start:
                 at = first if first > start else start  # where the part past the prefix begins
                 if first < carve_out:
                     chunks.append(Chunk(first, end, fp, "carve_out"))
                     segments.append(Segment("carve_out", at, end))
-                elif (entry := lookup(namespace, fp, content[low:high])) is not None:
+                elif (entry := lookup(namespace, fp, content[byte:high_byte])) is not None:
                     chunks.append(Chunk(first, end, fp, "hit"))
                     segments.append(Segment("hit", at, end, entry, at - first))
                 else:
                     chunks.append(Chunk(first, end, fp, "miss"))
                     segments.extend(self._probe_miss(tokens, first, at, end, namespace))
-            first, low = end, high
-        return Plan(tokens, namespace, prefix, _merge_misses(segments), chunks)
+            first, byte = end, high_byte
 
     def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,
                     namespace: int) -> list[Segment]:
@@ -215,7 +270,8 @@ class Planner:
             self.registry.unlock(seg.entry)
 
     def register_misses(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
-        """Algorithm 1 line 13: register each missed chunk at its position; refresh reused entries.
+        """Algorithm 1 line 13: register each missed chunk at its position (with regions, each
+        region not found whole, too); refresh reused entries.
 
         Returns the handle arrays of the entries this created (content already registered is
         not registered twice), which the registry now references.
@@ -223,14 +279,18 @@ class Planner:
         for seg in plan.hits:
             self.registry.touch(seg.entry)
         held = []
-        for chunk in plan.chunks:
-            if chunk.kind == "miss":
-                before = self.registry.num_entries
-                entry = self.registry.register(plan.namespace, chunk.fingerprint,
-                                               plan.tokens[chunk.start:chunk.end],
-                                               handles[chunk.start:chunk.end], chunk.start)
-                if self.registry.num_entries > before:
-                    held.append(entry.handles)
+        # A region's entry takes its handles from this prompt, whatever served them: its rows
+        # are this prompt's, at these positions (chunks found elsewhere were rotated here).
+        missed = [(c, True) for c in plan.chunks if c.kind == "miss"]
+        missed += [(c, False) for c in plan.regions if c.kind == "miss"]
+        for chunk, probes in missed:
+            before = self.registry.num_entries
+            entry = self.registry.register(plan.namespace, chunk.fingerprint,
+                                           plan.tokens[chunk.start:chunk.end],
+                                           handles[chunk.start:chunk.end], chunk.start,
+                                           probes=probes)
+            if self.registry.num_entries > before:
+                held.append(entry.handles)
         return held
 
     def commit(self, plan: Plan, handles: np.ndarray) -> Commit:

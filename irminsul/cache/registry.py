@@ -20,6 +20,11 @@ whose head is registered reuses the longest run of leading tokens it shares with
 a chunk cut short (the prompt's last chunk ends where the prompt does, not where the content
 says) or grown past a cut, a document edited near its end.
 
+Regions (the planner's ``regions``). A whole region of a prompt (the tokens between two chunker
+resets) is registered as an entry too, under its own fingerprint, without windows or head: its
+handles are the region's slots in that prompt, which its chunks' entries (or the entries they were
+reused from) reference as well. The token budget counts a region's tokens once more.
+
 Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget.
 """
 
@@ -148,8 +153,9 @@ class Registry:
         return int(fingerprints(tokens[:self.head], np.array([self.head]), seed=namespace)[0])
 
     def register(self, namespace: int, fingerprint: int, tokens: np.ndarray, handles: np.ndarray,
-                 p_source: int) -> ChunkEntry:
-        """Add a chunk (or return the existing entry with the same content) and index its windows."""
+                 p_source: int, *, probes: bool = True) -> ChunkEntry:
+        """Add a chunk (or return the existing entry with the same content) and, with ``probes``,
+        index its S1 windows and head (a whole region is registered without: its chunks are)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         handles = np.asarray(handles, dtype=np.int64)
         if tokens.ndim != 1 or tokens.shape != handles.shape:
@@ -161,14 +167,14 @@ class Registry:
         entry = ChunkEntry(namespace, int(fingerprint), _content(tokens), handles.copy(),
                            int(p_source))
         self._chunks.setdefault(namespace, {}).setdefault(entry.fingerprint, []).append(entry)
-        whole = tokens.size // self.window
+        whole = tokens.size // self.window if probes else 0
         if whole:
             table = self._windows.setdefault(namespace, {})
             fps = window_fingerprints(tokens, self.window, seed=namespace)[::self.window][:whole]
             for k, fp in enumerate(fps.tolist()):
                 table.setdefault(fp, []).append((entry, k * self.window))
                 entry.window_keys.append(fp)
-        if self.head and tokens.size >= self.head:
+        if probes and self.head and tokens.size >= self.head:
             entry.head_key = self._head_key(namespace, tokens)
             self._heads.setdefault(namespace, {}).setdefault(entry.head_key, []).append(entry)
         self.total_tokens += entry.size

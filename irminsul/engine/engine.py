@@ -127,12 +127,15 @@ class Engine:
 
     def __init__(self, model: MLAModel, *, num_slots: int, num_kr_slots: int | None = None,
                  mode: Mode = "live", rotate: bool = True, capacity: int | None = None,
-                 s1: bool = True, heads: bool = True, kernels: bool | None = None,
+                 s1: bool = True, heads: bool = True, regions: bool = True,
+                 kernels: bool | None = None,
                  graphs: bool | None = None) -> None:
         """``num_slots`` / ``num_kr_slots``: the pool's c_KV and k_r slot spaces
         (:class:`KVPool`; k_r default: as many). ``s1`` / ``heads``: the planner's probes of a
         missed chunk (S1 windows; the longest registered run its head starts, which serves a
         prompt's last chunk, cut where the prompt ends, from a longer chunk seen before).
+        ``regions``: the planner looks each region between two resets up whole first (one
+        lookup and one reuse where a region moved whole, instead of one per chunk).
         ``kernels``: attend and rotate in place in the pool with the Triton kernels (default: on
         a CUDA device when triton is installed); otherwise each forward gathers its sequences'
         context rows and runs plain torch. ``graphs``: replay CUDA graphs for batches of short
@@ -154,7 +157,8 @@ class Engine:
         self.pool = KVPool(cfg.num_hidden_layers, num_slots, cfg.kv_lora_rank,
                            cfg.qk_rope_head_dim, num_kr_slots=num_kr_slots, dtype=dtype,
                            device=device, reserved=1 if graphs else 0)
-        self.planner = Planner(capacity=capacity, s1=s1, heads=heads, pic=mode != "off")
+        self.planner = Planner(capacity=capacity, s1=s1, heads=heads, regions=regions,
+                               pic=mode != "off")
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
         self.graphs: CudaGraphs | None = None
