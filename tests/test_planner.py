@@ -67,24 +67,25 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     L = plan.prefix.length
     earlier = [r for r in resets if r <= L]
     anchor = max(earlier) if earlier else L
-    whole = [r for r in plan.regions if r.kind == "hit"]
-    pieces = sorted(plan.chunks + whole)
-    pos = pieces[0].start if pieces else L
+    whole = [(s.start, s.end) for s in plan.hits  # region hits: each outside every chunk
+             if not any(c.start <= s.start and s.end <= c.end for c in plan.chunks)]
+    pieces = sorted([(c.start, c.end) for c in plan.chunks] + whole)
+    pos = pieces[0][0] if pieces else L
     assert anchor <= pos <= L
-    assert not pieces or pieces[0].end > L
-    for c in pieces:
-        assert c.start == pos and c.end > c.start
-        pos = c.end
+    assert not pieces or pieces[0][1] > L
+    for a, b in pieces:
+        assert a == pos and b > a
+        pos = b
     assert pos == n
-    assert {r for r in resets if plan.prefix.length < r < n} <= {c.start for c in pieces}
-    # Regions: those looked up lie between resets, start past the carve-out and reach past the
-    # prefix; each one found whole is one hit segment.
-    bounds = {0, n, *resets}
+    assert {r for r in resets if plan.prefix.length < r < n} <= {a for a, _ in pieces}
+    # Regions (each found whole, or a chain of them in a row, is one hit; the others are
+    # registered at commit) lie between resets, past the carve-out, and reach past the prefix.
+    bounds = {0, n, anchor, *resets}
+    assert all(a in bounds | {L} and b in bounds and a >= planner.carve_out for a, b in whole)
+    assert whole == [] or planner.regions
     for r in plan.regions:
-        assert r.start >= planner.carve_out and r.end > L and r.end in bounds
-        assert r.start in bounds or r.start == anchor
-    for r in whole:
-        assert any(s.kind == "hit" and (s.start, s.end) == (max(r.start, L), r.end) for s in segs)
+        assert r.kind == "miss" and r.start >= planner.carve_out and r.end > L
+        assert r.start in bounds and r.end in bounds
     # (b) the prefix segment, and its length against a naive LCP over earlier prompts.
     L = plan.prefix.length
     if L > 0:
@@ -110,10 +111,15 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     # (c) + (e) hits: the tokens, the rotation, and the source KV.
     for s in plan.hits:
         e = s.entry
-        assert e.namespace == namespace
-        assert 0 <= s.offset and s.offset + s.size <= e.size
-        assert np.array_equal(e.tokens[s.offset:s.offset + s.size], tokens[s.start:s.end])
-        src_handles = e.handles[s.offset:s.offset + s.size]
+        assert all(c.namespace == namespace and c.registered for c in s.entries)
+        reach = e.size + sum(c.size for c in s.chain)  # a chain's entries, each whole
+        assert 0 <= s.offset < e.size and s.offset + s.size <= reach
+        assert not s.chain or s.offset + s.size > reach - s.chain[-1].size
+        for a, b in zip(s.entries, s.entries[1:]):  # a chain's sources are consecutive
+            assert b.p_source == a.p_source + a.size
+        reused = np.concatenate([c.tokens for c in s.entries])[s.offset:s.offset + s.size]
+        assert np.array_equal(reused, tokens[s.start:s.end])
+        src_handles = s.source_handles()
         first_ns, first_src, first_pos = history.source(src_handles[0])
         assert first_ns == namespace
         # The handles are the consecutive handles of one earlier prompt...
@@ -278,6 +284,57 @@ def test_regions_moved_whole_are_one_hit_each():
     c = np.concatenate([_header(76, 2000), d1])
     (hit,) = planner.plan(c, [76]).hits
     assert (hit.start, hit.end, hit.size) == (76, 2076, 2000)
+
+
+def _messages(header: int, start: int, doc: np.ndarray, cuts: list[int]) -> tuple:
+    """header + doc with resets at the doc and at each of its message starts ``cuts``."""
+    return (np.concatenate([_header(header, start), doc]),
+            [header] + [header + c for c in cuts])
+
+
+def test_a_chain_of_regions_moved_together_is_one_hit():
+    """A document of three messages (resets at each) moves by 35 tokens: with regions it is one
+    hit whose chain runs over the next two messages' entries, one δ, A's handles throughout."""
+    doc = _doc(3, 2000)
+    a, ra = _messages(40, 0, doc, [600, 1300])
+    b, rb = _messages(75, 1000, doc, [600, 1300])
+    planner = Planner(regions=True)
+    planner.commit(planner.plan(a, ra), np.arange(a.size) + 10_000)
+    plan = planner.plan(b, rb)
+    (hit,) = plan.hits
+    assert (hit.start, hit.end, hit.delta, len(hit.chain)) == (75, 2075, 35, 2)
+    assert hit.source_handles().tolist() == list(range(10_040, 12_040))
+    assert [e.p_source for e in hit.entries] == [40, 640, 1340]
+
+
+def test_a_chain_stops_at_an_edited_or_evicted_region():
+    """The chain is followed only while the next region's content is the same and its entry is
+    still registered: a document whose middle message was edited is served as two hits around
+    it; one whose middle message's entries were evicted never reuses that message."""
+    doc = _doc(4, 2000)
+    a, ra = _messages(40, 0, doc, [600, 1300])
+    planner = Planner(regions=True, s1=False)
+    first = planner.plan(a, ra)
+    planner.commit(first, np.arange(a.size) + 10_000)
+    edited = doc.copy()
+    edited[1000] = 129_279 - edited[1000]
+    c, rc = _messages(60, 2000, edited, [600, 1300])
+    spans = [(s.start, s.end) for s in planner.plan(c, rc).hits]
+    assert spans[0] == (60, 660) and spans[-1] == (1360, 2060)
+    assert all(s[1] <= 1060 or s[0] > 1060 for s in spans)  # the edit is never reused
+    # Evict every chunk and the middle message's region entry: the first message's entry still
+    # points at it, and must not serve it.
+    registry = planner.registry
+    regions = {e.p_source: e for e in registry.entries() if e.size in (600, 700)}
+    registry.touch(regions[40])
+    registry.touch(regions[1340])
+    registry.evict(registry.total_tokens - 1300)
+    assert not regions[640].registered and regions[40].next is regions[640]
+    assert registry.total_tokens == 1300  # the first and last messages' regions
+    b, rb = _messages(75, 1000, doc, [600, 1300])
+    plan = planner.plan(b, rb)
+    assert [(s.start, s.end) for s in plan.hits] == [(75, 675), (1375, 2075)]
+    assert plan.tokens_of("miss") == 700
 
 
 def _s1_pair(seed: int) -> dict[bool, Plan]:

@@ -432,3 +432,20 @@ def test_head_lookup_takes_the_longest_run_among_the_newest():
     assert reg.lookup_head(0, other) is None
     assert reg.lookup_head(1, query) is None  # another namespace
     assert Registry().lookup_head(0, query) is None  # heads not indexed
+
+
+def test_chain_needs_the_next_source_position():
+    """An entry is chained only to one registered right after it in the source; eviction marks
+    an entry unregistered, so a chain pointing at it is not followed."""
+    reg = Registry()
+    a = reg.register(0, 1, np.arange(40), np.arange(40), 100)
+    b = reg.register(0, 2, np.arange(40, 70), np.arange(40, 70), 140)
+    c = reg.register(0, 3, np.arange(70, 90), np.arange(70, 90), 171)
+    with pytest.raises(ValueError, match="at 171 does not follow one at 140 of 30 tokens"):
+        reg.chain(b, c)
+    reg.chain(a, b)
+    assert a.next is b and b.registered
+    reg.touch(a)
+    reg.touch(c)
+    reg.evict(1)  # the least recently used: b
+    assert not b.registered and b.next is None and a.registered and a.next is b

@@ -22,7 +22,7 @@ business: the plan is the same.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -47,6 +47,9 @@ class Segment(NamedTuple):
     end: int
     entry: ChunkEntry | None = None  # for hits: the registered chunk
     offset: int = 0  # for hits: where in entry.tokens the reused span begins
+    # With regions: the entries a hit runs on into after ``entry`` (its chain, each one the
+    # region registered right after the one before it, verified like any hit).
+    chain: Sequence[ChunkEntry] = ()
 
     @property
     def size(self) -> int:
@@ -54,9 +57,24 @@ class Segment(NamedTuple):
 
     @property
     def delta(self) -> int:
-        """Rotation for a hit: p_target - p_source of the reused tokens."""
+        """Rotation for a hit: p_target - p_source of the reused tokens (one for its chain:
+        the chain's sources are consecutive)."""
         assert self.entry is not None, "delta is defined for hits only"
         return self.start - (self.entry.p_source + self.offset)
+
+    @property
+    def entries(self) -> list[ChunkEntry]:
+        """A hit's registered entries: its entry, then its chain."""
+        assert self.entry is not None, "entries are defined for hits only"
+        return [self.entry, *self.chain]
+
+    def source_handles(self) -> np.ndarray:
+        """A hit's handles of the tokens it reuses, in order."""
+        assert self.entry is not None, "source handles are defined for hits only"
+        if not self.chain:
+            return self.entry.handles[self.offset:self.offset + self.size]
+        parts = [self.entry.handles[self.offset:], *(e.handles for e in self.chain)]
+        return np.concatenate(parts)[:self.size]
 
 
 class Chunk(NamedTuple):
@@ -87,7 +105,7 @@ class Plan:
     prefix: PrefixMatch
     segments: list[Segment]
     chunks: list[Chunk]  # the chunks of the tail that was chunked
-    regions: list[Chunk] = field(default_factory=list)  # with regions: the tail's, looked up
+    regions: list[Chunk] = field(default_factory=list)  # with regions: those not found whole
 
     def tokens_of(self, kind: SegmentKind) -> int:
         return sum(s.size for s in self.segments if s.kind == kind)
@@ -167,26 +185,45 @@ class Planner:
         return plan
 
     def _plan_regions(self, plan: Plan, tail: Tail) -> None:
-        """Look each region of the tail up whole; chunk the runs of regions not found."""
+        """Look each region of the tail up whole, or follow the chain of the region before it;
+        chunk the runs of regions not found."""
         ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size)
         fps = fingerprints(tail.tokens, ends, seed=plan.namespace).tolist()
         start, lookup, content = plan.prefix.length, self.registry.lookup, tail.content
+        segments, anchor = plan.segments, tail.anchor
         first = pending = 0  # the region's first tail offset; the first not served whole
+        last = None  # the entry that served the region before this one whole, if one did
+        # Some 100 regions at 16K tokens, most of them followed along a chain: plain locals.
         for end, fp in zip(ends.tolist(), fps):
             # A region within the prefix (the whole prompt matched) or the carve-out is not
             # looked up; the chunk path handles both.
-            if tail.anchor + end > start and tail.anchor + first >= self.carve_out:
-                entry = lookup(plan.namespace, fp, content[8 * first:8 * end])
-                plan.regions.append(Chunk(tail.anchor + first, tail.anchor + end, fp,
-                                          "miss" if entry is None else "hit"))
-                if entry is not None:
+            if anchor + end <= start or anchor + first < self.carve_out:
+                last = None
+            else:
+                region = content[8 * first:8 * end]
+                follow = last.next if last is not None else None
+                if follow is not None and follow.registered and follow.content == region:
+                    segments[-1].chain.append(follow)  # the hit runs on; its end is set below
+                    last, pending = follow, end
+                elif (last := lookup(plan.namespace, fp, region)) is not None:
+                    self._end_hit(plan, anchor + pending)
                     self._plan_chunks(plan, tail, pending, first)
-                    at = max(tail.anchor + first, start)
-                    plan.segments.append(Segment("hit", at, tail.anchor + end, entry,
-                                                 at - tail.anchor - first))
+                    at = max(anchor + first, start)
+                    segments.append(Segment("hit", at, anchor + end, last, at - anchor - first,
+                                            []))
                     pending = end
+                else:
+                    plan.regions.append(Chunk(anchor + first, anchor + end, fp, "miss"))
             first = end
+        self._end_hit(plan, anchor + pending)
         self._plan_chunks(plan, tail, pending, tail.tokens.size)
+
+    @staticmethod
+    def _end_hit(plan: Plan, end: int) -> None:
+        """Set the end of a region hit whose chain ran on past its entry."""
+        hit = plan.segments[-1] if plan.segments else None
+        if hit is not None and hit.chain and hit.end != end:
+            plan.segments[-1] = hit._replace(end=end)
 
     def _plan_chunks(self, plan: Plan, tail: Tail, low: int, high: int) -> None:
         """Algorithm 1 lines 2-12 over tail offsets [low, high): chunk, look up, probe misses."""
@@ -261,29 +298,29 @@ class Planner:
         """Hold what the plan reuses so eviction cannot take it before commit/release."""
         self.radix.lock(plan.prefix.node)
         for seg in plan.hits:
-            self.registry.lock(seg.entry)
+            for entry in seg.entries:
+                self.registry.lock(entry)
 
     def release(self, plan: Plan) -> None:
         """Undo :meth:`acquire`."""
         self.radix.unlock(plan.prefix.node)
         for seg in plan.hits:
-            self.registry.unlock(seg.entry)
+            for entry in seg.entries:
+                self.registry.unlock(entry)
 
     def register_misses(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
         """Algorithm 1 line 13: register each missed chunk at its position (with regions, each
-        region not found whole, too); refresh reused entries.
+        region not found whole too, chained to the one before it); refresh reused entries.
 
         Returns the handle arrays of the entries this created (content already registered is
         not registered twice), which the registry now references.
         """
         for seg in plan.hits:
-            self.registry.touch(seg.entry)
+            for entry in seg.entries:
+                self.registry.touch(entry)
         held = []
-        # A region's entry takes its handles from this prompt, whatever served them: its rows
-        # are this prompt's, at these positions (chunks found elsewhere were rotated here).
-        missed = [(c, True) for c in plan.chunks if c.kind == "miss"]
-        missed += [(c, False) for c in plan.regions if c.kind == "miss"]
-        for chunk, probes in missed:
+
+        def register(chunk: Chunk, probes: bool) -> ChunkEntry:
             before = self.registry.num_entries
             entry = self.registry.register(plan.namespace, chunk.fingerprint,
                                            plan.tokens[chunk.start:chunk.end],
@@ -291,6 +328,22 @@ class Planner:
                                            probes=probes)
             if self.registry.num_entries > before:
                 held.append(entry.handles)
+            return entry
+
+        for chunk in plan.chunks:
+            if chunk.kind == "miss":
+                register(chunk, True)
+        # A region's entry takes its handles from this prompt, whatever served them: its rows
+        # are this prompt's, at these positions (chunks found elsewhere were rotated here).
+        # Consecutive regions whose entries' sources are consecutive too are chained, so a
+        # later prompt holding both in a row reuses them as one hit (one δ).
+        last: tuple[ChunkEntry, int] | None = None  # the entry registered last and its end
+        for region in plan.regions:
+            entry = register(region, False)
+            if (last is not None and last[1] == region.start
+                    and last[0].p_source + last[0].size == entry.p_source):
+                self.registry.chain(last[0], entry)
+            last = (entry, region.end)
         return held
 
     def commit(self, plan: Plan, handles: np.ndarray) -> Commit:

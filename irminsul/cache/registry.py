@@ -55,6 +55,10 @@ class ChunkEntry:
     refcount: int = 0
     window_keys: list[int] = field(default_factory=list)  # fingerprints of its S1 windows
     head_key: int | None = None  # fingerprint of its first ``head`` tokens, when indexed
+    # The entry whose content followed this one's, at the next source position, when a prompt
+    # registered both as consecutive regions (a hint: a hit is verified against it in turn).
+    next: ChunkEntry | None = None
+    registered: bool = True  # False once evicted
 
     @property
     def tokens(self) -> np.ndarray:
@@ -182,6 +186,14 @@ class Registry:
         self.touch(entry)
         return entry
 
+    def chain(self, entry: ChunkEntry, follower: ChunkEntry) -> None:
+        """Record that ``follower``'s content came right after ``entry``'s, at the next source
+        position (the latest such follower wins)."""
+        if follower.p_source != entry.p_source + entry.size:
+            raise ValueError(f"chunk at {follower.p_source} does not follow one at "
+                             f"{entry.p_source} of {entry.size} tokens")
+        entry.next = follower
+
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
         entry.last_use = next(self._clock)
@@ -229,6 +241,9 @@ class Registry:
 
     def _remove(self, entry: ChunkEntry) -> None:
         del self._lru[entry]
+        # An entry chained to this one may still point here (and keep this object, not its
+        # slots, alive): it must not be followed.
+        entry.registered, entry.next = False, None
         table = self._chunks[entry.namespace]
         table[entry.fingerprint].remove(entry)
         if not table[entry.fingerprint]:
