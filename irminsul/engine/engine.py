@@ -36,6 +36,7 @@ from ..model import MLAModel
 from ..model.mla import naive_from
 from ..model.paged import PagedKV, upload
 from .kv_pool import KVPool, PoolExhausted, unpack
+from .staging import Staging
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs
@@ -160,6 +161,7 @@ class Engine:
         self.planner = Planner(capacity=capacity, s1=s1, heads=heads, regions=regions,
                                pic=mode != "off")
         self.sequences: list[Sequence] = []
+        self._staging = Staging(device)
         self._naive_from = naive_from(cfg)
         self.graphs: CudaGraphs | None = None
         if graphs:
@@ -314,14 +316,12 @@ class Engine:
     def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
         """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src``
         rotated by ``deltas`` (copied unrotated for naive reuse)."""
-        device = self.pool.kr.device
+        src_slots, dst_slots, delta = self._staging.upload([src, dst, deltas])  # one copy
         if self.kernels and self.rotate:
             from ..kernels import rotate_kr
 
-            src_slots, dst_slots, delta = upload(np.stack([src, dst, deltas]), device)  # one copy
             rotate_kr(self.pool.kr, src_slots, dst_slots, delta, self.model.rotary)
             return
-        src_slots, dst_slots = upload(src, device), upload(dst, device)
         base = self.pool.kr[:, src_slots].transpose(0, 1)  # [tokens, layers, rope_dim]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
         self.pool.kr[:, dst_slots] = rotated.transpose(0, 1)
