@@ -175,21 +175,30 @@ def chunk_boundaries(tokens: Iterable[int] | np.ndarray, *, mask_bits: int = 7, 
     return np.asarray(bounds, dtype=np.int64)
 
 
+class Fingerprinter:
+    """The fingerprint of any span of one token array, on demand: xxHash64 over the span's token
+    ids as little-endian uint32, seeded with the namespace."""
+
+    def __init__(self, tokens: Iterable[int] | np.ndarray, seed: int = 0) -> None:
+        self._buf = memoryview(np.ascontiguousarray(as_token_array(tokens), dtype="<u4")).cast("B")
+        self._seed = seed
+
+    def __call__(self, start: int, end: int) -> int:
+        """The fingerprint of tokens[start:end]."""
+        return xxhash.xxh64_intdigest(self._buf[4 * start:4 * end], self._seed)
+
+
 def fingerprints(tokens: Iterable[int] | np.ndarray, boundaries: np.ndarray, *,
                  seed: int = 0) -> np.ndarray:
-    """One xxHash64 per chunk, over the chunk's token ids as little-endian uint32, seeded.
+    """One :class:`Fingerprinter` fingerprint per chunk.
 
     ``boundaries`` are chunk end offsets as returned by :func:`chunk_boundaries`; the seed carries
     the model and tenant namespace, so equal content in two namespaces never shares a fingerprint.
     """
-    buf = memoryview(np.ascontiguousarray(as_token_array(tokens), dtype="<u4")).cast("B")
-    digest = xxhash.xxh64_intdigest
-    out: list[int] = []
-    start = 0
-    for end in np.asarray(boundaries, dtype=np.int64).tolist():
-        out.append(digest(buf[4 * start:4 * end], seed))
-        start = end
-    return np.asarray(out, dtype=np.uint64)
+    fingerprint = Fingerprinter(tokens, seed)
+    ends = np.asarray(boundaries, dtype=np.int64).tolist()
+    return np.asarray([fingerprint(start, end) for start, end in zip([0] + ends, ends)],
+                      dtype=np.uint64)
 
 
 def window_fingerprints(tokens: Iterable[int] | np.ndarray, width: int, *,

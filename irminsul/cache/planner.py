@@ -28,7 +28,14 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from .cdc import as_offsets, as_token_array, chunk_boundaries, fingerprints, window_fingerprints
+from .cdc import (
+    Fingerprinter,
+    as_offsets,
+    as_token_array,
+    chunk_boundaries,
+    fingerprints,
+    window_fingerprints,
+)
 from .radix import PrefixMatch, RadixTree
 from .registry import ChunkEntry, Registry
 
@@ -188,13 +195,13 @@ class Planner:
         """Look each region of the tail up whole, or follow the chain of the region before it;
         chunk the runs of regions not found."""
         ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size)
-        fps = fingerprints(tail.tokens, ends, seed=plan.namespace).tolist()
+        fingerprint = Fingerprinter(tail.tokens, plan.namespace)  # only where there is no chain
         start, lookup, content = plan.prefix.length, self.registry.lookup, tail.content
         segments, anchor = plan.segments, tail.anchor
         first = pending = 0  # the region's first tail offset; the first not served whole
         last = None  # the entry that served the region before this one whole, if one did
         # Some 100 regions at 16K tokens, most of them followed along a chain: plain locals.
-        for end, fp in zip(ends.tolist(), fps):
+        for end in ends.tolist():
             # A region within the prefix (the whole prompt matched) or the carve-out is not
             # looked up; the chunk path handles both.
             if anchor + end <= start or anchor + first < self.carve_out:
@@ -205,7 +212,8 @@ class Planner:
                 if follow is not None and follow.registered and follow.content == region:
                     segments[-1].chain.append(follow)  # the hit runs on; its end is set below
                     last, pending = follow, end
-                elif (last := lookup(plan.namespace, fp, region)) is not None:
+                elif (last := lookup(plan.namespace, fp := fingerprint(first, end),
+                                     region)) is not None:
                     self._end_hit(plan, anchor + pending)
                     self._plan_chunks(plan, tail, pending, first)
                     at = max(anchor + first, start)

@@ -26,7 +26,9 @@ class Staging:
     def __init__(self, device: torch.device, depth: int = 4) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
-        self._ring: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * depth
+        self._ring: list[torch.Tensor | None] = [None] * depth
+        # One event per buffer, recorded again after each copy (creating one costs more).
+        self._copied = [torch.cuda.Event() for _ in range(depth)] if self._pinned else []
         self._next = 0
 
     def upload(self, rows: Sequence[np.ndarray]) -> torch.Tensor:
@@ -37,18 +39,15 @@ class Staging:
         slot = self._next
         self._next = (slot + 1) % len(self._ring)
         size = len(rows) * len(rows[0])
-        held = self._ring[slot]
-        if held is None or held[0].numel() < size:
+        buffer = self._ring[slot]
+        if buffer is None or buffer.numel() < size:
             # Grown geometrically: pinning a buffer is the slow step this class exists to avoid.
-            buffer = torch.empty(max(size, 2 * held[0].numel() if held else 4096),
-                                 dtype=torch.int64, pin_memory=True)
-        else:
-            buffer, copied = held
-            copied.synchronize()  # the last copy from this buffer has read it
+            buffer = self._ring[slot] = torch.empty(
+                max(size, 2 * buffer.numel() if buffer is not None else 4096),
+                dtype=torch.int64, pin_memory=True)
+        self._copied[slot].synchronize()  # the last copy from this buffer has read it
         host = buffer[:size].view(len(rows), -1)
         np.stack(rows, out=host.numpy())
         out = host.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._ring[slot] = (buffer, event)
+        self._copied[slot].record()
         return out
