@@ -77,7 +77,7 @@ def pair_layout(rotary: Rotary) -> tuple[int, int]:
 def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
               rotary: Rotary, *, block: int = 64, group: int = 4, num_warps: int = 4) -> None:
     """kr[:, dst] = kr[:, src] rotated by ``delta`` (one per row), for every layer of the pool
-    ``kr`` [layers, slots, rope_dim]; src/dst int64 slots, delta int32 or int64, all on kr's device.
+    ``kr`` [layers, slots, rope_dim]; src/dst slots and delta int32 or int64, all on kr's device.
     Source and destination slots must not overlap. ``block`` tokens and ``group`` layers per
     program, ``num_warps`` warps: the launch shape (the default is among the fastest of those
     benchmarks/kernels.py sweeps on an H200: docs/results/2026-11-30-h200-kernels.json)."""
