@@ -8,6 +8,7 @@ keeps what it finished. ``benchmarks/results_table.py`` renders it as the README
 
     python benchmarks/issue5.py --out docs/results/DATE-h200-issue5.json [--quick]
     python benchmarks/issue5.py --device cpu --tiny --out /tmp/smoke.json   # CI-sized
+    python benchmarks/issue5.py --sections ttft --patterns rerank --out F.json  # some cells
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -25,7 +26,7 @@ import roofline
 import session_memory
 import torch
 from gpu_common import AgentText, build_model, model_config, run_metadata
-from shift_prompts import build_requests
+from shift_prompts import PATTERNS, build_requests
 
 from irminsul.engine.engine import default_graphs, default_kernels
 
@@ -57,8 +58,9 @@ def describe(model: torch.nn.Module) -> str:
 
 
 def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysvar_depth: int,
-               save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Every (length, pattern, H) cell, printed and saved as it finishes."""
+               save: Callable[[list[dict[str, Any]]], None],
+               patterns: Sequence[str] = PATTERNS) -> list[dict[str, Any]]:
+    """Every (length, pattern, H) cell of ``patterns``, printed and saved as it finishes."""
     # A discarded cell first: Triton compiles each kernel variant on first use, which would
     # otherwise land inside the first cell's timed requests.
     gpu_ttft.ttft_cell(model, build_requests("rerank", text, s["lengths"][0], 4, seed=1), 2)
@@ -67,6 +69,8 @@ def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysva
         specs = [("agent_meta", h) for h in s["headers"]] + [("sysvar", sysvar_depth),
                                                               ("rerank", 0)]
         for pattern, header in specs:
+            if pattern not in patterns:
+                continue
             requests = build_requests(pattern, text, length, s["requests"] + s["warmup"],
                                       header=header, seed=length)
             cell = {"pattern": pattern, "header_tokens": header,
@@ -90,6 +94,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="timed requests per TTFT cell")
     parser.add_argument("--sysvar-depth", type=int, default=50)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS),
+                        help="the TTFT cells' patterns (default: all)")
     parser.add_argument("--extend", help="a results JSON of an earlier run to add these sections "
                         "to (the run split over two commands)")
     args = parser.parse_args()
@@ -116,7 +122,7 @@ def main() -> None:
 
     for section in args.sections:
         if section == "ttft":
-            ttft_cells(model, text, s, args.sysvar_depth, partial(save, section))
+            ttft_cells(model, text, s, args.sysvar_depth, partial(save, section), args.patterns)
         elif section == "energy" and torch.device(args.device).type == "cuda":
             count = (3 + 10) * s["energy_batch"] + 1  # one distinct request per prefill
             requests = build_requests("agent_meta", text, s["energy_length"], count, header=50)

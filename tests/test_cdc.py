@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul.cache.cdc import (
+    Fingerprinter,
+    as_offsets,
     chunk_boundaries,
     fingerprints,
     gear_values,
@@ -436,3 +438,22 @@ def test_expected_chunk_size():
     # The part above min_size is roughly geometric: its median is about ln(2) * 128 ~ 89.
     excess = np.diff(np.concatenate([[0], b])) - 32
     assert 70 <= np.median(excess) <= 110
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 5000), max_size=60), st.booleans(), st.booleans())
+def test_offsets_are_sorted_and_distinct(values, presorted, as_array):
+    """as_offsets equals sorted(set(values)) from a list or an array, sorted or not."""
+    if presorted:
+        values = sorted(set(values))
+    got = as_offsets(np.array(values, dtype=np.int32) if as_array else values)
+    assert got.dtype == np.int64 and got.tolist() == sorted(set(values))
+
+
+def test_fingerprinter_spans_equal_xxhash_of_uint32_tokens():
+    """A span's fingerprint is xxh64 over its ids as little-endian uint32, seeded (hand-built)."""
+    tokens = np.array([7, 129279, 0, 42, 65536], dtype=np.int64)
+    fp = Fingerprinter(tokens, seed=9)
+    for start, end in ((0, 5), (1, 3), (4, 5)):
+        raw = b"".join(int(t).to_bytes(4, "little") for t in tokens[start:end])
+        assert fp(start, end) == xxhash.xxh64_intdigest(raw, 9)

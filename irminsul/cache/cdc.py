@@ -97,7 +97,10 @@ def as_offsets(offsets: Iterable[int] | np.ndarray) -> np.ndarray:
     """Offsets (any iterable of ints) as a sorted, duplicate-free int64 array."""
     if not isinstance(offsets, np.ndarray):
         offsets = np.fromiter(offsets, dtype=np.int64)
-    return np.unique(offsets.astype(np.int64, copy=False))
+    offsets = offsets.astype(np.int64, copy=False)
+    if offsets.ndim == 1 and (offsets[1:] > offsets[:-1]).all():
+        return offsets  # already sorted and distinct, as a prompt's resets come: skip the sort
+    return np.unique(offsets)
 
 
 def _normalise_resets(resets: Iterable[int] | np.ndarray, n: int) -> np.ndarray:
