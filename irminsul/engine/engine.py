@@ -161,7 +161,8 @@ class Engine:
         self.planner = Planner(capacity=capacity, s1=s1, heads=heads, regions=regions,
                                pic=mode != "off")
         self.sequences: list[Sequence] = []
-        self._staging = Staging(device)
+        # A reuse's source slots, fresh slots and δs: at most a prompt's worth.
+        self._staging = Staging(device, 3, cfg.max_position_embeddings)
         self._naive_from = naive_from(cfg)
         self.graphs: CudaGraphs | None = None
         if graphs:
