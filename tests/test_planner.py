@@ -77,7 +77,16 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
         assert a == pos and b > a
         pos = b
     assert pos == n
-    assert {r for r in resets if plan.prefix.length < r < n} <= {a for a, _ in pieces}
+    # Every reset past the prefix starts a piece, or lies inside a chain of regions found whole,
+    # between two of its entries.
+    inside = set()
+    for s in plan.hits:
+        edge = s.start - s.offset
+        for e in s.entries[:-1]:
+            edge += e.size
+            inside.add(edge)
+    assert {r for r in resets if L < r < n} <= {a for a, _ in pieces} | inside
+    assert inside <= set(resets)
     # Regions (each found whole, or a chain of them in a row, is one hit; the others are
     # registered at commit) lie between resets, past the carve-out, and reach past the prefix.
     bounds = {0, n, anchor, *resets}
