@@ -517,6 +517,16 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
     checks = []  # (prompt, max_tokens, stop, output, clean)
     resets_of: dict[tuple[int, ...], list[int]] = {}
     allocated = 0
+    chained = 0  # hits that ran on along a chain of regions
+    plan_tail = engine.planner.plan_tail
+
+    def counting_plan_tail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal chained
+        plan = plan_tail(*args, **kwargs)
+        chained += sum(1 for s in plan.hits if s.chain)
+        return plan
+
+    engine.planner.plan_tail = counting_plan_tail
 
     def make_prompt() -> tuple[list[int], list[int]]:
         """A follow-up turn of an earlier request (prompt + output + new tokens), or a header
@@ -533,8 +543,8 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
                 tokens += rng.integers(0, V, int(rng.integers(0, 9)) * (rng.random() < 0.5)).tolist()
                 resets = []
                 for j in rng.choice(len(docs), size=int(rng.integers(1, 4))).tolist():
-                    if rng.random() < 0.9:
-                        resets.append(len(tokens))
+                    if rng.random() < 0.9:  # a document of two messages: two regions, chained
+                        resets += [len(tokens), len(tokens) + len(docs[j]) // 2]
                     tokens += docs[j]
                 if rng.random() < 0.5:
                     resets.append(len(tokens))
@@ -564,7 +574,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
         engine.finish(o.seq, remember=remember)
         checks.append((o.prompt, len(o.out), (), o.out, o.clean))
 
-    for _ in range(200):
+    for _ in range(260):
         op = rng.choice(["generate", "open", "step", "fork", "finish"],
                         p=[0.3, 0.2, 0.25, 0.1, 0.15])
         if op == "generate":
@@ -620,6 +630,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
     assert len(checks) >= 40 and compared >= 20
     if mode == "live":
         assert sum(1 for *_, clean in checks if not clean) > 0  # PIC really happened
+        assert chained > 0  # and whole regions were reused along chains
 
 
 # -- 6. tenants ------------------------------------------------------------------------------------
