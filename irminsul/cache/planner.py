@@ -22,7 +22,7 @@ business: the plan is the same.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -56,7 +56,7 @@ class Segment(NamedTuple):
     offset: int = 0  # for hits: where in entry.tokens the reused span begins
     # With regions: the entries a hit runs on into after ``entry`` (its chain, each one the
     # region registered right after the one before it, verified like any hit).
-    chain: Sequence[ChunkEntry] = ()
+    chain: tuple[ChunkEntry, ...] = ()
 
     @property
     def size(self) -> int:
@@ -197,8 +197,10 @@ class Planner:
         ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size)
         fingerprint = Fingerprinter(tail.tokens, plan.namespace)  # only where there is no chain
         start, lookup, content = plan.prefix.length, self.registry.lookup, tail.content
-        segments, anchor = plan.segments, tail.anchor
+        anchor = tail.anchor
         first = pending = 0  # the region's first tail offset; the first not served whole
+        hit: Segment | None = None  # the hit being served, its end and chain still growing
+        chain: list[ChunkEntry] = []
         last = None  # the entry that served the region before this one whole, if one did
         # Some 100 regions at 16K tokens, most of them followed along a chain: plain locals.
         for end in ends.tolist():
@@ -210,28 +212,26 @@ class Planner:
                 region = content[8 * first:8 * end]
                 follow = last.next if last is not None else None
                 if follow is not None and follow.registered and follow.content == region:
-                    segments[-1].chain.append(follow)  # the hit runs on; its end is set below
+                    chain.append(follow)  # the hit runs on
                     last, pending = follow, end
                 elif (last := lookup(plan.namespace, fp := fingerprint(first, end),
                                      region)) is not None:
-                    self._end_hit(plan, anchor + pending)
+                    self._close_hit(plan, hit, anchor + pending, chain)
                     self._plan_chunks(plan, tail, pending, first)
                     at = max(anchor + first, start)
-                    segments.append(Segment("hit", at, anchor + end, last, at - anchor - first,
-                                            []))
+                    hit, chain = Segment("hit", at, anchor + end, last, at - anchor - first), []
                     pending = end
                 else:
                     plan.regions.append(Chunk(anchor + first, anchor + end, fp, "miss"))
             first = end
-        self._end_hit(plan, anchor + pending)
+        self._close_hit(plan, hit, anchor + pending, chain)
         self._plan_chunks(plan, tail, pending, tail.tokens.size)
 
     @staticmethod
-    def _end_hit(plan: Plan, end: int) -> None:
-        """Set the end of a region hit whose chain ran on past its entry."""
-        hit = plan.segments[-1] if plan.segments else None
-        if hit is not None and hit.chain and hit.end != end:
-            plan.segments[-1] = hit._replace(end=end)
+    def _close_hit(plan: Plan, hit: Segment | None, end: int, chain: list[ChunkEntry]) -> None:
+        """Add a region hit to the plan, with the chain it ran on along, up to ``end``."""
+        if hit is not None:
+            plan.segments.append(hit._replace(end=end, chain=tuple(chain)) if chain else hit)
 
     def _plan_chunks(self, plan: Plan, tail: Tail, low: int, high: int) -> None:
         """Algorithm 1 lines 2-12 over tail offsets [low, high): chunk, look up, probe misses."""

@@ -23,7 +23,10 @@ says) or grown past a cut, a document edited near its end.
 Regions (the planner's ``regions``). A whole region of a prompt (the tokens between two chunker
 resets) is registered as an entry too, under its own fingerprint, without windows or head: its
 handles are the region's slots in that prompt, which its chunks' entries (or the entries they were
-reused from) reference as well. The token budget counts a region's tokens once more.
+reused from) reference as well. The token budget counts a region's tokens once more. Regions a
+prompt registered one after the other, at consecutive positions, are chained (``next``): a later
+prompt that finds the first follows the chain, comparing each next region's tokens, and reuses the
+run as one hit. An evicted entry is marked (``registered``) so that a chain never leads to it.
 
 Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget.
 """
