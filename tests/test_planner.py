@@ -77,18 +77,12 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
         assert a == pos and b > a
         pos = b
     assert pos == n
-    # Every reset past the prefix starts a piece, or lies inside a chain of regions found whole,
-    # between two of its entries.
-    inside = set()
-    for s in plan.hits:
-        edge = s.start - s.offset
-        for e in s.entries[:-1]:
-            edge += e.size
-            inside.add(edge)
-    assert {r for r in resets if L < r < n} <= {a for a, _ in pieces} | inside
-    assert inside <= set(resets)
-    # Regions (each found whole, or a chain of them in a row, is one hit; the others are
-    # registered at commit) lie between resets, past the carve-out, and reach past the prefix.
+    # Every reset past the prefix starts a piece, or lies inside a run of regions found whole.
+    assert all(any(a <= r for a, _ in pieces) and
+               (r in {a for a, _ in pieces} or any(a < r < b for a, b in whole))
+               for r in resets if L < r < n)
+    # Regions (each found whole, or a run of them, is one hit; the others are registered at
+    # commit) lie between resets, past the carve-out, and reach past the prefix.
     bounds = {0, n, anchor, *resets}
     assert all(a in bounds | {L} and b in bounds and a >= planner.carve_out for a, b in whole)
     assert whole == [] or planner.regions
@@ -120,15 +114,10 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     # (c) + (e) hits: the tokens, the rotation, and the source KV.
     for s in plan.hits:
         e = s.entry
-        assert all(c.namespace == namespace and c.registered for c in s.entries)
-        reach = e.size + sum(c.size for c in s.chain)  # a chain's entries, each whole
-        assert 0 <= s.offset < e.size and s.offset + s.size <= reach
-        assert not s.chain or s.offset + s.size > reach - s.chain[-1].size
-        for a, b in zip(s.entries, s.entries[1:]):  # a chain's sources are consecutive
-            assert b.p_source == a.p_source + a.size
-        reused = np.concatenate([c.tokens for c in s.entries])[s.offset:s.offset + s.size]
-        assert np.array_equal(reused, tokens[s.start:s.end])
-        src_handles = s.source_handles()
+        assert e.namespace == namespace and e.registered
+        assert 0 <= s.offset and s.offset + s.size <= e.size
+        assert np.array_equal(e.tokens[s.offset:s.offset + s.size], tokens[s.start:s.end])
+        src_handles = e.handles[s.offset:s.offset + s.size]
         first_ns, first_src, first_pos = history.source(src_handles[0])
         assert first_ns == namespace
         # The handles are the consecutive handles of one earlier prompt...
@@ -301,9 +290,10 @@ def _messages(header: int, start: int, doc: np.ndarray, cuts: list[int]) -> tupl
             [header] + [header + c for c in cuts])
 
 
-def test_a_chain_of_regions_moved_together_is_one_hit():
+def test_a_run_of_regions_moved_together_is_one_hit():
     """A document of three messages (resets at each) moves by 35 tokens: with regions it is one
-    hit whose chain runs over the next two messages' entries, one δ, A's handles throughout."""
+    hit on the run A registered, one δ, A's handles throughout; a plan holds the region the run
+    was found through, and a run is entered at any of its regions."""
     doc = _doc(3, 2000)
     a, ra = _messages(40, 0, doc, [600, 1300])
     b, rb = _messages(75, 1000, doc, [600, 1300])
@@ -311,35 +301,44 @@ def test_a_chain_of_regions_moved_together_is_one_hit():
     planner.commit(planner.plan(a, ra), np.arange(a.size) + 10_000)
     plan = planner.plan(b, rb)
     (hit,) = plan.hits
-    assert (hit.start, hit.end, hit.delta, len(hit.chain)) == (75, 2075, 35, 2)
-    assert hit.source_handles().tolist() == list(range(10_040, 12_040))
-    assert [e.p_source for e in hit.entries] == [40, 640, 1340]
+    assert (hit.start, hit.end, hit.delta, hit.entry.size, hit.entry.p_source) == (
+        75, 2075, 35, 2000, 40)
+    assert hit.entry.handles[hit.offset:hit.offset + hit.size].tolist() == list(
+        range(10_040, 12_040))
+    # From the second message on (the first one dropped), the run is entered at an offset.
+    c, rc = _messages(50, 3000, doc[600:], [700])
+    (hit,) = planner.plan(c, rc).hits
+    assert (hit.start, hit.end, hit.offset, hit.delta) == (50, 1450, 600, 50 - 640)
+    # What a plan holds keeps its run findable: the region it was found through is held too.
+    planner.acquire(plan)
+    planner.registry.evict(planner.registry.total_tokens)  # everything not held
+    assert [(s.start, s.end) for s in planner.plan(b, rb).hits] == [(75, 2075)]
+    planner.release(plan)
 
 
-def test_a_chain_stops_at_an_edited_or_evicted_region():
-    """The chain is followed only while the next region's content is the same and its entry is
-    still registered: a document whose middle message was edited is served as two hits around
-    it; one whose middle message's entries were evicted never reuses that message."""
+def test_a_run_stops_at_an_edited_region_or_an_evicted_run():
+    """A run is followed only as far as the tokens are the same, cut back to a region end, and
+    only while its entry is registered: a document whose middle message was edited is served
+    as two hits around it; once the run's entry and the middle message's are evicted, the
+    first and last messages are served alone (the first one still points at the run)."""
     doc = _doc(4, 2000)
     a, ra = _messages(40, 0, doc, [600, 1300])
     planner = Planner(regions=True, s1=False)
-    first = planner.plan(a, ra)
-    planner.commit(first, np.arange(a.size) + 10_000)
+    planner.commit(planner.plan(a, ra), np.arange(a.size) + 10_000)
     edited = doc.copy()
     edited[1000] = 129_279 - edited[1000]
     c, rc = _messages(60, 2000, edited, [600, 1300])
     spans = [(s.start, s.end) for s in planner.plan(c, rc).hits]
     assert spans[0] == (60, 660) and spans[-1] == (1360, 2060)
     assert all(s[1] <= 1060 or s[0] > 1060 for s in spans)  # the edit is never reused
-    # Evict every chunk and the middle message's region entry: the first message's entry still
-    # points at it, and must not serve it.
     registry = planner.registry
-    regions = {e.p_source: e for e in registry.entries() if e.size in (600, 700)}
-    registry.touch(regions[40])
-    registry.touch(regions[1340])
-    registry.evict(registry.total_tokens - 1300)
-    assert not regions[640].registered and regions[40].next is regions[640]
-    assert registry.total_tokens == 1300  # the first and last messages' regions
+    by_size = {e.size: e for e in registry.entries() if e.p_source >= 40 and e.size >= 600}
+    run, first, last = by_size[2000], by_size[600], by_size[700]
+    assert first.run is run and first.run_offset == 0 and last.run_offset == 1300
+    registry.touch(first)
+    registry.touch(last)
+    registry.evict(registry.total_tokens - 1300)  # chunks, the run, the middle message
+    assert not run.registered and first.run is run and registry.total_tokens == 1300
     b, rb = _messages(75, 1000, doc, [600, 1300])
     plan = planner.plan(b, rb)
     assert [(s.start, s.end) for s in plan.hits] == [(75, 675), (1375, 2075)]

@@ -434,18 +434,19 @@ def test_head_lookup_takes_the_longest_run_among_the_newest():
     assert Registry().lookup_head(0, query) is None  # heads not indexed
 
 
-def test_chain_needs_the_next_source_position():
-    """An entry is chained only to one registered right after it in the source; eviction marks
-    an entry unregistered, so a chain pointing at it is not followed."""
+def test_a_run_holds_its_regions_tokens():
+    """A region joins a run only where the run holds its tokens; eviction marks an entry
+    unregistered and drops its own run, so a region pointing at an evicted run does not use it."""
     reg = Registry()
     a = reg.register(0, 1, np.arange(40), np.arange(40), 100)
     b = reg.register(0, 2, np.arange(40, 70), np.arange(40, 70), 140)
-    c = reg.register(0, 3, np.arange(70, 90), np.arange(70, 90), 171)
-    with pytest.raises(ValueError, match="at 171 does not follow one at 140 of 30 tokens"):
-        reg.chain(b, c)
-    reg.chain(a, b)
-    assert a.next is b and b.registered
+    run = reg.register(0, 3, np.arange(70), np.arange(70), 100, probes=False)
+    with pytest.raises(ValueError, match="chunk of 30 tokens is not at offset 39 of a run of 70"):
+        reg.join_run(b, run, 39)
+    reg.join_run(a, run, 0)
+    reg.join_run(b, run, 40)
+    assert (b.run, b.run_offset) == (run, 40) and run.registered
     reg.touch(a)
-    reg.touch(c)
-    reg.evict(1)  # the least recently used: b
-    assert not b.registered and b.next is None and a.registered and a.next is b
+    reg.touch(b)
+    reg.evict(1)  # the least recently used: the run
+    assert not run.registered and a.run is run and a.registered

@@ -7,7 +7,8 @@ prompt exactly once, in order:
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
     hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with heads, the
-               longest registered run a missed chunk starts with; with regions, a whole region)
+               longest registered run a missed chunk starts with; with regions, a whole region,
+               run on as far as the run of regions it was registered in goes on the same)
                found in the registry and verified token by token; reused with
                delta = p_target - p_source (lines 7-10)
     miss       tokens to prefill (line 12)
@@ -22,7 +23,8 @@ business: the plan is the same.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -54,9 +56,6 @@ class Segment(NamedTuple):
     end: int
     entry: ChunkEntry | None = None  # for hits: the registered chunk
     offset: int = 0  # for hits: where in entry.tokens the reused span begins
-    # With regions: the entries a hit runs on into after ``entry`` (its chain, each one the
-    # region registered right after the one before it, verified like any hit).
-    chain: tuple[ChunkEntry, ...] = ()
 
     @property
     def size(self) -> int:
@@ -64,24 +63,9 @@ class Segment(NamedTuple):
 
     @property
     def delta(self) -> int:
-        """Rotation for a hit: p_target - p_source of the reused tokens (one for its chain:
-        the chain's sources are consecutive)."""
+        """Rotation for a hit: p_target - p_source of the reused tokens."""
         assert self.entry is not None, "delta is defined for hits only"
         return self.start - (self.entry.p_source + self.offset)
-
-    @property
-    def entries(self) -> list[ChunkEntry]:
-        """A hit's registered entries: its entry, then its chain."""
-        assert self.entry is not None, "entries are defined for hits only"
-        return [self.entry, *self.chain]
-
-    def source_handles(self) -> np.ndarray:
-        """A hit's handles of the tokens it reuses, in order."""
-        assert self.entry is not None, "source handles are defined for hits only"
-        if not self.chain:
-            return self.entry.handles[self.offset:self.offset + self.size]
-        parts = [self.entry.handles[self.offset:], *(e.handles for e in self.chain)]
-        return np.concatenate(parts)[:self.size]
 
 
 class Chunk(NamedTuple):
@@ -113,6 +97,9 @@ class Plan:
     segments: list[Segment]
     chunks: list[Chunk]  # the chunks of the tail that was chunked
     regions: list[Chunk] = field(default_factory=list)  # with regions: those not found whole
+    # The region entries through which hits on runs were found: held and refreshed with the
+    # hits, so that the runs stay findable.
+    keys: list[ChunkEntry] = field(default_factory=list)
 
     def tokens_of(self, kind: SegmentKind) -> int:
         return sum(s.size for s in self.segments if s.kind == kind)
@@ -120,6 +107,10 @@ class Plan:
     @property
     def hits(self) -> list[Segment]:
         return [s for s in self.segments if s.kind == "hit"]
+
+    def reused(self) -> list[ChunkEntry]:
+        """The registry entries the plan reuses or found its hits through."""
+        return [s.entry for s in self.segments if s.kind == "hit"] + self.keys
 
 
 @dataclass
@@ -140,9 +131,10 @@ class Planner:
         """Beyond the paper's Algorithm 1: ``heads``, a missed chunk first reuses the longest run
         of leading tokens it shares with a registered chunk (at least HEAD_TOKENS); ``regions``,
         each region of the tail (the tokens between two resets) is looked up whole before it
-        is chunked, and registered whole at commit, so content that moves region by region (a
-        re-ranked document, a tool schema, a message) is one lookup and one hit instead of one
-        per chunk. The chunks are cut as without regions (the chunker restarts at every reset),
+        is chunked, and registered whole at commit (a run of consecutive ones too, which a found
+        region is run on along with one comparison), so content that moves region by region (a
+        re-ranked document of many messages, a tool schema, a message) is a lookup and a hit,
+        not one per chunk. The chunks are cut as without regions (the chunker restarts at every reset),
         so a region not found whole is served chunk by chunk as before."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
         self.radix = RadixTree(clock)
@@ -192,46 +184,42 @@ class Planner:
         return plan
 
     def _plan_regions(self, plan: Plan, tail: Tail) -> None:
-        """Look each region of the tail up whole, or follow the chain of the region before it;
-        chunk the runs of regions not found."""
-        ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size)
-        fingerprint = Fingerprinter(tail.tokens, plan.namespace)  # only where there is no chain
+        """Look each region of the tail up whole, and run a region found on as far as the tail
+        goes on as the run of regions it was registered in did; chunk the rest."""
+        ends = np.append(tail.resets[tail.resets < tail.tokens.size], tail.tokens.size).tolist()
+        fingerprint = Fingerprinter(tail.tokens, plan.namespace)
         start, lookup, content = plan.prefix.length, self.registry.lookup, tail.content
         anchor = tail.anchor
         first = pending = 0  # the region's first tail offset; the first not served whole
-        hit: Segment | None = None  # the hit being served, its end and chain still growing
-        chain: list[ChunkEntry] = []
-        last = None  # the entry that served the region before this one whole, if one did
-        # Some 100 regions at 16K tokens, most of them followed along a chain: plain locals.
-        for end in ends.tolist():
+        i = 0
+        while i < len(ends):
+            end = ends[i]
             # A region within the prefix (the whole prompt matched) or the carve-out is not
             # looked up; the chunk path handles both.
-            if anchor + end <= start or anchor + first < self.carve_out:
-                last = None
-            else:
-                region = content[8 * first:8 * end]
-                follow = last.next if last is not None else None
-                if follow is not None and follow.registered and follow.content == region:
-                    chain.append(follow)  # the hit runs on
-                    last, pending = follow, end
-                elif (last := lookup(plan.namespace, fp := fingerprint(first, end),
-                                     region)) is not None:
-                    self._close_hit(plan, hit, anchor + pending, chain)
+            if anchor + end > start and anchor + first >= self.carve_out:
+                fp = fingerprint(first, end)
+                entry = lookup(plan.namespace, fp, content[8 * first:8 * end])
+                if entry is None:
+                    plan.regions.append(Chunk(anchor + first, anchor + end, fp, "miss"))
+                else:
+                    offset, run = 0, entry.run
+                    if run is not None and run.registered:
+                        # One comparison for the whole run (a document of many messages that
+                        # moved), cut back to the last region end it covers.
+                        n = min(run.size - entry.run_offset, tail.tokens.size - first)
+                        same = _common_prefix(tail.tokens[first:first + n],
+                                              run.tokens[entry.run_offset:entry.run_offset + n])
+                        i = bisect_right(ends, first + same, lo=i) - 1
+                        plan.keys.append(entry)
+                        entry, offset, end = run, entry.run_offset, ends[i]
                     self._plan_chunks(plan, tail, pending, first)
                     at = max(anchor + first, start)
-                    hit, chain = Segment("hit", at, anchor + end, last, at - anchor - first), []
+                    plan.segments.append(Segment("hit", at, anchor + end, entry,
+                                                 offset + at - anchor - first))
                     pending = end
-                else:
-                    plan.regions.append(Chunk(anchor + first, anchor + end, fp, "miss"))
             first = end
-        self._close_hit(plan, hit, anchor + pending, chain)
+            i += 1
         self._plan_chunks(plan, tail, pending, tail.tokens.size)
-
-    @staticmethod
-    def _close_hit(plan: Plan, hit: Segment | None, end: int, chain: list[ChunkEntry]) -> None:
-        """Add a region hit to the plan, with the chain it ran on along, up to ``end``."""
-        if hit is not None:
-            plan.segments.append(hit._replace(end=end, chain=tuple(chain)) if chain else hit)
 
     def _plan_chunks(self, plan: Plan, tail: Tail, low: int, high: int) -> None:
         """Algorithm 1 lines 2-12 over tail offsets [low, high): chunk, look up, probe misses."""
@@ -305,27 +293,24 @@ class Planner:
     def acquire(self, plan: Plan) -> None:
         """Hold what the plan reuses so eviction cannot take it before commit/release."""
         self.radix.lock(plan.prefix.node)
-        for seg in plan.hits:
-            for entry in seg.entries:
-                self.registry.lock(entry)
+        for entry in plan.reused():
+            self.registry.lock(entry)
 
     def release(self, plan: Plan) -> None:
         """Undo :meth:`acquire`."""
         self.radix.unlock(plan.prefix.node)
-        for seg in plan.hits:
-            for entry in seg.entries:
-                self.registry.unlock(entry)
+        for entry in plan.reused():
+            self.registry.unlock(entry)
 
     def register_misses(self, plan: Plan, handles: np.ndarray) -> list[np.ndarray]:
         """Algorithm 1 line 13: register each missed chunk at its position (with regions, each
-        region not found whole too, chained to the one before it); refresh reused entries.
+        region not found whole too, and each run of them); refresh reused entries.
 
         Returns the handle arrays of the entries this created (content already registered is
         not registered twice), which the registry now references.
         """
-        for seg in plan.hits:
-            for entry in seg.entries:
-                self.registry.touch(entry)
+        for entry in plan.reused():
+            self.registry.touch(entry)
         held = []
 
         def register(chunk: Chunk, probes: bool) -> ChunkEntry:
@@ -342,17 +327,29 @@ class Planner:
             if chunk.kind == "miss":
                 register(chunk, True)
         # A region's entry takes its handles from this prompt, whatever served them: its rows
-        # are this prompt's, at these positions (chunks found elsewhere were rotated here).
-        # Consecutive regions whose entries' sources are consecutive too are chained, so a
-        # later prompt holding both in a row reuses them as one hit (one δ).
-        last: tuple[ChunkEntry, int] | None = None  # the entry registered last and its end
+        # are this prompt's, at these positions (chunks found elsewhere were rotated here). Each
+        # run of consecutive regions is registered whole too, and its regions point into it, so
+        # a later prompt holding the run (or a part of it from a region start on) finds its
+        # first region and reuses the rest with one comparison, as one hit.
+        run: list[tuple[Chunk, ChunkEntry]] = []
         for region in plan.regions:
-            entry = register(region, False)
-            if (last is not None and last[1] == region.start
-                    and last[0].p_source + last[0].size == entry.p_source):
-                self.registry.chain(last[0], entry)
-            last = (entry, region.end)
+            if run and run[-1][0].end != region.start:
+                self._register_run(plan, run, register)
+                run = []
+            run.append((region, register(region, False)))
+        self._register_run(plan, run, register)
         return held
+
+    def _register_run(self, plan: Plan, run: list[tuple[Chunk, ChunkEntry]],
+                      register: Callable[[Chunk, bool], ChunkEntry]) -> None:
+        """Register a run of two or more consecutive regions whole; point its regions into it."""
+        if len(run) < 2:
+            return
+        first, end = run[0][0].start, run[-1][0].end
+        fingerprint = Fingerprinter(plan.tokens[first:end], plan.namespace)(0, end - first)
+        whole = register(Chunk(first, end, fingerprint, "miss"), False)
+        for region, entry in run:
+            self.registry.join_run(entry, whole, region.start - first)
 
     def commit(self, plan: Plan, handles: np.ndarray) -> Commit:
         """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
@@ -399,6 +396,13 @@ class Planner:
             freed += step
             dropped += sum(len(h) for h in step)
         return freed
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two equal-length token arrays share."""
+    differ = a != b
+    k = int(differ.argmax())
+    return k if differ[k] else differ.size
 
 
 def _merge_misses(segments: list[Segment]) -> list[Segment]:

@@ -23,10 +23,11 @@ says) or grown past a cut, a document edited near its end.
 Regions (the planner's ``regions``). A whole region of a prompt (the tokens between two chunker
 resets) is registered as an entry too, under its own fingerprint, without windows or head: its
 handles are the region's slots in that prompt, which its chunks' entries (or the entries they were
-reused from) reference as well. The token budget counts a region's tokens once more. Regions a
-prompt registered one after the other, at consecutive positions, are chained (``next``): a later
-prompt that finds the first follows the chain, comparing each next region's tokens, and reuses the
-run as one hit. An evicted entry is marked (``registered``) so that a chain never leads to it.
+reused from) reference as well. Consecutive regions registered by one prompt are registered as
+one more entry, their run, and each region entry points into it (``run``, ``run_offset``): a later
+prompt that finds a region compares its following tokens with the run's in one step and reuses as
+much of the run as it holds, as one hit. The token budget counts these tokens once per entry. An
+evicted entry is marked (``registered``) so that a region never leads to it.
 
 Eviction is LRU over entries nobody holds (``refcount == 0``), to a token budget.
 """
@@ -58,9 +59,10 @@ class ChunkEntry:
     refcount: int = 0
     window_keys: list[int] = field(default_factory=list)  # fingerprints of its S1 windows
     head_key: int | None = None  # fingerprint of its first ``head`` tokens, when indexed
-    # The entry whose content followed this one's, at the next source position, when a prompt
-    # registered both as consecutive regions (a hint: a hit is verified against it in turn).
-    next: ChunkEntry | None = None
+    # The run of regions this region was registered in, and where in it this one's tokens are
+    # (a hint: a hit along the run is verified against the run's own tokens).
+    run: ChunkEntry | None = None
+    run_offset: int = 0
     registered: bool = True  # False once evicted
 
     @property
@@ -189,13 +191,13 @@ class Registry:
         self.touch(entry)
         return entry
 
-    def chain(self, entry: ChunkEntry, follower: ChunkEntry) -> None:
-        """Record that ``follower``'s content came right after ``entry``'s, at the next source
-        position (the latest such follower wins)."""
-        if follower.p_source != entry.p_source + entry.size:
-            raise ValueError(f"chunk at {follower.p_source} does not follow one at "
-                             f"{entry.p_source} of {entry.size} tokens")
-        entry.next = follower
+    def join_run(self, entry: ChunkEntry, run: ChunkEntry, offset: int) -> None:
+        """Record that ``entry``'s tokens stand in ``run`` from ``offset`` on (the latest run
+        wins)."""
+        if run.content[8 * offset:8 * (offset + entry.size)] != entry.content:
+            raise ValueError(f"chunk of {entry.size} tokens is not at offset {offset} of a run "
+                             f"of {run.size}")
+        entry.run, entry.run_offset = run, offset
 
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
@@ -244,9 +246,9 @@ class Registry:
 
     def _remove(self, entry: ChunkEntry) -> None:
         del self._lru[entry]
-        # An entry chained to this one may still point here (and keep this object, not its
-        # slots, alive): it must not be followed.
-        entry.registered, entry.next = False, None
+        # A region may still point here as its run (keeping this object alive, not its slots):
+        # it must not be followed.
+        entry.registered, entry.run = False, None
         table = self._chunks[entry.namespace]
         table[entry.fingerprint].remove(entry)
         if not table[entry.fingerprint]:

@@ -304,7 +304,7 @@ class Engine:
         and each token's δ."""
         parts, deltas, sizes = [], [], []
         for hit in hits:  # some 500 hits at 32K: one plain loop
-            parts.append(hit.source_handles())
+            parts.append(hit.entry.handles[hit.offset:hit.offset + hit.size])
             deltas.append(hit.delta)
             sizes.append(hit.size)
         source = np.concatenate(parts)
