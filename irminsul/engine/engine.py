@@ -284,17 +284,17 @@ class Engine:
                     "reuse" if seg.kind == "hit" and self.mode == "live" else "compute")
             if runs and kind == runs[-1][0] and kind != "prefix":
                 runs[-1][2] = seg.end
-                runs[-1][3].append(seg)
             else:
-                runs.append([kind, seg.start, seg.end, [seg]])
+                runs.append([kind, seg.start, seg.end, []])
+            if kind == "reuse":
+                runs[-1][3].append(seg)
         kind, start, end, hits = runs[-1]
         if kind != "compute":
             if kind == "reuse":
                 hits[-1] = hits[-1]._replace(end=end - 1)
             runs[-1] = [kind, start, end - 1, [h for h in hits if h.size]]
             runs.append(["compute", end - 1, end, []])
-        return deque(Run(kind, start, end, hits if kind == "reuse" else [])
-                     for kind, start, end, hits in runs)
+        return deque(Run(*run) for run in runs)
 
     def _share(self, seq: Sequence, hits: list[Segment]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
