@@ -135,8 +135,9 @@ class Engine:
         (:class:`KVPool`; k_r default: as many). ``s1`` / ``heads``: the planner's probes of a
         missed chunk (S1 windows; the longest registered run its head starts, which serves a
         prompt's last chunk, cut where the prompt ends, from a longer chunk seen before).
-        ``regions``: the planner looks each region between two resets up whole first (one
-        lookup and one reuse where a region moved whole, instead of one per chunk).
+        ``regions``: the planner looks each region between two resets up whole first and runs
+        it on along the run of regions it was registered in (one lookup and one reuse where a
+        document of many messages moved, instead of one per chunk).
         ``kernels``: attend and rotate in place in the pool with the Triton kernels (default: on
         a CUDA device when triton is installed); otherwise each forward gathers its sequences'
         context rows and runs plain torch. ``graphs``: replay CUDA graphs for batches of short
