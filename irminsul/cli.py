@@ -269,10 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slots", type=int, default=None,
                        help="KV pool size in tokens (default: 4x the context, at most 65536)")
     serve.add_argument("--kr-slots", type=int, default=None,
-                       help="k_r slots, when not --slots: sessions reusing shifted content "
-                            "share c_KV rows but each hold their own k_r rows (1/9 of a c_KV "
-                            "row's bytes), so more k_r slots hold more of them in the same "
-                            "memory")
+                       help="k_r slots (default: as many as --slots): sessions reusing "
+                            "shifted content share c_KV rows but each hold their own k_r rows "
+                            "(1/9 of a c_KV row's bytes), so more k_r slots hold more of them "
+                            "in the same memory")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="weights and KV (auto: bfloat16 on CUDA, else "
                                             "float32)")

@@ -134,8 +134,8 @@ class Planner:
         is chunked, and registered whole at commit (a run of consecutive ones too, which a found
         region is run on along with one comparison), so content that moves region by region (a
         re-ranked document of many messages, a tool schema, a message) is a lookup and a hit,
-        not one per chunk. The chunks are cut as without regions (the chunker restarts at every reset),
-        so a region not found whole is served chunk by chunk as before."""
+        not one per chunk. The chunks are cut as without regions (the chunker restarts at every
+        reset), so a region not found whole is served chunk by chunk as before."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
         self.radix = RadixTree(clock)
         self.registry = Registry(capacity, window=s1_window, head=HEAD_TOKENS if heads else 0,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cdc import fingerprints, window_fingerprints
+from .cdc import Fingerprinter, window_fingerprints
 
 HEAD_CANDIDATES = 8  # registered chunks compared per head lookup, newest first
 
@@ -159,7 +159,7 @@ class Registry:
         return best
 
     def _head_key(self, namespace: int, tokens: np.ndarray) -> int:
-        return int(fingerprints(tokens[:self.head], np.array([self.head]), seed=namespace)[0])
+        return Fingerprinter(tokens[:self.head], namespace)(0, self.head)
 
     def register(self, namespace: int, fingerprint: int, tokens: np.ndarray, handles: np.ndarray,
                  p_source: int, *, probes: bool = True) -> ChunkEntry:
