@@ -108,15 +108,13 @@ def measure(context: int, repeats: int) -> dict:
                                            splits=splits)
                 run(f"spans m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
                                                            layout, scale, rotary))
-    src = torch.from_numpy(base[0]).to(device)
-    dst = torch.from_numpy(own[0]).to(device)
-    delta = torch.from_numpy(deltas[0].astype(np.int32)).to(device)
+    rot = torch.from_numpy(np.concatenate([base[0], own[0], deltas[0]])).to(device)
     layers = V2_LITE["num_hidden_layers"]
     pool = torch.randn(layers, slots, ROPE, device=device, generator=gen).bfloat16()
-    nbytes = 2 * src.numel() * layers * ROPE * pool.element_size()
+    nbytes = 2 * len(base[0]) * layers * ROPE * pool.element_size()
     for block, group, warps in ROTATE_SHAPES:
         label = f"materialise (27 layers) b{block} g{group} w{warps}"
-        run(label, partial(rotate_kr, pool, src, dst, delta, rotary, block=block, group=group,
+        run(label, partial(rotate_kr, pool, rot, rotary, block=block, group=group,
                            num_warps=warps))
         row[f"{label} GB/s"] = nbytes / (row[label]["p50_ms"] / 1e3) / 1e9
     return row

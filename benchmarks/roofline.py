@@ -19,8 +19,8 @@ from irminsul.model import MLAModel
 from irminsul.model.config import MLAConfig
 from irminsul.model.rope import Rotary
 
-# (k_r pool [layers, slots, rope], src slots, dst slots, δ per row, rotary): kr[:, dst] = rotated
-RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Rotary], None]
+# (k_r pool [layers, slots, rope], src slots | dst slots | δ per row, rotary): kr[:, dst] = rotated
+RotateFn = Callable[[torch.Tensor, torch.Tensor, Rotary], None]
 
 
 def prefill_flops(cfg: MLAConfig, tokens: int, logit_tokens: int) -> int:
@@ -81,9 +81,9 @@ def prefill_efficiency(model: MLAModel, ids: torch.Tensor, peak_tflops: float,
             "tflops": achieved, "fraction_of_matmul_peak": achieved / peak_tflops}
 
 
-def torch_rotate(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
-                 rotary: Rotary) -> None:
+def torch_rotate(kr: torch.Tensor, rot: torch.Tensor, rotary: Rotary) -> None:
     """The engine's plain-torch gather–rotate–scatter (``Engine._rotate`` without the kernels)."""
+    src, dst, delta = rot.view(3, -1)
     base = kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
     kr[:, dst] = rotary.rotate(base, delta).transpose(0, 1)
 
@@ -112,10 +112,10 @@ def rotation_bandwidth(model: MLAModel, rotate: RotateFn, tokens: int, copy_gbps
     kr = torch.randn(cfg.num_hidden_layers, 2 * tokens, cfg.qk_rope_head_dim, device=device,
                      dtype=model.lm_head.weight.dtype)
     slots = torch.randperm(2 * tokens, device=device)  # scattered, as pool slots are
-    src, dst = slots[:tokens].contiguous(), slots[tokens:].contiguous()
-    delta = torch.randint(-tokens, tokens, (tokens,), dtype=torch.int32, device=device)
+    delta = torch.randint(-tokens, tokens, (tokens,), device=device)
+    rot = torch.cat([slots, delta])  # src | dst | δ
     sync(device)
-    times = _median_times(device, lambda: rotate(kr, src, dst, delta, model.rotary), repeats)
+    times = _median_times(device, lambda: rotate(kr, rot, model.rotary), repeats)
     seconds = times.device
     nbytes = 2 * kr[:, :tokens].numel() * kr.element_size()
     achieved = nbytes / seconds / 1e9

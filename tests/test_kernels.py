@@ -90,7 +90,7 @@ def test_rotate_kr_matches_exact_rotation(name: str, dtype: torch.dtype) -> None
     delta = torch.randint(-160000, 160000, (150,), generator=gen, dtype=torch.int32)
     delta[:4] = torch.tensor([0, 1, -1, 1023], dtype=torch.int32)
     kr = kr.to(DEVICE)
-    rotate_kr(kr, src.to(DEVICE), dst.to(DEVICE), delta.to(DEVICE), rotary)
+    rotate_kr(kr, torch.cat([src, dst, delta]).to(DEVICE), rotary)
     kr = kr.cpu()
     for layer in range(layers):
         want = exact_rotation(rotary, before[layer, src].double().numpy(), delta.numpy())
@@ -100,6 +100,35 @@ def test_rotate_kr_matches_exact_rotation(name: str, dtype: torch.dtype) -> None
     untouched = torch.ones(500, dtype=torch.bool)
     untouched[dst] = False
     assert torch.equal(kr[:, untouched], before[:, untouched])
+
+
+def test_rotation_replays_any_count() -> None:
+    """The engine's rotation (on CUDA a replayed graph, its row count read on the device):
+    reuses of different sizes one after another, larger then smaller, each rotate exactly
+    their own rows — a stale count or stale rows from the reuse before would write others."""
+    from irminsul.engine.rotation import Rotation
+
+    rotary = rotary_for("v2_lite_yarn")
+    gen = torch.Generator().manual_seed(2)
+    kr = torch.randn(3, 900, rotary.dim, generator=gen).to(DEVICE)
+    rotation = Rotation(kr, rotary, max_rows=300)
+    rng = np.random.default_rng(3)
+    for n in (300, 7, 150, 1):
+        before = kr.cpu()
+        slots = rng.permutation(900)
+        src, dst = slots[:n], slots[n:2 * n]
+        delta = rng.integers(-100000, 100000, n)
+        rotation(src, dst, delta)
+        after = kr.cpu()
+        for layer in range(3):
+            want = exact_rotation(rotary, before[layer, src].double().numpy(), delta)
+            got = after[layer, dst].double().numpy()
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        untouched = np.ones(900, dtype=bool)
+        untouched[dst] = False
+        assert torch.equal(after[:, untouched], before[:, untouched])
+    with pytest.raises(ValueError, match="a reuse of 301 rows exceeds the rotation's room of 300"):
+        rotation(np.arange(301), np.arange(301) + 301, np.zeros(301, dtype=np.int64))
 
 
 def attention_reference(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, new: list[int],
@@ -177,8 +206,7 @@ def test_fused_rotation_equals_materialised(name: str) -> None:
     got = paged_mla_attention(q, ckv, kr[0], fused, 0.2, rotary)
     rotated_idx = [500 + np.arange(k) + sum(kv_len[:i]) for i, k in enumerate(kv_len)]
     for base, dst, delta in zip(base_idx, rotated_idx, deltas):
-        rotate_kr(kr, torch.from_numpy(base).to(DEVICE), torch.from_numpy(dst).to(DEVICE),
-                  torch.from_numpy(delta.astype(np.int32)).to(DEVICE), rotary)
+        rotate_kr(kr, torch.from_numpy(np.concatenate([base, dst, delta])).to(DEVICE), rotary)
     plain = PagedLayout.build(new, ckv_idx, rotated_idx, heads, DEVICE)
     want = paged_mla_attention(q, ckv, kr[0], plain, 0.2, rotary)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5

@@ -36,10 +36,10 @@ from ..model import MLAModel
 from ..model.mla import naive_from
 from ..model.paged import PagedKV, upload
 from .kv_pool import KVPool, PoolExhausted, unpack
-from .staging import Staging
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs
+    from .rotation import Rotation
 
 Mode = Literal["off", "observer", "live"]
 MODES: tuple[Mode, ...] = ("off", "observer", "live")
@@ -162,9 +162,13 @@ class Engine:
         self.planner = Planner(capacity=capacity, s1=s1, heads=heads, regions=regions,
                                pic=mode != "off")
         self.sequences: list[Sequence] = []
-        # A reuse's source slots, fresh slots and δs: at most a prompt's worth.
-        self._staging = Staging(device, 3, cfg.max_position_embeddings)
         self._naive_from = naive_from(cfg)
+        self._rotation: Rotation | None = None
+        if kernels and rotate:
+            from .rotation import Rotation  # needs triton
+
+            # A reuse rotates at most a prompt's worth of rows.
+            self._rotation = Rotation(self.pool.kr, model.rotary, cfg.max_position_embeddings)
         self.graphs: CudaGraphs | None = None
         if graphs:
             from .graphs import CudaGraphs  # needs triton
@@ -318,15 +322,13 @@ class Engine:
     def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
         """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src``
         rotated by ``deltas`` (copied unrotated for naive reuse)."""
-        src_slots, dst_slots, delta = self._staging.upload([src, dst, deltas])  # one copy
-        if self.kernels and self.rotate:
-            from ..kernels import rotate_kr
-
-            rotate_kr(self.pool.kr, src_slots, dst_slots, delta, self.model.rotary)
+        if self._rotation is not None:
+            self._rotation(src, dst, deltas)
             return
-        base = self.pool.kr[:, src_slots].transpose(0, 1)  # [tokens, layers, rope_dim]
+        device = self.pool.kr.device
+        base = self.pool.kr[:, upload(src, device)].transpose(0, 1)  # [tokens, layers, rope]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas)) if self.rotate else base
-        self.pool.kr[:, dst_slots] = rotated.transpose(0, 1)
+        self.pool.kr[:, upload(dst, device)] = rotated.transpose(0, 1)
 
     def run_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]], *,
                   all_logits: bool = False) -> list[torch.Tensor]:

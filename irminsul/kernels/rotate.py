@@ -35,19 +35,30 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
-def _rotate_kernel(KR, SRC, DST, DELTA, COS, SIN, n, layers, layer_stride,
+def _rotate_kernel(KR, ROT, COUNT, COS, SIN, n, layers, layer_stride,
                    ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr, LAYER_GROUP: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                   HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr, LAYER_GROUP: tl.constexpr,
+                   COUNTED: tl.constexpr):
+    if COUNTED:  # the row count on the device: a captured launch serves any count
+        n = tl.load(COUNT)
+    cols = tl.arange(0, ROPE)[None, :]
+    first = tl.program_id(1) * LAYER_GROUP
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        _rotate_rows(KR, ROT, COS, SIN, n, start + tl.arange(0, BLOCK), cols, first, layers,
+                     layer_stride, ROPE, HALF, INTERLEAVED, HI_OFFSET, BLOCK, LAYER_GROUP)
+
+
+@triton.jit
+def _rotate_rows(KR, ROT, COS, SIN, n, rows, cols, first, layers, layer_stride,
+                 ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 HI_OFFSET: tl.constexpr, BLOCK: tl.constexpr, LAYER_GROUP: tl.constexpr):
     valid = rows < n
-    src = tl.load(SRC + rows, mask=valid, other=0).to(tl.int64)
-    dst = tl.load(DST + rows, mask=valid, other=0).to(tl.int64)
-    delta = tl.load(DELTA + rows, mask=valid, other=0)
+    src = tl.load(ROT + rows, mask=valid, other=0).to(tl.int64)
+    dst = tl.load(ROT + n + rows, mask=valid, other=0).to(tl.int64)
+    delta = tl.load(ROT + 2 * n + rows, mask=valid, other=0).to(tl.int32)
     # One δ per token, the same in every layer: the angles once, then a pass per layer of this
     # program's group (groups of layers run in parallel programs: more loads in flight).
     cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF)
-    cols = tl.arange(0, ROPE)[None, :]
-    first = tl.program_id(1) * LAYER_GROUP
     # Whole rows load and store contiguously (vectorised); pairs are split apart in registers.
     # The group's layers are unrolled, so their loads are all in flight at once.
     for i in tl.static_range(LAYER_GROUP):
@@ -74,22 +85,30 @@ def pair_layout(rotary: Rotary) -> tuple[int, int]:
     return (2, 1) if rotary.interleaved else (1, rotary.dim // 2)
 
 
-def rotate_kr(kr: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
-              rotary: Rotary, *, block: int = 64, group: int = 4, num_warps: int = 4) -> None:
-    """kr[:, dst] = kr[:, src] rotated by ``delta`` (one per row), for every layer of the pool
-    ``kr`` [layers, slots, rope_dim]; src/dst slots and delta int32 or int64, all on kr's device.
-    Source and destination slots must not overlap. ``block`` tokens and ``group`` layers per
-    program, ``num_warps`` warps: the launch shape (the default is among the fastest of those
-    benchmarks/kernels.py sweeps on an H200: docs/results/2026-11-30-h200-kernels.json)."""
-    n = src.numel()
-    if n == 0:
-        return
+def rotate_kr(kr: torch.Tensor, rot: torch.Tensor, rotary: Rotary, *,
+              count: torch.Tensor | None = None, programs: int | None = None, block: int = 64,
+              group: int = 4, num_warps: int = 4) -> None:
+    """kr[:, dst] = kr[:, src] rotated by δ (one per row) for every layer of the pool ``kr``
+    [layers, slots, rope_dim]. ``rot`` (int32 or int64, on kr's device) holds the rows' source
+    slots, destination slots and δs back to back: src | dst | δ, n each. ``count``: a device
+    scalar giving n, read by the kernel (``rot`` may then be longer: room for any n up to
+    a third of it) — so a CUDA graph of this launch serves any count; else n = len(rot) / 3.
+    Source and destination slots must not overlap. ``programs`` row-block programs per layer
+    group (default: one per block of ``block`` rows that fit ``rot``), each walking every
+    ``programs``-th block; ``group`` layers per program, ``num_warps`` warps: the launch shape
+    (the default is among the fastest of those benchmarks/kernels.py sweeps on an H200:
+    docs/results/2026-11-30-h200-kernels.json)."""
     if kr.stride(2) != 1 or kr.stride(1) != rotary.dim:
         raise ValueError("k_r pool must be contiguous in its last two dims")
     if rotary.dim & (rotary.dim - 1) or rotary.dim < 4:
         raise ValueError(f"rope dim {rotary.dim} is not a power of two")
+    n = rot.numel() // 3
+    if n == 0:
+        return
     cos, sin = rotary.delta_tables(kr.device)
-    _rotate_kernel[(triton.cdiv(n, block), triton.cdiv(kr.shape[0], group))](
-        kr, src, dst, delta, cos, sin, n, kr.shape[0], kr.stride(0), ROPE=rotary.dim,
-        HALF=rotary.dim // 2, INTERLEAVED=rotary.interleaved, HI_OFFSET=rotary.hi_offset,
-        BLOCK=block, LAYER_GROUP=group, num_warps=num_warps)
+    programs = programs or triton.cdiv(n, block)
+    _rotate_kernel[(programs, triton.cdiv(kr.shape[0], group))](
+        kr, rot, rot if count is None else count, cos, sin, n, kr.shape[0], kr.stride(0),
+        ROPE=rotary.dim, HALF=rotary.dim // 2, INTERLEAVED=rotary.interleaved,
+        HI_OFFSET=rotary.hi_offset, BLOCK=block, LAYER_GROUP=group,
+        COUNTED=count is not None, num_warps=num_warps)
