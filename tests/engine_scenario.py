@@ -21,6 +21,16 @@ class Served:
     outs: list[list[int]]  # their greedy tokens
 
 
+def poison_graph_inputs(engine: Engine) -> None:
+    """Fill the graphs' input buffer and every host mirror of it with an out-of-range value, so
+    that a replay reading anything its batch's fill did not write fails (an index past the
+    vocabulary, the positions, the pool)."""
+    staging = engine.graphs.inputs
+    for _ in range(4):  # at least the ring's depth: each send moves to the next mirror
+        staging.host()[:] = 1 << 40
+        staging.send((0, staging.buffer.numel()))
+
+
 def serve_shifted(engine: Engine, *, seed: int, headers: tuple[int, int], docs: tuple[int, int],
                   question: int, requests: Callable[[np.ndarray, np.ndarray, np.ndarray],
                                                     list[np.ndarray]],

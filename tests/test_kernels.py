@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from engine_scenario import assert_same, serve_shifted
+from engine_scenario import assert_same, poison_graph_inputs, serve_shifted
 from tiny_models import build
 
 from irminsul.model import load_model, parse_config
@@ -243,6 +243,8 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
     served, engines = {}, {}
     for graphs in (False, True):
         engines[graphs] = Engine(model, num_slots=3000, mode="live", kernels=True, graphs=graphs)
+        if graphs:
+            poison_graph_inputs(engines[graphs])
         served[graphs] = serve_shifted(
             engines[graphs], seed=8, headers=(40, 29), docs=(120, 90), question=9,
             requests=lambda _, target, doc_a: [target[:60], doc_a[:30]], batch_tokens=64,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_scenario import assert_same, serve_shifted
+from engine_scenario import assert_same, poison_graph_inputs, serve_shifted
 from tiny_models import build
 
 from irminsul.model import load_model
@@ -114,6 +114,8 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     served, engines = {}, {}
     for graphs in (False, True):
         engines[graphs] = Engine(model, num_slots=4000, mode="live", graphs=graphs)
+        if graphs:
+            poison_graph_inputs(engines[graphs])
         served[graphs] = serve_shifted(
             engines[graphs], seed=4, headers=(40, 75), docs=(300, 250), question=24,
             requests=lambda source, target, doc_a: [source, target, doc_a], batch_tokens=256,

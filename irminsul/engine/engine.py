@@ -395,13 +395,13 @@ class Engine:
             offset += len(at)
         lengths = [len(at) for at in positions]
         at = np.concatenate(positions)
-        last = None if all_logits else upload(np.cumsum(lengths) - 1, device)
+        last = None if all_logits else np.cumsum(lengths) - 1
         new_ckv, new_kr = unpack(new)
         if (self.graphs is not None and not gathered
                 and self.graphs.fits(len(at), sum(len(c) for _, _, c, _ in kernel))):
-            hidden = self.graphs.hidden(tokens, at, new_ckv, new_kr,
-                                        [(n, c, r) for _, n, c, r in kernel])
-            return self.model.head(hidden, lengths, last)
+            hidden, rows = self.graphs.hidden(tokens, at, new_ckv, new_kr,
+                                              [(n, c, r) for _, n, c, r in kernel], last)
+            return self.model.head(hidden, lengths, rows)
         layout = None
         if kernel:
             from ..kernels import PagedLayout  # needs triton: only with kernels
@@ -418,7 +418,7 @@ class Engine:
         kv = PagedKV(self.pool.ckv, self.pool.kr, upload(new_ckv, device),
                      upload(new_kr, device), layout, take, context)
         hidden = self.model.hidden_paged(upload(tokens, device), upload(at, device), kv)
-        return self.model.head(hidden, lengths, last)
+        return self.model.head(hidden, lengths, None if last is None else upload(last, device))
 
     # -- decode ----------------------------------------------------------------------------------
 

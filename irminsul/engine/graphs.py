@@ -5,7 +5,8 @@ more host time than device time: some sixty launches per layer. A graph captures
 :meth:`MLAModel.hidden_paged` once per token count (a bucket) and replays it; a batch is padded
 to its bucket and its inputs are copied into the static buffers the graph reads:
 
-- token ids, positions and the new rows' c_KV / k_r slots, [bucket] each;
+- token ids, positions and the new rows' c_KV / k_r slots, [bucket] each, and the batch rows
+  whose logits are wanted;
 - the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
   to 8 tokens, mostly decode steps: 16 rows, one token's heads; larger ones, mostly prefill
   spans: 64 rows, four tokens sharing each read of their keys), room for every block a batch of
@@ -30,7 +31,8 @@ import torch
 from ..kernels import PagedLayout
 from ..kernels.mla_attention import SM_TARGET
 from ..model import MLAModel
-from ..model.paged import PagedKV, upload
+from ..model.paged import PagedKV
+from .staging import Staging
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
@@ -53,11 +55,15 @@ def block_room(bucket: int, heads: int) -> int:
 
 
 class CudaGraphs:
-    """Captured forwards per bucket over one engine's pool, and the buffers they read.
+    """Captured forwards per bucket over one engine's pool, and the buffer they read.
 
     On a CUDA device every bucket is captured when the engine starts (about a forward's time
     each). Elsewhere there are no graphs: each bucket's padded, fixed-shape forward runs as it
-    is, over the same buffers — the path a graph replays, checkable on a CPU.
+    is, over the same buffer — the path a graph replays, checkable on a CPU.
+
+    Every input lives in one int64 buffer (:class:`~.staging.Staging`), a bucket's arrays back
+    to back in its own region so that two copies send a batch: ``[rows | last | blocks |
+    requests | c_KV keys]`` up to the batch's keys, then its k_r keys.
     """
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor,
@@ -72,10 +78,11 @@ class CudaGraphs:
         self.heads, self.buckets, self.max_keys = heads, buckets, max_keys
         top, device = buckets[-1], ckv.device
         self.cuda = device.type == "cuda"
-        self.rows = torch.zeros(4, top, dtype=torch.int64, device=device)  # ids, pos, slots
-        self.blocks = torch.zeros(2, block_room(top, heads), dtype=torch.int32, device=device)
-        self.requests = torch.zeros(4, top + 1, dtype=torch.int32, device=device)
-        self.keys = torch.zeros(2, max_keys, dtype=torch.int32, device=device)
+        # Regions: ids, positions and new c_KV / k_r slots [4, bucket]; each request's last
+        # row [bucket + 1]; blocks [2, room]; the request table [4, bucket + 1]; keys.
+        sizes = (4 * top, top + 1, 2 * block_room(top, heads), 4 * (top + 1), max_keys)
+        self._at = np.cumsum((0,) + sizes).tolist()  # region starts, then the k_r keys'
+        self.inputs = Staging(device, self._at[-1] + max_keys)
         self.forwards: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> replay
         self.replays: Counter[int] = Counter()  # bucket -> forwards served through it
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
@@ -87,64 +94,76 @@ class CudaGraphs:
         return tokens <= self.buckets[-1] and keys + self.buckets[-1] <= self.max_keys
 
     def hidden(self, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
-               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> torch.Tensor:
-        """The last layer's hidden states [T, D] of a batch: ``spans`` (new tokens, c_KV slots
-        and k_r slots of every key, its own rows last) in batch order, as the kernel takes
-        them. The result lives in graph memory the buckets share: read it before the next
-        call."""
+               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]],
+               last: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's hidden states [T, D] of a batch, and the batch rows ``last`` (those
+        whose logits are wanted; None: all) on the device: ``spans`` (new tokens, c_KV slots and
+        k_r slots of every key, its own rows last) in batch order, as the kernel takes them. The
+        result lives in graph memory the buckets share: read it before the next call."""
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
-        self._fill(bucket, tokens, positions, new_ckv, new_kr, spans)
+        last = np.zeros(0, dtype=np.int64) if last is None else last
+        self._fill(bucket, tokens, positions, new_ckv, new_kr, spans, last)
         self.replays[bucket] += 1
-        return self.forwards[bucket]()[:n]
+        rows = self.inputs.buffer[self._at[1]:self._at[1] + len(last)] if len(last) else None
+        return self.forwards[bucket]()[:n], rows
+
+    def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int) -> tuple:
+        """A bucket's regions of the buffer (or of a host mirror): rows [4, bucket], blocks
+        [2, room], request table [4, bucket + 1], c_KV keys, k_r keys."""
+        at, room = self._at, block_room(bucket, self.heads)
+        return (buffer[:4 * bucket].reshape(4, bucket),
+                buffer[at[2]:at[2] + 2 * room].reshape(2, room),
+                buffer[at[3]:at[3] + 4 * (bucket + 1)].reshape(4, bucket + 1),
+                buffer[at[4]:at[5]], buffer[at[5]:])
 
     def _fill(self, bucket: int, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
-              new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """Copy a batch, padded to ``bucket`` tokens, into the static buffers (on a GPU
-        asynchronously, ordered after the replay that read them last)."""
+              new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]],
+              last: np.ndarray) -> None:
+        """Write a batch, padded to ``bucket`` tokens, into the buffer (on a GPU through a
+        pinned mirror, sent in two copies ordered after the replay that read it last)."""
         n = len(tokens)
         pad = bucket - n
         scratch_c, scratch_r = self.scratch
         new = [count for count, _, _ in spans] + ([pad] if pad else [])
         ckv = [c for _, c, _ in spans] + ([np.full(pad, scratch_c)] if pad else [])
         kr = [r for _, _, r in spans] + ([np.full(pad, scratch_r)] if pad else [])
-        rows = np.zeros((4, bucket), dtype=np.int64)
-        rows[0, :n], rows[1, :n] = tokens, positions
-        rows[2], rows[3] = scratch_c, scratch_r
-        rows[2, :n], rows[3, :n] = new_ckv, new_kr
+        host = self.inputs.host()
+        rows, blocks, table, keys_c, keys_r = self._views(host, bucket)
+        # Every value a replay reads is written: a mirror holds an older batch's values.
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = tokens, positions, new_ckv, new_kr
+        rows[:, n:] = np.array([0, 0, scratch_c, scratch_r])[:, None]  # padding: token 0 at 0
+        host[self._at[1]:self._at[1] + len(last)] = last
         # Unused blocks: the last request, from a row past every request's rows.
-        blocks = np.zeros((2, block_room(bucket, self.heads)), dtype=np.int64)
+        used = PagedLayout.blocks(new, self.heads, block_rows(bucket))
         blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
-        used = np.stack(PagedLayout.blocks(new, self.heads, block_rows(bucket)))
-        blocks[:, :used.shape[1]] = used
-        table = PagedLayout.request_table(new, [len(c) for c in ckv])
-        keys = np.stack([np.concatenate(ckv), np.concatenate(kr)])
-        for buffer, values, dtype in ((self.rows, rows, np.int64), (self.blocks, blocks, np.int32),
-                                      (self.requests, table, np.int32),
-                                      (self.keys, keys, np.int32)):
-            upload(values, buffer.device, dtype, out=buffer[:, :values.shape[1]])
+        blocks[0, :used[0].size], blocks[1, :used[1].size] = used
+        table[:, :len(new)] = PagedLayout.request_table(new, [len(c) for c in ckv])
+        keys = sum(len(c) for c in ckv)
+        np.concatenate(ckv, out=keys_c[:keys])
+        np.concatenate(kr, out=keys_r[:keys])
+        self.inputs.send((0, self._at[4] + keys), (self._at[5], self._at[5] + keys))
 
     def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
-        """The bucket's forward over the buffers: on CUDA a graph's replay, captured after a run
+        """The bucket's forward over the buffer: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
         rows, room = block_rows(bucket), block_room(bucket, self.heads)
         # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
         # launch also caps them by the longest request; here the cap is fixed: 64 per request).
         splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
-        layout = PagedLayout(self.keys[0], self.keys[1], None, self.requests,
-                             self.blocks[0, :room], self.blocks[1, :room], bucket,
+        inputs, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket)
+        layout = PagedLayout(keys_c, keys_r, None, table, blocks[0], blocks[1], bucket,
                              self.heads, rows, splits)
-        kv = PagedKV(self.ckv, self.kr, self.rows[2, :bucket], self.rows[3, :bucket], layout,
-                     None, [])
+        kv = PagedKV(self.ckv, self.kr, inputs[2], inputs[3], layout, None, [])
 
         def forward() -> torch.Tensor:
-            return self.model.hidden_paged(self.rows[0, :bucket], self.rows[1, :bucket], kv)
+            return self.model.hidden_paged(inputs[0], inputs[1], kv)
 
         if not self.cuda:
             return forward
         empty = np.zeros(0, dtype=np.int64)
-        self._fill(bucket, empty, empty, empty, empty, [])
+        self._fill(bucket, empty, empty, empty, empty, [], empty)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
