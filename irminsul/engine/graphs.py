@@ -148,7 +148,7 @@ class CudaGraphs:
         """The bucket's forward over the buffer: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
-        rows, room = block_rows(bucket), block_room(bucket, self.heads)
+        rows = block_rows(bucket)
         # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
         # launch also caps them by the longest request; here the cap is fixed: 64 per request).
         splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
