@@ -105,14 +105,14 @@ class CudaGraphs:
         last = np.zeros(0, dtype=np.int64) if last is None else last
         self._fill(bucket, tokens, positions, new_ckv, new_kr, spans, last)
         self.replays[bucket] += 1
-        rows = self.inputs.buffer[self._at[1]:self._at[1] + len(last)] if len(last) else None
-        return self.forwards[bucket]()[:n], rows
+        wanted = self._views(self.inputs.buffer, bucket)[1][:len(last)] if len(last) else None
+        return self.forwards[bucket]()[:n], wanted
 
     def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int) -> tuple:
-        """A bucket's regions of the buffer (or of a host mirror): rows [4, bucket], blocks
-        [2, room], request table [4, bucket + 1], c_KV keys, k_r keys."""
+        """A bucket's regions of the buffer (or of a host mirror): rows [4, bucket], last rows
+        [bucket + 1], blocks [2, room], request table [4, bucket + 1], c_KV keys, k_r keys."""
         at, room = self._at, block_room(bucket, self.heads)
-        return (buffer[:4 * bucket].reshape(4, bucket),
+        return (buffer[:4 * bucket].reshape(4, bucket), buffer[at[1]:at[2]],
                 buffer[at[2]:at[2] + 2 * room].reshape(2, room),
                 buffer[at[3]:at[3] + 4 * (bucket + 1)].reshape(4, bucket + 1),
                 buffer[at[4]:at[5]], buffer[at[5]:])
@@ -128,12 +128,11 @@ class CudaGraphs:
         new = [count for count, _, _ in spans] + ([pad] if pad else [])
         ckv = [c for _, c, _ in spans] + ([np.full(pad, scratch_c)] if pad else [])
         kr = [r for _, _, r in spans] + ([np.full(pad, scratch_r)] if pad else [])
-        host = self.inputs.host()
-        rows, blocks, table, keys_c, keys_r = self._views(host, bucket)
+        rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket)
         # Every value a replay reads is written: a mirror holds an older batch's values.
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = tokens, positions, new_ckv, new_kr
         rows[:, n:] = np.array([0, 0, scratch_c, scratch_r])[:, None]  # padding: token 0 at 0
-        host[self._at[1]:self._at[1] + len(last)] = last
+        wanted[:len(last)] = last
         # Unused blocks: the last request, from a row past every request's rows.
         used = PagedLayout.blocks(new, self.heads, block_rows(bucket))
         blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
@@ -148,17 +147,16 @@ class CudaGraphs:
         """The bucket's forward over the buffer: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
-        rows = block_rows(bucket)
         # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
         # launch also caps them by the longest request; here the cap is fixed: 64 per request).
         splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
-        inputs, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket)
+        rows, _, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket)
         layout = PagedLayout(keys_c, keys_r, None, table, blocks[0], blocks[1], bucket,
-                             self.heads, rows, splits)
-        kv = PagedKV(self.ckv, self.kr, inputs[2], inputs[3], layout, None, [])
+                             self.heads, block_rows(bucket), splits)
+        kv = PagedKV(self.ckv, self.kr, rows[2], rows[3], layout, None, [])
 
         def forward() -> torch.Tensor:
-            return self.model.hidden_paged(inputs[0], inputs[1], kv)
+            return self.model.hidden_paged(rows[0], rows[1], kv)
 
         if not self.cuda:
             return forward
