@@ -164,7 +164,7 @@ class Engine:
         self.sequences: list[Sequence] = []
         self._naive_from = naive_from(cfg)
         self._rotation: Rotation | None = None
-        if kernels and rotate:
+        if kernels and rotate and mode == "live":  # only live mode reuses rows
             from .rotation import Rotation  # needs triton
 
             # A reuse rotates at most a prompt's worth of rows.
