@@ -602,7 +602,7 @@ def test_evict_is_lru_across_both_indexes():
                                                    (3000, 2047), (3000, None), (5000, 4999)])
 def test_common_prefix_against_a_naive_scan(size: int, first_difference: int | None) -> None:
     """The common prefix equals a token-by-token scan (all equal, the first or last differs)."""
-    from irminsul.cache.planner import _common_prefix
+    from irminsul.cache.radix import common_prefix
 
     a = np.random.default_rng(size).integers(0, 50, size)
     b = a.copy()
@@ -610,4 +610,4 @@ def test_common_prefix_against_a_naive_scan(size: int, first_difference: int | N
         b[first_difference] += 1
         b[first_difference + 1:] = 99  # everything after differs as well
     naive = next((i for i in range(size) if a[i] != b[i]), size)
-    assert _common_prefix(a, b) == naive
+    assert common_prefix(a, b) == naive

@@ -38,7 +38,7 @@ from .cdc import (
     fingerprints,
     window_fingerprints,
 )
-from .radix import PrefixMatch, RadixTree
+from .radix import PrefixMatch, RadixTree, common_prefix
 from .registry import ChunkEntry, Registry
 
 SegmentKind = Literal["prefix", "carve_out", "hit", "miss"]
@@ -207,7 +207,7 @@ class Planner:
                         # One comparison for the whole run (a document of many messages that
                         # moved), cut back to the last region end it covers.
                         n = min(run.size - entry.run_offset, tail.tokens.size - first)
-                        same = _common_prefix(tail.tokens[first:first + n],
+                        same = common_prefix(tail.tokens[first:first + n],
                                               run.tokens[entry.run_offset:entry.run_offset + n])
                         i = bisect_right(ends, first + same, lo=i) - 1
                         plan.keys.append(entry)
@@ -396,13 +396,6 @@ class Planner:
             freed += step
             dropped += sum(len(h) for h in step)
         return freed
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens two equal-length token arrays share."""
-    differ = a != b
-    k = int(differ.argmax())
-    return k if differ[k] else differ.size
 
 
 def _merge_misses(segments: list[Segment]) -> list[Segment]:

@@ -56,6 +56,13 @@ def _as_1d_int(x: np.ndarray, name: str) -> np.ndarray:
     return arr
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two equal-length, non-empty token arrays share (one pass)."""
+    differ = a != b
+    k = int(differ.argmax())
+    return k if differ[k] else differ.size
+
+
 class RadixTree:
     """Exact-prefix cache of token sequences with per-token handles, LRU eviction and locks.
 
@@ -246,8 +253,7 @@ class RadixTree:
             if child is None:
                 break
             m = min(len(child.key), n - pos)
-            diff = np.flatnonzero(child.key[:m] != tokens[pos:pos + m])
-            k = int(diff[0]) if diff.size else m  # k >= 1: the first token matched
+            k = common_prefix(child.key[:m], tokens[pos:pos + m])  # >= 1: the first matched
             if k < len(child.key):
                 child = self._split(child, k)
             pieces.append(child.value)
