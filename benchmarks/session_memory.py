@@ -62,7 +62,6 @@ def session_bytes(sessions: list[int], body_tokens: int = 4096, header: int = 25
     """Per N: c_KV and k_r slots held and MB per session (V2-Lite rows) in ``off`` and ``live``
     mode after N sessions with their own headers and a shared body are prefilled and held."""
     model, text = _stand_in(device)
-    row_bytes = ROW_BYTES
     rows = []
     for n in sessions:
         row: dict[str, float] = {"sessions": n, "body_tokens": body_tokens, "header_tokens": header}
@@ -73,7 +72,7 @@ def session_bytes(sessions: list[int], body_tokens: int = 4096, header: int = 25
             used = {space: int((slots.refs > 0).sum()) for space, slots in
                     (("ckv", engine.pool.ckv_slots), ("kr", engine.pool.kr_slots))}
             row[f"{mode}_ckv_slots"], row[f"{mode}_kr_slots"] = used["ckv"], used["kr"]
-            row[f"{mode}_mb_per_session"] = sum(used[s] * row_bytes[s] for s in used) / n / 2**20
+            row[f"{mode}_mb_per_session"] = sum(used[s] * ROW_BYTES[s] for s in used) / n / 2**20
         row["live_over_off"] = row["live_mb_per_session"] / row["off_mb_per_session"]
         rows.append(row)
     return rows
