@@ -26,7 +26,7 @@ from collections import Counter
 from contextlib import redirect_stdout
 
 import torch
-from gpu_common import AgentText, build_model, sync
+from gpu_common import AgentText, build_model, sync, timed
 from gpu_ttft import cache_slots, ideal
 from shift_prompts import PATTERNS, ShiftRequest, build_requests
 
@@ -112,18 +112,13 @@ def main() -> None:
     report = io.StringIO()
     with redirect_stdout(report):
         print(f"{args.pattern} L={args.length} H={args.header}, {torch.cuda.get_device_name()}")
-        timed = requests[args.warmup:args.warmup + args.samples]
-        samples = [phases(live, request) for request in timed]
+        sampled = requests[args.warmup:args.warmup + args.samples]
+        samples = [phases(live, request) for request in sampled]
         timing = {name: statistics.median(t[name] for t in samples) for name in samples[0]}
         print(f"PIC live phases (ms, median of {len(samples)}): "
               + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
               + f"; total {sum(timing.values()):.1f}")
-        floors = []
-        for request in timed:
-            start = time.perf_counter()
-            ideal(floor, reference, request)
-            sync("cuda")
-            floors.append(time.perf_counter() - start)
+        floors = [timed("cuda", ideal, floor, reference, request)[0] for request in sampled]
         print(f"ideal forward (ms, median): {1e3 * statistics.median(floors):.1f}")
         syncs = forward_syncs(live, requests[-2])
         print(f"syncs inside the forward: {sum(syncs.values())}"
