@@ -14,7 +14,9 @@ The per-request line is the workloads' own (request id and timestamp, DeepSeek-t
 request carries its chunker resets — every message start of the agent text and every region an
 assembler inserts (the body after the header, the variable line, each document), as S2 markers
 would mark them at zero tokens — and its novel spans: the tokens no earlier request has seen at
-any position, the only ones an ideal cache would prefill.
+any position, less the prefix the request shares with an earlier one (a request line's leading
+tokens, the same in every line, are cached at their positions), the only ones an ideal cache
+would prefill.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from gpu_common import AgentText
 
+from irminsul.cache.radix import common_prefix
 from irminsul.traffic.render import ChatRenderer
 from irminsul.traffic.workloads import AGENTS, DOCS, TOP_K, _variable
 
@@ -49,13 +52,16 @@ def build_requests(pattern: str, text: AgentText, length: int, count: int, *, he
     renderer = ChatRenderer.default()
     build = {"agent_meta": _agent_meta, "sysvar": _sysvar, "rerank": _rerank}[pattern]
     seen: set[int] = set()  # what an ideal cache holds: agents or documents already sent
-    out = []
+    out: list[ShiftRequest] = []
     for j in range(count):
         line = renderer.encode(_variable(rng, j) + "\n").astype(np.int64) % text.vocab
         if pattern != "rerank" and header + line.size >= length:
             raise ValueError(f"{pattern}: a {header}-token header and its {line.size}-token "
                              f"line leave no room in a {length}-token prompt")
-        out.append(build(text, length, header, line, rng, seen))
+        request = build(text, length, header, line, rng, seen)
+        cached = max((common_prefix(request.prompt, r.prompt) for r in out), default=0)
+        novel = [(max(s, cached), e) for s, e in request.novel if e > cached]
+        out.append(ShiftRequest(request.prompt, request.resets, novel))
     return out
 
 

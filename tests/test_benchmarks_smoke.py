@@ -52,6 +52,26 @@ def test_shift_requests(pattern: str, text: AgentText) -> None:
         assert all(r.novel for r in requests)
 
 
+@pytest.mark.parametrize("pattern", ["agent_meta", "sysvar"])
+def test_novel_spans_leave_out_a_prefix_an_earlier_request_shares(pattern: str,
+                                                                   text: AgentText) -> None:
+    """The ideal prefills no token that an exact-prefix cache holds at its position: each novel
+    span starts at or after the longest prefix shared with an earlier request (a naive scan),
+    and the request line's tokens after it are novel."""
+    requests = build_requests(pattern, text, 512, 8, header=40)
+    longest = []
+    for j, r in enumerate(requests[1:], 1):
+        shared = 0
+        for earlier in requests[:j]:
+            k = 0
+            while k < 512 and earlier.prompt[k] == r.prompt[k]:
+                k += 1
+            shared = max(shared, k)
+        assert r.novel and r.novel[0][0] == shared  # a new agent's request shares nothing
+        longest.append(shared)
+    assert max(longest) > 40  # the lines' common leading tokens: the cut moves past the header
+
+
 def test_shift_requests_reject_a_header_longer_than_the_prompt(text: AgentText) -> None:
     with pytest.raises(ValueError, match="2000-token header .* 512-token prompt"):
         build_requests("agent_meta", text, 512, 2, header=2000)
