@@ -12,6 +12,10 @@ calls, `gpu_common.per_call`):
                other tile shapes for the kernel)
     spans      a PIC prefill's novel spans (a 30-token line and the last token) against the whole
                context, at the launch shapes a CUDA graph could fix (rows per block, key splits)
+    line       agent_meta's forward as the engine runs it: a 31-token request line at position 50
+               (its keys, the 50 before it and itself) and the last token (every key), at the
+               32-token graph's launch (64-row blocks, 33 splits) and with 16-row blocks; and the
+               split merge alone, which every launch with splits ends with
     rotation   the materialisation at a few launch shapes (tokens and layers per program, warps)
 
 Prints a table and writes JSON (``--out``).
@@ -30,6 +34,7 @@ from gpu_common import V2_LITE, per_call, percentiles, run_metadata
 from triton.runtime.errors import OutOfResources
 
 from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention, rotate_kr
+from irminsul.kernels.mla_attention import merge_splits
 from irminsul.model import parse_config
 from irminsul.model.rope import Rotary, softmax_scale
 
@@ -40,6 +45,7 @@ PREFILL_TILES = [(16, TileConfig(64, 512, 4, 2)), (32, TileConfig(32, 512, 8, 2)
 # their 32 blocks (the graphs' first launch), 64-row blocks with those splits, and 64-row blocks
 # with splits for two waves of their 8 (the graphs' launch now).
 GRAPH_LAUNCHES = [(16, 9), (64, 9), (64, 33)]
+LINE_LAUNCHES = [(64, 33), (16, 33)]  # the 32-token graph's launch, and 16-row blocks
 ROTATE_SHAPES = [(64, 4, 4), (32, 4, 4), (64, 9, 4), (128, 3, 8), (32, 27, 4), (16, 9, 2)]
 
 
@@ -78,10 +84,13 @@ def measure(context: int, repeats: int) -> dict:
             return
         row[label] = percentiles([per_call(device, fn).device for _ in range(repeats)], 1e3)
 
-    for phase, new in (("decode", [1] * batch), ("prefill", [512]), ("spans", [30, 1])):
+    phases = (("decode", [1] * batch, [context] * batch), ("prefill", [512], [context]),
+              ("line", [31, 1], [50, context]), ("spans", [30, 1], [context] * 2))
+    # new tokens and the keys before them, per request; the rotation below takes the last's rows
+    for phase, new, before in phases:
         shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots
-        ckv_idx = [np.concatenate([shared, context + i * room + np.arange(n)])
-                   for i, n in enumerate(new)]
+        ckv_idx = [np.concatenate([shared[:b], context + i * room + np.arange(n)])
+                   for i, (n, b) in enumerate(zip(new, before))]
         base = [c.copy() for c in ckv_idx]  # fused: every request reads the shared k_r base
         own = [context + batch * room + i * (context + room) + np.arange(len(c))
                for i, c in enumerate(ckv_idx)]  # materialised: each request's rotated copy
@@ -102,12 +111,18 @@ def measure(context: int, repeats: int) -> dict:
                 run(f"prefill m{block_m} n{tiles.block_n} dv{tiles.dv} w{tiles.num_warps} "
                     f"s{tiles.num_stages}", partial(paged_mla_attention, q, ckv, kr[0], layout,
                                                     scale, rotary, tiles))
-        if phase == "spans":
-            for block_m, splits in GRAPH_LAUNCHES:
-                layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m,
-                                           splits=splits)
-                run(f"spans m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
-                                                           layout, scale, rotary))
+        launches = {"spans": GRAPH_LAUNCHES, "line": LINE_LAUNCHES}.get(phase, [])
+        for block_m, splits in launches:
+            layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m,
+                                       splits=splits)
+            run(f"{phase} m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
+                                                         layout, scale, rotary))
+        if phase == "line":
+            splits, rows = LINE_LAUNCHES[0][1], sum(new) * HEADS
+            partial_out = torch.randn(splits, rows, RANK, device=device, generator=gen)
+            lse = torch.randn(splits, rows, device=device, generator=gen)
+            run(f"line merge of {splits} splits", partial(merge_splits, partial_out, lse,
+                                                          torch.bfloat16))
     rot = torch.from_numpy(np.concatenate([base[0], own[0], deltas[0]])).to(device)
     layers = V2_LITE["num_hidden_layers"]
     pool = torch.randn(layers, slots, ROPE, device=device, generator=gen).bfloat16()

@@ -226,7 +226,13 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         BLOCK_N=tiles.block_n, DV=dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
-        # Merge the splits: weights 2^(lse_s − max) (base-2 log-sum-exps), fully masked splits 0.
-        weights = torch.softmax(lse * 0.6931471805599453, dim=0)
-        out = (out * weights[..., None]).sum(0).to(q.dtype)
+        out = merge_splits(out, lse, q.dtype)
     return out.view(tokens, heads, rank)
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows' outputs [rows, rank] in ``dtype`` from the key splits' partial outputs
+    [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max), a
+    fully masked split's 0."""
+    weights = torch.softmax(lse * 0.6931471805599453, dim=0)
+    return (out * weights[..., None]).sum(0).to(dtype)
