@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from .staging import Staging
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
+T = TypeVar("T")
 
 
 def block_rows(bucket: int) -> int:
@@ -52,6 +54,22 @@ def block_room(bucket: int, heads: int) -> int:
     """Blocks a batch of ``bucket`` tokens can need, padding request included: whole blocks of
     all its rows, plus one partial block per request."""
     return whole_blocks(bucket, heads) + (0 if heads % block_rows(bucket) == 0 else bucket + 1)
+
+
+def capture(run: Callable[[], T], pool: tuple[int, int] | None = None
+            ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of ``run`` (in the memory ``pool``, if given) and what the captured call
+    returned, which the graph's replays overwrite. ``run`` runs once on a side stream first:
+    kernels compiled and libraries' per-stream state made, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 class CudaGraphs:
@@ -162,14 +180,7 @@ class CudaGraphs:
             return forward
         empty = np.zeros(0, dtype=np.int64)
         self._fill(bucket, empty, empty, empty, empty, [], empty)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+        graph, out = capture(forward, self.pool)
 
         def replay() -> torch.Tensor:
             graph.replay()

@@ -10,12 +10,15 @@ the request is waiting for.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import triton
 
 from ..kernels import rotate_kr
 from ..model.rope import Rotary
+from .graphs import capture
 from .staging import Staging
 
 BLOCK = 64  # rows per block of the rotation kernel (rotate_kr's default)
@@ -56,14 +59,6 @@ class Rotation:
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """The launch for any count up to ``max_rows``, captured after a launch of none (the
-        kernel compiled and the δ tables made, as capture requires)."""
+        buffer's count is still 0: the kernel compiled and the δ tables made, nothing rotated)."""
         programs = min(triton.cdiv(self.max_rows, BLOCK), MAX_PROGRAMS)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._launch(programs)  # the buffer's count is 0: compiles, rotates nothing
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._launch(programs)
-        return graph
+        return capture(partial(self._launch, programs))[0]
