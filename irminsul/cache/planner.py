@@ -175,7 +175,8 @@ class Planner:
         earlier = resets[resets <= start]
         anchor = int(earlier[-1]) if earlier.size else start
         part = tokens[anchor:]
-        tail = Tail(part, anchor, resets[resets > anchor] - anchor, part.astype(np.int64).tobytes())
+        tail = Tail(part, anchor, resets[resets > anchor] - anchor,
+                    part.astype(np.int64, copy=False).tobytes())
         if self.regions:
             self._plan_regions(plan, tail)
         else:
