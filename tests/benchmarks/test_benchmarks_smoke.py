@@ -1,0 +1,132 @@
+"""Issue #5's GPU benchmark, run CI-sized on the CPU: its building blocks and its FLOP count."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other as scripts do
+
+import energy  # noqa: E402
+import results_table  # noqa: E402
+import session_memory  # noqa: E402
+from gpu_common import TINY, AgentText, build_model  # noqa: E402
+from roofline import prefill_flops  # noqa: E402
+from shift_prompts import PATTERNS, build_requests  # noqa: E402
+
+from irminsul.model import parse_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def text() -> AgentText:
+    return AgentText(TINY["vocab_size"])
+
+
+def test_prefill_flops_hand_count() -> None:
+    cfg = parse_config(TINY)  # d 64, 2 heads, nope 16 + rope 64, v 16, rank 32, 2 layers
+    per_layer_attn = 64 * 2 * 80 + 64 * (32 + 64) + 32 * 2 * (16 + 16) + 2 * 16 * 64
+    dense = 3 * 64 * 96  # layer 0
+    moe = 64 * 8 + 3 * 64 * 24 * (1 + 2)  # layer 1: router, 1 shared + top-2 routed experts
+    tokens, logits = 10, 1
+    attention = 2 * (10 * 10 // 2) * 2 * (80 + 16)  # 2 layers, T²/2 pairs, 2 heads
+    expected = 2 * (tokens * (2 * per_layer_attn + dense + moe) + logits * 64 * 512 + attention)
+    assert prefill_flops(cfg, tokens, logits) == expected == 1_578_496
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_shift_requests(pattern: str, text: AgentText) -> None:
+    requests = build_requests(pattern, text, 512, 6, header=40)
+    for r in requests:
+        assert r.prompt.size == 512
+        assert r.resets == sorted(set(r.resets)) and all(0 < x < 512 for x in r.resets)
+        assert all(0 <= s < e <= 512 for s, e in r.novel)
+    # Requests differ but share content: the point of every pattern.
+    assert not np.array_equal(requests[0].prompt, requests[1].prompt)
+    if pattern != "rerank":  # rerank's novel documents run out once all have been seen
+        assert all(r.novel for r in requests)
+
+
+@pytest.mark.parametrize("pattern", ["agent_meta", "sysvar"])
+def test_novel_spans_leave_out_a_prefix_an_earlier_request_shares(pattern: str,
+                                                                   text: AgentText) -> None:
+    """The ideal prefills no token that an exact-prefix cache holds at its position: each novel
+    span starts at or after the longest prefix shared with an earlier request (a naive scan),
+    and the request line's tokens after it are novel."""
+    requests = build_requests(pattern, text, 512, 8, header=40)
+    longest = []
+    for j, r in enumerate(requests[1:], 1):
+        shared = 0
+        for earlier in requests[:j]:
+            k = 0
+            while k < 512 and earlier.prompt[k] == r.prompt[k]:
+                k += 1
+            shared = max(shared, k)
+        assert r.novel and r.novel[0][0] == shared  # a new agent's request shares nothing
+        longest.append(shared)
+    assert max(longest) > 40  # the lines' common leading tokens: the cut moves past the header
+
+
+def test_shift_requests_reject_a_header_longer_than_the_prompt(text: AgentText) -> None:
+    with pytest.raises(ValueError, match="2000-token header .* 512-token prompt"):
+        build_requests("agent_meta", text, 512, 2, header=2000)
+
+
+def test_energy_zero_readings() -> None:
+    out = energy.aggregate([0.0, 2.0, 0.0, 4.0, 3.0, 5.0, 1.0])
+    assert out["zero_readings"] == 2 and out["reported"]
+    assert out["mean_j"] == pytest.approx(3.0) and out["p50_j"] == 3.0
+    assert not energy.aggregate([0.0, 1.0])["reported"]
+
+
+def test_prefill_energy_with_a_fake_counter(text: AgentText) -> None:
+    model = build_model("cpu", tiny=True)
+    requests = build_requests("agent_meta", text, 256, 2 * 13 + 1, header=50)
+    calls = iter(range(10**9))  # +1000 mJ per reading: 1 J per batch of 2 prefills
+
+    out = energy.prefill_energy(model, requests, lambda: 1000.0 * next(calls), batch=2)
+    for event in ("miss", "prefix hit", "PIC hit"):
+        assert out[event]["readings"] == 10 and out[event]["reported"]
+        assert out[event]["p50_j"] == pytest.approx(0.5)
+    assert out["PIC hit"]["over_miss"] == pytest.approx(1.0)
+
+def test_cpu_run_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "issue5.py"), "--device", "cpu",
+                    "--tiny", "--out", str(out)], check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    results = json.loads(out.read_text())
+    assert {c["pattern"] for c in results["ttft"]} == set(PATTERNS)
+    assert all(c["requests"] == 3 for c in results["ttft"])
+    assert [m["sessions"] for m in results["memory"]] == [1, 2]
+    table = results_table.render(results)
+    assert "PIC-live TTFT" in table and "rerank" in table and "transformers" in table
+
+
+def test_cache_host_time_runs(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_host_time.py"),
+                    "--lengths", "512", "--headers", "50", "--requests", "3", "--warmup", "1",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    rows = json.loads(out.read_text())["phases_ms_p50"]
+    assert [(r["pattern"], r["header_tokens"]) for r in rows] == [
+        ("agent_meta", 50), ("sysvar", 50), ("rerank", 0)]
+    assert all(r[p] > 0 for r in rows for p in ("plan", "advance (reuse, alloc)", "commit"))
+
+
+def test_sessions_held_at_a_budget_hand_counted() -> None:
+    """Sessions of a 64-token header and a shared 512-token body in the bytes of 1,920 full
+    rows: exact prefixes hold 3 (1,920 // 576); live PIC with equal spaces also 3 (each session
+    holds k_r for all its tokens); with 8 k_r slots per c_KV slot (1,080 c_KV slots) 1 + (1,080 -
+    576) // 65 = 8 (each later session computes its header and the prompt's last token)."""
+    budget = 1920 * sum(session_memory.ROW_BYTES.values())
+    rows = session_memory.sessions_held(budget, [1, 8], body_tokens=512, header=64)
+    assert [(r["mode"], r["ckv_slots"], r["kr_slots"], r["sessions"]) for r in rows] == [
+        ("off", 1920, 1920, 3), ("live", 1920, 1920, 3), ("live", 1080, 8640, 8)]

@@ -1,0 +1,188 @@
+"""Continuous batching: batched, chunked, interleaved serving gives what serving alone gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import build
+
+from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.engine.scheduler import sample
+from irminsul.model import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v3")
+    build("v3_like", directory)
+    return load_model(directory)
+
+
+def _prompts(seed: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 97, int(rng.integers(80, 260))) for _ in range(4)]
+    return [np.concatenate([rng.integers(0, 97, int(rng.integers(3, 50)))]
+                           + [docs[j] for j in rng.permutation(4)[:2]]) for _ in range(count)]
+
+
+def _drain(scheduler: Scheduler, ids: list[str]) -> dict[str, list[int]]:
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    while scheduler.has_work():
+        for out in scheduler.step():
+            outs[out.request_id] += out.new_tokens
+        scheduler.engine.check()  # slot accounting exact after every step
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["off", "observer"])
+def test_batched_outputs_equal_solo_outputs(model, mode: str) -> None:
+    """Twelve requests batched together, prefilled in 64-token chunks under a 200-token batch
+    budget, produce the greedy outputs each gets alone on a fresh engine (exact-prefix only)."""
+    prompts = _prompts(0, 12)
+    rng = np.random.default_rng(1)
+    lengths = [int(rng.integers(1, 7)) for _ in prompts]
+    scheduler = Scheduler(Engine(model, num_slots=4000, mode=mode), batch_tokens=200,
+                          chunk_tokens=64)
+    ids = [scheduler.add(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths)]
+    outs = _drain(scheduler, ids)
+    for request_id, prompt, n in zip(ids, prompts, lengths):
+        alone, _ = Engine(model, num_slots=4000, mode="off").generate(prompt, n)
+        assert outs[request_id] == alone
+
+
+def test_greedy_matches_full_recomputation(model) -> None:
+    """The scheduler's greedy tokens equal argmax decoding with full forwards, no cache."""
+    prompt = _prompts(2, 1)[0]
+    scheduler = Scheduler(Engine(model, num_slots=2000), chunk_tokens=50)
+    request = scheduler.add(prompt, SamplingParams(max_tokens=5))
+    got = _drain(scheduler, [request])[request]
+    seq = list(prompt)
+    for _ in range(5):
+        seq.append(int(model.logits(torch.tensor(seq))[-1].argmax()))
+    assert got == seq[len(prompt):]
+
+
+def test_admission_waits_for_slots(model) -> None:
+    """With room for about one request at a time, all still finish, never overcommitting."""
+    prompts = _prompts(3, 4)
+    need = max(p.size for p in prompts) + 4
+    scheduler = Scheduler(Engine(model, num_slots=need + 10, mode="live"))
+    ids = [scheduler.add(p, SamplingParams(max_tokens=4)) for p in prompts]
+    first = scheduler.step()
+    assert len(scheduler.running) == 1 and len(scheduler.waiting) == 3
+    outs = _drain(scheduler, ids)
+    for out in first:
+        outs[out.request_id] = out.new_tokens + outs[out.request_id]
+    assert all(len(v) == 4 for v in outs.values())
+
+
+def test_abort_frees_slots(model) -> None:
+    engine = Engine(model, num_slots=3000)
+    scheduler = Scheduler(engine, chunk_tokens=32)
+    a = scheduler.add(_prompts(4, 1)[0], SamplingParams(max_tokens=50))
+    b = scheduler.add(_prompts(5, 1)[0], SamplingParams(max_tokens=50))
+    scheduler.step()
+    assert scheduler.abort(a) and scheduler.abort(b, reason="stop")
+    assert not scheduler.has_work() and not engine.sequences
+    engine.check()
+    assert not scheduler.abort("nope")
+
+
+def test_drop_leaves_the_queues_without_touching_the_engine(model) -> None:
+    """drop (the server's last resort when abort raises) removes a request from both queues;
+    its sequence stays in the engine, which check() still accounts for."""
+    engine = Engine(model, num_slots=3000)
+    scheduler = Scheduler(engine, chunk_tokens=32, max_running=1)
+    a = scheduler.add(_prompts(4, 1)[0], SamplingParams(max_tokens=50))
+    b = scheduler.add(_prompts(5, 1)[0], SamplingParams(max_tokens=50))
+    scheduler.step()
+    assert [r.id for r in scheduler.running] == [a] and [r.id for r in scheduler.waiting] == [b]
+    scheduler.drop(a)
+    scheduler.drop(b)
+    assert not scheduler.has_work() and len(engine.sequences) == 1
+    engine.check()
+
+
+def test_rejects_what_can_never_run(model) -> None:
+    scheduler = Scheduler(Engine(model, num_slots=100))
+    with pytest.raises(ValueError, match="exceeds the KV pool of 100 tokens"):
+        scheduler.add(list(range(90)), SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        scheduler.add([1] * 4000, SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="empty prompt"):
+        scheduler.add([], SamplingParams())
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(top_k=-2)])
+def test_invalid_sampling_parameters(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_sampling_rules() -> None:
+    """top_k=1 and a tiny top_p are greedy; a seed makes sampling reproducible; sampling at
+    temperature 1 follows the softmax (checked by frequency)."""
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
+    g = torch.Generator()
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), g) == 1
+    assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-3), g) == 1
+    draws = [sample(logits, SamplingParams(temperature=1.0), g.manual_seed(s)) for s in range(8)]
+    again = [sample(logits, SamplingParams(temperature=1.0), g.manual_seed(s)) for s in range(8)]
+    assert draws == again
+    g.manual_seed(0)
+    counts = np.bincount([sample(logits, SamplingParams(temperature=1.0), g)
+                          for _ in range(4000)], minlength=4) / 4000
+    assert np.allclose(counts, logits.softmax(-1).numpy(), atol=0.03)
+    g.manual_seed(0)
+    top2 = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert top2 == {1, 2}
+
+
+def test_ragged_batch_equals_separate_forwards(model) -> None:
+    """forward_batch over sequences with different contexts equals one forward per sequence."""
+    rng = np.random.default_rng(6)
+    items = []
+    for n_ctx, n_new in ((0, 7), (30, 1), (12, 5)):
+        ids = torch.from_numpy(rng.integers(0, 97, n_ctx + n_new))
+        ctx = model.forward(ids[:n_ctx], torch.arange(n_ctx)).latents if n_ctx else None
+        items.append((ids[n_ctx:], torch.arange(n_ctx, n_ctx + n_new), ctx))
+    batched = model.forward_batch(*zip(*items))
+    for (ids, pos, ctx), out in zip(items, batched):
+        single = model.forward(ids, pos, ctx)
+        assert torch.allclose(out.logits, single.logits, atol=1e-5)
+        for a, b in zip(out.latents, single.latents):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_requests_sharing_a_document_are_admitted_by_their_plans(model) -> None:
+    """Admission counts what a request's plan will allocate: requests reusing a cached
+    document at shifted positions need k_r slots for it, not c_KV ones. With k_r room for all of
+    them and c_KV room for their own tokens, three run together; with as many k_r slots as c_KV
+    ones, one at a time. All finish and the accounting holds."""
+    rng = np.random.default_rng(7)
+    doc, tokens = rng.integers(0, 97, 300), 4
+    prompts = []
+    for i in range(4):
+        header = rng.integers(0, 97, 40 + 5 * i)  # the document past the sink's 32
+        header[0] = i  # no exact prefix in common
+        prompts.append(np.concatenate([header, doc]))
+    first = len(prompts[0]) + tokens  # held by the indexes once served
+    own = sum(len(p) - len(doc) + tokens for p in prompts[1:])  # each request's own tokens
+    shared = sum(len(p) + tokens for p in prompts[1:])  # its k_r, the document's included
+    admitted = {}
+    for name, kr_slots in (("split", first + shared + 8), ("equal", None)):
+        engine = Engine(model, num_slots=first + own + 8, num_kr_slots=kr_slots, mode="live")
+        scheduler = Scheduler(engine)
+        _drain(scheduler, [scheduler.add(prompts[0], SamplingParams(max_tokens=tokens),
+                                         resets=[len(prompts[0]) - len(doc)])])
+        ids = [scheduler.add(p, SamplingParams(max_tokens=tokens), resets=[len(p) - len(doc)])
+               for p in prompts[1:]]
+        first_step = scheduler.step()
+        admitted[name] = len(scheduler.running)
+        outs = _drain(scheduler, ids)
+        for out in first_step:
+            outs[out.request_id] += out.new_tokens
+        assert all(len(out) == tokens for out in outs.values())
+    assert admitted == {"split": 3, "equal": 1}

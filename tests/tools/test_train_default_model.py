@@ -1,0 +1,109 @@
+"""The default model's pipeline on CPU: corpus + tokenizer from tiny synthetic sources, a few
+training steps on the micro architecture, and the written directory loading with Irminsul's runtime
+and with transformers to the same logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "default_model"))
+
+import build_corpus  # noqa: E402
+import train_default_model  # noqa: E402
+from chat_format import BOS, EOS  # noqa: E402
+
+from irminsul.model import load_model  # noqa: E402
+from irminsul.traffic.logs import write_requests  # noqa: E402
+from irminsul.traffic.render import ChatRenderer  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "book_flight", "description": "Book a flight for the user.",
+    "parameters": {"type": "object", "properties": {"flight": {"type": "string"}}}}}]
+
+
+def _session(name: str, turns: int) -> list[dict]:
+    """Calls of one session: each re-sends the growing history, as agent logs do."""
+    messages = [{"role": "system", "content": f"You are airline agent {name}. Follow the policy."}]
+    calls = []
+    for turn in range(turns):
+        messages = messages + [{"role": "user", "content": f"Please book flight HAT{turn:03d} "
+                                                           f"from Boston to Denver, {name}."}]
+        calls.append({"session": name, "call": turn, "messages": messages, "tools": TOOLS})
+        messages = messages + [
+            {"role": "assistant", "content": "Booking it now.", "tool_calls": [
+                {"id": f"c{turn}", "type": "function",
+                 "function": {"name": "book_flight", "arguments": {"flight": f"HAT{turn:03d}"}}}]},
+            {"role": "tool", "tool_call_id": f"c{turn}", "name": "book_flight",
+             "content": json.dumps({"status": "booked", "flight": f"HAT{turn:03d}"})}]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("sources")
+    lib = root / "lib"
+    (lib / "site-packages").mkdir(parents=True)
+    for i in range(12):
+        body = "".join(f"def function_{i}_{j}(value):\n    return value * {j} + {i}\n\n\n"
+                       for j in range(40))
+        (lib / f"module_{i}.py").write_text(f'"""Module {i}."""\n\n{body}')
+    (lib / "site-packages" / "third_party.py").write_text("SECRET = 'not stdlib'\n")
+    traces = root / "traces"
+    traces.mkdir()
+    calls = [c for s in range(8) for c in _session(f"agent{s}", 4)]
+    write_requests(traces / build_corpus.LOGS["tau-bench"], calls)
+    out = root / "train"
+    manifest = build_corpus.build(out, lib, traces, vocab_size=400, max_tokens=10**6,
+                                  val_fraction=0.2, seed=0)
+    return out, manifest
+
+
+def test_corpus(corpus) -> None:
+    out, manifest = corpus
+    sources = manifest["sources"]
+    assert set(sources) == {"cpython-stdlib", "tau-bench"}  # a missing log is skipped
+    assert sources["cpython-stdlib"]["documents"] == 12  # site-packages left out
+    assert sources["tau-bench"]["documents"] == 8  # one document per session, not per call
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    assert train.size == manifest["train_tokens"] and val.size == manifest["val_tokens"] > 0
+    renderer = ChatRenderer.from_dir(out / "tokenizer")
+    bos, eos = (renderer.tokenizer.token_to_id(t) for t in (BOS, EOS))
+    for tokens, starts in ((train, np.load(out / "train.starts.npy")),
+                           (val, np.load(out / "val.starts.npy"))):
+        assert (tokens[starts] == bos).all() and tokens[-1] == eos
+    text = renderer.tokenizer.decode(train.tolist(), skip_special_tokens=False)
+    assert "<|tool_call|>book_flight" in text and "<|tools|>### book_flight" in text
+    assert "not stdlib" not in text
+
+
+def test_train_writes_a_checkpoint_both_runtimes_read(corpus, tmp_path) -> None:
+    data, _ = corpus
+    out = tmp_path / "model"
+    record = train_default_model.main([
+        "--data", str(data), "--out", str(out), "--arch", "micro", "--steps", "3",
+        "--seq-len", "32", "--batch", "2", "--warmup", "1", "--eval-windows", "2",
+        "--log-every", "1", "--device", "cpu"])
+    assert record["steps"] == 3 and np.isfinite(record["val_loss"])
+    names = {p.name for p in out.iterdir()}
+    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "generation_config.json", "train_config.json", "train_log.txt"}
+    raw = json.loads((out / "config.json").read_text())
+    assert "rope_parameters" not in raw and raw["rope_scaling"]["type"] == "yarn"
+    assert raw["kv_lora_rank"] == 8 * raw["qk_rope_head_dim"] and not raw["tie_word_embeddings"]
+
+    import transformers
+
+    renderer = ChatRenderer.from_dir(out)
+    ids = torch.from_numpy(renderer.render(_session("x", 2)[-1]["messages"], TOOLS).tokens)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(ids.long()[None]).logits[0]
+    got = load_model(out).logits(ids.long())
+    assert (got - expected).abs().max() <= 1e-4
