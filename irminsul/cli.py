@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .analysis.analyze import analyze_log
-from .analysis.replay import DEFAULT_CAPACITY
 from .analysis.report import render_reports
+from .config import MAX_DEFAULT_SLOTS, MODES, REPLAY_CAPACITY, EngineConfig, ServerConfig
 from .traffic.logs import LogError, read_requests, sample_logs, write_requests
 from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
 
+ENGINE, SERVER = EngineConfig(), ServerConfig()  # the defaults --help shows
 DEMO_HEADERS = (50, 250, 1000, 2000)
 # Without --workload, bench and consistency run on this pattern built from the shipped samples:
 # the partition shift where position-independent reuse pays, sized to take about a minute on two
@@ -198,17 +199,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve the model over an OpenAI-compatible HTTP API until interrupted."""
-    # torch, the model runtime and the web stack load only here.
-    import torch
+    from .server import serve  # torch, the model runtime and the web stack load only here
 
-    from .server import serve
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype if args.dtype != "auto" else (
-        "bfloat16" if device.startswith("cuda") else "float32")
-    serve(_model_dir(args), host=args.host, port=args.port, mode=args.pic, slots=args.slots,
-          kr_slots=args.kr_slots, dtype=getattr(torch, dtype), device=device,
-          model_name=args.served_model_name, graphs=None if args.graphs else False)
+    engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
+                          batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
+                          max_running=args.max_running, graphs=None if args.graphs else False)
+    serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
+                                         model_name=args.served_model_name, dtype=args.dtype,
+                                         device=args.device, engine=engine))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="how much of a request log each cache serves")
     analyze.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines request log(s)")
     analyze.add_argument("--json", metavar="OUT", help="write the full report as JSON")
-    analyze.add_argument("--capacity", type=_capacity, default=DEFAULT_CAPACITY,
+    analyze.add_argument("--capacity", type=_capacity, default=REPLAY_CAPACITY,
                          help=f"replay cache budget in tokens per index, or 'none' "
-                              f"(default {DEFAULT_CAPACITY:,})")
+                              f"(default {REPLAY_CAPACITY:,})")
     analyze.add_argument("--strict", action="store_true", help="fail on the first malformed line")
     analyze.set_defaults(func=cmd_analyze)
 
@@ -240,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build the workloads and analyze them with the samples")
     demo.add_argument("--out", metavar="DIR", help="where to write the workloads")
     demo.add_argument("--json", metavar="OUT", help="write all reports as JSON")
-    demo.add_argument("--capacity", type=_capacity, default=DEFAULT_CAPACITY)
+    demo.add_argument("--capacity", type=_capacity, default=REPLAY_CAPACITY)
     _workload_options(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -256,32 +254,40 @@ def build_parser() -> argparse.ArgumentParser:
     _model_workload_options(bench_p, many=True)
     bench_p.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--model", metavar="DIR",
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
                             "tokenizer.json and a chat template; default: the embedded default "
                             "model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--pic", choices=("off", "observer", "live"), default="live",
+    serve.add_argument("--host", default=SERVER.host, help="address to listen on")
+    serve.add_argument("--port", type=int, default=SERVER.port, help="port to listen on")
+    serve.add_argument("--pic", choices=MODES, default=ENGINE.mode,
                        help="position-independent caching: off (exact prefix only), observer "
-                            "(record would-be hits), live (serve them; default)")
-    serve.add_argument("--slots", type=int, default=None,
-                       help="KV pool size in tokens (default: 4x the context, at most 65536)")
-    serve.add_argument("--kr-slots", type=int, default=None,
-                       help="k_r slots (default: as many as --slots): sessions reusing "
-                            "shifted content share c_KV rows but each hold their own k_r rows "
-                            "(1/9 of a c_KV row's bytes), so more k_r slots hold more of them "
-                            "in the same memory")
+                            "(record would-be hits), live (serve them)")
+    serve.add_argument("--slots", type=int, default=ENGINE.slots,
+                       help=f"KV pool size in tokens (None: 4x the context, at most "
+                            f"{MAX_DEFAULT_SLOTS:,})")
+    serve.add_argument("--kr-slots", type=int, default=ENGINE.kr_slots,
+                       help="k_r slots (None: as many as --slots): sessions reusing shifted "
+                            "content share c_KV rows but each hold their own k_r rows (1/9 of a "
+                            "c_KV row's bytes), so more k_r slots hold more of them in the same "
+                            "memory")
+    serve.add_argument("--batch-tokens", type=int, default=ENGINE.batch_tokens,
+                       help="tokens per forward: decode tokens first, then prefill spans")
+    serve.add_argument("--chunk-tokens", type=int, default=ENGINE.chunk_tokens,
+                       help="prompt tokens one request prefills per forward")
+    serve.add_argument("--max-running", type=int, default=ENGINE.max_running,
+                       help="requests admitted at once")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                       default="auto", help="weights and KV (auto: bfloat16 on CUDA, else "
-                                            "float32)")
-    serve.add_argument("--device", default=None,
-                       help="torch device (default: cuda when available, else cpu)")
-    serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send (default: the directory's name)")
+                       default=SERVER.dtype,
+                       help="weights and KV (auto: bfloat16 on CUDA, else float32)")
+    serve.add_argument("--device", default=SERVER.device,
+                       help="torch device (None: cuda when available, else cpu)")
+    serve.add_argument("--served-model-name", default=SERVER.model_name, metavar="NAME",
+                       help="the model name clients send (None: the directory's name)")
     serve.add_argument("--no-graphs", dest="graphs", action="store_false",
-                       help="run every forward eagerly (default on CUDA: replay CUDA graphs for "
+                       help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
                             "batches of short spans, bfloat16 models)")
     serve.set_defaults(func=cmd_serve)
     return parser

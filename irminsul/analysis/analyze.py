@@ -7,16 +7,17 @@ import time
 
 from tqdm import tqdm
 
+from ..config import REPLAY_CAPACITY
 from ..traffic.logs import LogError, read_requests
 from ..traffic.prompt import render_prompt
 from ..traffic.render import ChatRenderer
 from .characterize import Characterisation
 from .recoverability import Recoverability
-from .replay import DEFAULT_CAPACITY, Replay
+from .replay import Replay
 
 
 def analyze_log(path: str | os.PathLike, renderer: ChatRenderer, *,
-                capacity: int | None = DEFAULT_CAPACITY, strict: bool = False,
+                capacity: int | None = REPLAY_CAPACITY, strict: bool = False,
                 progress: bool = True) -> dict:
     """Run the three analyses over one log in a single streaming pass; returns the JSON report."""
     characterisation, recoverability, replay = Characterisation(), Recoverability(), Replay(capacity)

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..engine import MODES, Engine
+from ..config import MODES, EngineConfig
+from ..engine import Engine
 from ..model import MLAModel
 from ..traffic.prompt import Prompt
 from .consistency import kl_per_step
@@ -28,7 +29,7 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
     full = [model.logits(torch.from_numpy(p.tokens.astype(np.int64)))[-1] for p in prompts]
     result: dict = {"requests": len(prompts), "prompt_tokens": sum(p.size for p in prompts)}
     for mode in modes:
-        engine = Engine(model, num_slots=num_slots, mode=mode)
+        engine = Engine(model, EngineConfig(slots=num_slots, mode=mode))
         counts = np.zeros(3, dtype=np.int64)  # prefix, pic (served or would-be), prompt
         ttft, kl = [], []
         for prompt, reference in zip(prompts, full):

@@ -5,7 +5,7 @@ Every request of a log, in log order, is served three ways:
     full    no cache at all: the prompt is recomputed from scratch and decoded greedily for N
             tokens, giving the reference continuation c and p_full at each of the N steps
     PIC     a persistent live engine (k_r rotated by δ on every registry hit)
-    naive   a second persistent live engine with ``rotate=False`` (reused rows, k_r unrotated)
+    naive   a second persistent live engine whose runner copies k_r unrotated (NaiveReuseRunner)
 
 The two engines are persistent so that each request sees the caches left by every earlier one,
 as in serving. Each engine prefills the prompt and forks it: one fork is teacher-forced along c,
@@ -23,7 +23,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..engine import Engine
+from ..config import EngineConfig
+from ..device import upload
+from ..engine import Engine, ModelRunner
+from ..engine.batch import Reuse
 from ..model import MLAModel
 from ..traffic.logs import Request
 from ..traffic.prompt import Prompt, render_prompt
@@ -107,6 +110,15 @@ def serve(engine: Engine, prompt: Prompt, continuation: list[int],
             "prefilled_tokens": stats.prefilled_tokens}
 
 
+class NaiveReuseRunner(ModelRunner):
+    """A model runner that reuses k_r as it was cached, unrotated: naive position-independent
+    reuse, the baseline that shows what the δ-rotation buys."""
+
+    def rotate(self, reuse: Reuse) -> None:
+        device = self.kr.device
+        self.kr[:, upload(reuse.dst, device)] = self.kr[:, upload(reuse.src, device)]
+
+
 def _means(rows: list[dict], suffix: str = "") -> dict:
     """Per-path metric means over requests (each request has exactly N teacher-forced steps, so
     the mean of per-request means is the mean over tokens); None when there are no requests."""
@@ -140,8 +152,9 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         total = sum(p.size + 2 * tokens for _, p in prompts)
         largest = max((2 * p.size + 2 * tokens for _, p in prompts), default=1)
         num_slots = max(min(total, MAX_SLOTS), largest)
-    engines = {"pic": Engine(model, num_slots=num_slots, mode="live"),
-               "naive": Engine(model, num_slots=num_slots, mode="live", rotate=False)}
+    config = EngineConfig(slots=num_slots, mode="live")
+    engines = {"pic": Engine(model, config),
+               "naive": Engine(model, config, runner=NaiveReuseRunner)}
     rows = []
     for source, prompt in tqdm(prompts, desc="consistency", unit=" req", disable=not progress,
                                leave=False):

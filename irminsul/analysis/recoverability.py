@@ -13,11 +13,14 @@ strategy and looked up among everything that strategy registered before:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..cache.cdc import fingerprints
 from ..cache.planner import Planner
 from ..cache.radix import PrefixMatch
+from ..config import ALGORITHM1
 from ..traffic.prompt import Prompt
 
 BLOCK = 128
@@ -29,8 +32,9 @@ class Recoverability:
 
     def __init__(self) -> None:
         self._blocks: set[int] = set()
-        self._planners = {f"k{k}": Planner(mask_bits=k, carve_out=0, s1=False) for k in MASK_SWEEP}
-        self._planners["cdc_fallback"] = Planner(carve_out=0, s1=True)
+        self._planners = {f"k{k}": Planner(replace(ALGORITHM1, mask_bits=k, carve_out=0, s1=False))
+                          for k in MASK_SWEEP}
+        self._planners["cdc_fallback"] = Planner(replace(ALGORITHM1, carve_out=0, s1=True))
         self._recovered = dict.fromkeys(["fixed_block", *self._planners], 0)
         self.non_prefix_tokens = 0
 

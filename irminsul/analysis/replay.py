@@ -14,14 +14,16 @@ differs only in where the chunker restarts and whether S1 probes sub-windows on 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..cache.planner import Planner
+from ..config import ALGORITHM1, REPLAY_CAPACITY
 from ..traffic.prompt import Prompt
 
 STRATEGIES = ("cdc", "cdc+s1", "s2", "s2+s1", "msg", "msg+s1")
 DEFAULT_STRATEGY = "msg+s1"
-DEFAULT_CAPACITY = 4_000_000  # tokens; ~124 GB of DeepSeek-V2-Lite KV (27 layers x 576 x bf16)
 
 
 def resets_for(strategy: str, prompt: Prompt) -> np.ndarray:
@@ -37,9 +39,10 @@ def resets_for(strategy: str, prompt: Prompt) -> np.ndarray:
 class Replay:
     """Streams prompts through one planner per strategy and counts served tokens."""
 
-    def __init__(self, capacity: int | None = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int | None = REPLAY_CAPACITY) -> None:
         self.capacity = capacity
-        self._planners = {s: Planner(capacity=capacity, s1=s.endswith("+s1")) for s in STRATEGIES}
+        self._planners = {s: Planner(replace(ALGORITHM1, capacity=capacity, s1=s.endswith("+s1")))
+                          for s in STRATEGIES}
         self._counts = {s: np.zeros(3, dtype=np.int64) for s in STRATEGIES}  # prefix, pic, carve
         self.prompt_tokens = 0
         self._next_handle = 0

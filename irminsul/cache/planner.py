@@ -6,8 +6,8 @@ prompt exactly once, in order:
     prefix     tokens [0, L) served by the exact-prefix radix tree (line 1)
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
-    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with heads, the
-               longest registered run a missed chunk starts with; with regions, a whole region,
+    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with the head probe,
+               the longest registered run a missed chunk starts with; with regions, a whole region,
                run on as far as the run of regions it was registered in goes on the same)
                found in the registry and verified token by token; reused with
                delta = p_target - p_source (lines 7-10)
@@ -30,6 +30,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from ..config import CacheConfig
 from .cdc import (
     Fingerprinter,
     as_offsets,
@@ -99,7 +100,7 @@ class Plan:
     regions: list[Chunk] = field(default_factory=list)  # with regions: those not found whole
     # The region entries through which hits on runs were found: held and refreshed with the
     # hits, so that the runs stay findable.
-    keys: list[ChunkEntry] = field(default_factory=list)
+    region_entries: list[ChunkEntry] = field(default_factory=list)
 
     def tokens_of(self, kind: SegmentKind) -> int:
         return sum(s.size for s in self.segments if s.kind == kind)
@@ -110,7 +111,7 @@ class Plan:
 
     def reused(self) -> list[ChunkEntry]:
         """The registry entries the plan reuses or found its hits through."""
-        return [s.entry for s in self.segments if s.kind == "hit"] + self.keys
+        return [s.entry for s in self.segments if s.kind == "hit"] + self.region_entries
 
 
 @dataclass
@@ -124,29 +125,24 @@ class Commit:
 class Planner:
     """Exact-prefix radix tree + content registry, combined as in Algorithm 1."""
 
-    def __init__(self, *, capacity: int | None = None, mask_bits: int = 7, min_size: int = 32,
-                 max_size: int = 512, carve_out: int = 32, s1: bool = True,
-                 s1_window: int = 128, heads: bool = False, regions: bool = False,
-                 pic: bool = True) -> None:
-        """Beyond the paper's Algorithm 1: ``heads``, a missed chunk first reuses the longest run
-        of leading tokens it shares with a registered chunk (at least HEAD_TOKENS); ``regions``,
-        each region of the tail (the tokens between two resets) is looked up whole before it
-        is chunked, and registered whole at commit (a run of consecutive ones too, which a found
-        region is run on along with one comparison), so content that moves region by region (a
-        re-ranked document of many messages, a tool schema, a message) is a lookup and a hit,
-        not one per chunk. The chunks are cut as without regions (the chunker restarts at every
-        reset), so a region not found whole is served chunk by chunk as before."""
+    def __init__(self, config: CacheConfig, *, pic: bool = True) -> None:
+        """``config``: chunking, carve-out and probes (:class:`~irminsul.config.CacheConfig`;
+        :data:`~irminsul.config.ALGORITHM1` is the paper's algorithm exactly). Beyond it:
+        ``head_probe``, a missed chunk first reuses the longest run of leading tokens it shares
+        with a registered chunk (at least HEAD_TOKENS); ``regions``, each region of the tail is
+        looked up whole before it is chunked, and registered whole at commit (a run of
+        consecutive ones too, which a found region is run on along with one comparison), so
+        content that moves region by region (a re-ranked document of many messages, a tool
+        schema, a message) is a lookup and a hit, not one per chunk. The chunks are cut as
+        without regions (the chunker restarts at every reset), so a region not found whole is
+        served chunk by chunk as before. ``pic=False``: exact prefix only (the baseline); the
+        tail is one miss."""
         clock = itertools.count(1)  # one LRU timeline for both indexes (see evict)
+        self.config = config
         self.radix = RadixTree(clock)
-        self.registry = Registry(capacity, window=s1_window, head=HEAD_TOKENS if heads else 0,
-                                 clock=clock)
-        self.capacity = capacity
-        self.mask_bits, self.min_size, self.max_size = mask_bits, min_size, max_size
-        self.carve_out = carve_out
-        self.s1 = s1
-        self.s1_window = s1_window
-        self.regions = regions
-        self.pic = pic  # False: exact-prefix only (the baseline); the tail is one miss
+        self.registry = Registry(config.capacity, window=config.s1_window,
+                                 head=HEAD_TOKENS if config.head_probe else 0, clock=clock)
+        self.pic = pic
 
     def plan(self, tokens: Iterable[int] | np.ndarray, resets: Iterable[int] | np.ndarray = (), *,
              namespace: int = 0) -> Plan:
@@ -177,7 +173,7 @@ class Planner:
         part = tokens[anchor:]
         tail = Tail(part, anchor, resets[resets > anchor] - anchor,
                     part.astype(np.int64, copy=False).tobytes())
-        if self.regions:
+        if self.config.regions:
             self._plan_regions(plan, tail)
         else:
             self._plan_chunks(plan, tail, 0, tail.tokens.size)
@@ -197,7 +193,7 @@ class Planner:
             end = ends[i]
             # A region within the prefix (the whole prompt matched) or the carve-out is not
             # looked up; the chunk path handles both.
-            if anchor + end > start and anchor + first >= self.carve_out:
+            if anchor + end > start and anchor + first >= self.config.carve_out:
                 fp = fingerprint(first, end)
                 entry = lookup(plan.namespace, fp, content[8 * first:8 * end])
                 if entry is None:
@@ -211,7 +207,7 @@ class Planner:
                         same = common_prefix(tail.tokens[first:first + n],
                                               run.tokens[entry.run_offset:entry.run_offset + n])
                         i = bisect_right(ends, first + same, lo=i) - 1
-                        plan.keys.append(entry)
+                        plan.region_entries.append(entry)
                         entry, offset, end = run, entry.run_offset, ends[i]
                     self._plan_chunks(plan, tail, pending, first)
                     at = max(anchor + first, start)
@@ -229,10 +225,12 @@ class Planner:
         start, namespace, anchor = plan.prefix.length, plan.namespace, tail.anchor + low
         tokens, segments, chunks = plan.tokens, plan.segments, plan.chunks
         resets = tail.resets[(tail.resets > low) & (tail.resets < high)] - low
-        bounds = chunk_boundaries(tail.tokens[low:high], mask_bits=self.mask_bits,
-                                  min_size=self.min_size, max_size=self.max_size, resets=resets)
+        config = self.config
+        bounds = chunk_boundaries(tail.tokens[low:high], mask_bits=config.mask_bits,
+                                  min_size=config.min_chunk, max_size=config.max_chunk,
+                                  resets=resets)
         fps = fingerprints(tail.tokens[low:high], bounds, seed=namespace).tolist()
-        lookup, carve_out, content = self.registry.lookup, self.carve_out, tail.content
+        lookup, carve_out, content = self.registry.lookup, self.config.carve_out, tail.content
         first, byte = anchor, 8 * low  # the chunk's first token; its first byte in content
         # Some 500 chunks at 32K tokens: plain locals and ints in this loop.
         for end, high_byte, fp in zip((bounds + anchor).tolist(), (8 * (bounds + low)).tolist(),
@@ -253,7 +251,7 @@ class Planner:
     def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,
                     namespace: int) -> list[Segment]:
         """A missed chunk [first, end), served from ``start``: the longest registered run its
-        head starts (with heads indexed), then S1 windows over the rest."""
+        head starts (with the head probe), then S1 windows over the rest."""
         hit = self.registry.lookup_head(namespace, tokens[first:end])
         if hit is None or first + hit.size <= start:
             return self._probe_windows(tokens, start, end, namespace)
@@ -264,9 +262,9 @@ class Planner:
     def _probe_windows(self, tokens: np.ndarray, start: int, end: int,
                        namespace: int) -> list[Segment]:
         """S1: a missed chunk's registered sub-windows, at any offset, left to right."""
-        width = self.s1_window
+        width = self.config.s1_window
         table = self.registry.window_table(namespace)
-        if not self.s1 or end - start < width or not table:
+        if not self.config.s1 or end - start < width or not table:
             return [Segment("miss", start, end)]
         fps = window_fingerprints(tokens[start:end], width, seed=namespace)
         known = table.keys() & set(fps.tolist())  # set algebra in C, not a loop over offsets
@@ -372,8 +370,9 @@ class Planner:
         evict both indexes down to capacity."""
         present = self.radix.insert(tokens, handles, namespace)
         freed = self.registry.evict_to_capacity()
-        if self.capacity is not None and self.radix.total_tokens > self.capacity:
-            freed += self.radix.evict(self.radix.total_tokens - self.capacity)
+        capacity = self.config.capacity
+        if capacity is not None and self.radix.total_tokens > capacity:
+            freed += self.radix.evict(self.radix.total_tokens - capacity)
         return Commit([np.asarray(handles, dtype=np.int64)[present:]], freed)
 
     def evict(self, num_tokens: int) -> list[np.ndarray]:

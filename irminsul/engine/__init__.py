@@ -1,8 +1,15 @@
-"""The serving engine: the split KV pool and the serve path with live PIC."""
+"""The serving engine: the cache manager and the model runner over the split KV pool, the
+synchronous :class:`Engine` over both, and the :class:`Scheduler` that batches requests."""
 
-from .engine import MODES, Engine, Mode, Sequence, ServeStats
+from ..config import MODES, EngineConfig, Mode
+from .cache_manager import CacheManager
+from .engine import Engine
 from .kv_pool import KVPool, PoolExhausted
-from .scheduler import Request, SamplingParams, Scheduler, StepOutput
+from .model_runner import ModelRunner
+from .sampler import SamplingParams, sample
+from .scheduler import Limits, Load, Request, Scheduler, StepOutput
+from .sequence import Prefill, Sequence, ServeStats
 
-__all__ = ["MODES", "Engine", "KVPool", "Mode", "PoolExhausted", "Request", "SamplingParams",
-           "Scheduler", "Sequence", "ServeStats", "StepOutput"]
+__all__ = ["MODES", "CacheManager", "Engine", "EngineConfig", "KVPool", "Limits", "Load", "Mode",
+           "ModelRunner", "PoolExhausted", "Prefill", "Request", "SamplingParams", "Scheduler",
+           "Sequence", "ServeStats", "StepOutput", "sample"]

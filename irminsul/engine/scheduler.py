@@ -16,54 +16,17 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
-from .engine import Engine, Prefill, Sequence, ServeStats
+from .engine import Engine
 from .kv_pool import PoolExhausted
+from .sampler import SamplingParams, sample
+from .sequence import Prefill, Sequence, ServeStats
 
 State = Literal["waiting", "prefill", "decode", "finished"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens: greedy at temperature 0, else softmax(logits / T) cut by top-k/top-p."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no cut
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab]."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 @dataclass
@@ -101,14 +64,40 @@ class StepOutput:
     ttft: float | None
 
 
-class Scheduler:
-    """Admits, batches and finishes requests over one :class:`Engine`."""
+class Limits(NamedTuple):
+    """What a request may ask for: the model's context and the KV pool's size, in tokens."""
 
-    def __init__(self, engine: Engine, *, batch_tokens: int = 2048, chunk_tokens: int = 512,
-                 max_running: int = 64) -> None:
-        self.engine = engine
-        self.batch_tokens, self.chunk_tokens, self.max_running = (batch_tokens, chunk_tokens,
-                                                                  max_running)
+    context: int
+    pool_capacity: int
+    vocab_size: int
+
+
+class Load(NamedTuple):
+    """The scheduler's load now."""
+
+    running: int
+    waiting: int
+    pool_capacity: int
+    pool_free: int
+    graph_replays: int  # forwards replayed from a CUDA graph so far
+
+
+class Scheduler:
+    """Admits, batches and finishes requests over one :class:`Engine`: its cache manager plans
+    and holds, its model runner computes (through :meth:`Engine.advance` and
+    :meth:`Engine.run_batch`)."""
+
+    def __init__(self, engine: Engine, *, batch_tokens: int | None = None,
+                 chunk_tokens: int | None = None, max_running: int | None = None) -> None:
+        """Budgets not given are the engine config's (:class:`~irminsul.config.EngineConfig`)."""
+        self.engine, self.cache = engine, engine.cache
+        config = engine.config
+        self.batch_tokens = batch_tokens or config.batch_tokens
+        self.chunk_tokens = chunk_tokens or config.chunk_tokens
+        self.max_running = max_running or config.max_running
+        model = engine.model.config
+        self.limits = Limits(model.max_position_embeddings, engine.pool.capacity,
+                             model.vocab_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -120,15 +109,15 @@ class Scheduler:
             namespace: int = 0, request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError for a prompt that can never run."""
         prompt = [int(t) for t in prompt]
-        context = self.engine.model.config.max_position_embeddings
+        context, capacity = self.limits.context, self.limits.pool_capacity
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) + params.max_tokens > context:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the model's context of {context} tokens")
-        if len(prompt) + params.max_tokens > self.engine.pool.capacity:
+        if len(prompt) + params.max_tokens > capacity:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the KV pool of {self.engine.pool.capacity} tokens")
+                             f"exceeds the KV pool of {capacity} tokens")
         request = Request(request_id or f"req-{next(self._ids)}", prompt, params, tuple(resets),
                           namespace)
         if params.seed is not None:
@@ -140,6 +129,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def load(self) -> Load:
+        """Requests in flight and the pool's use, for metrics."""
+        pool = self.engine.pool
+        return Load(len(self.running), len(self.waiting), pool.capacity, pool.free,
+                    self.engine.runner.graph_replays)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
@@ -191,21 +186,21 @@ class Scheduler:
         held, which can be all that stood in the way), planned again; else None."""
         held_ckv, held_kr = self._reserved()
         decode = request.params.max_tokens
-        prefill = self.engine.start_prefill(request.prompt, request.resets,
+        prefill = self.cache.start_prefill(request.prompt, request.resets,
                                             namespace=request.namespace)
         ckv, kr = prefill.slots_to_come()
         try:
-            self.engine.make_room(held_ckv + ckv + decode, held_kr + kr + decode)
+            self.cache.make_room(held_ckv + ckv + decode, held_kr + kr + decode)
             return prefill
         except PoolExhausted:
-            self.engine.abort_prefill(prefill)
+            self.cache.abort_prefill(prefill)
         fresh = len(request.prompt) + decode
         try:
-            self.engine.make_room(held_ckv + fresh, held_kr + fresh)
+            self.cache.make_room(held_ckv + fresh, held_kr + fresh)
         except PoolExhausted:
             return None
         # Whatever this plan reuses needs fewer slots than computing it, which now fit.
-        return self.engine.start_prefill(request.prompt, request.resets,
+        return self.cache.start_prefill(request.prompt, request.resets,
                                          namespace=request.namespace)
 
     def step(self) -> list[StepOutput]:
@@ -234,7 +229,7 @@ class Scheduler:
             elif request.seq.handles.size < len(request.prompt):
                 continue  # more prompt to prefill (the last prompt token is always computed)
             else:
-                self.engine.complete_prefill(request.prefill)
+                self.cache.complete_prefill(request.prefill)
                 request.state, request.first_token_time = "decode", time.perf_counter()
             outputs.append(self._emit(request, sample(out[-1], request.params,
                                                       request.generator)))
@@ -251,9 +246,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.state == "prefill":
-            self.engine.abort_prefill(request.prefill)
+            self.cache.abort_prefill(request.prefill)
         elif request.seq is not None:
-            self.engine.finish(request.seq)
+            self.cache.finish(request.seq)
         request.state, request.finish_reason = "finished", reason
         self.running.remove(request)
         self._left += 1

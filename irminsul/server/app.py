@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.cdc import namespace_seed
+from ..config import ServerConfig
 from ..traffic.render import ChatRenderer
 from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
@@ -39,7 +40,6 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .prompts import PromptTokens, chat_prompt, completion_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
 
-DEFAULT_MAX_TOKENS = 1024  # chat requests without max_tokens: this, or what the context leaves
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -75,14 +75,13 @@ class _Server:
 
 def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: str, *,
                stop_token_ids: tuple[int, ...] = (),
-               default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               default_max_tokens: int = ServerConfig.default_max_tokens,
                manage_engine: bool = True) -> FastAPI:
     """The app. With ``manage_engine`` its lifespan starts the engine thread and shuts it down."""
-    engine = async_engine.scheduler.engine
+    limits = async_engine.limits
     server = _Server(async_engine, renderer, model_name, tuple(stop_token_ids),
                      ServerMetrics(lambda: async_engine.snapshot), default_max_tokens,
-                     engine.model.config.max_position_embeddings, engine.pool.capacity,
-                     engine.model.config.vocab_size, int(time.time()))
+                     limits.context, limits.pool_capacity, limits.vocab_size, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

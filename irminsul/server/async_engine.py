@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..engine import SamplingParams, Scheduler, StepOutput
+from ..engine import Limits, SamplingParams, Scheduler, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class AsyncEngine:
     """Owns the engine thread; asyncio code submits requests and iterates their outputs."""
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # the engine thread's alone once started
+        self.limits: Limits = scheduler.limits  # immutable: readable from any thread
         self.snapshot = EngineSnapshot()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
@@ -370,11 +371,10 @@ class AsyncEngine:
                 pass
 
     def _publish(self) -> None:
-        pool = self.scheduler.engine.pool
-        graphs = self.scheduler.engine.graphs
-        self.snapshot = EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
-                                       pool.capacity, pool.free, self._steps, self._errors,
-                                       sum(graphs.replays.values()) if graphs is not None else 0)
+        load = self.scheduler.load()
+        self.snapshot = EngineSnapshot(load.running, load.waiting, load.pool_capacity,
+                                       load.pool_free, self._steps, self._errors,
+                                       load.graph_replays)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

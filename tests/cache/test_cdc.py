@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fixtures import reference_cdc as ref
 import xxhash
+from fixtures import reference_cdc as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,12 +7,15 @@ reusing the same rows without rotation must not.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from fixtures.tiny_models import build
 
 from irminsul.cache.planner import Planner
+from irminsul.config import ALGORITHM1
 from irminsul.model import load_model
 
 
@@ -62,7 +65,7 @@ def test_shifted_reuse_with_rotation_equals_recomputation(case: str, tmp_path) -
     resets_target = [75, 325, 625]
     expected = model.logits(torch.from_numpy(target))[625:]
     for rotate, should_match in ((True, True), (False, False)):
-        planner, store = Planner(s1=False), []
+        planner, store = Planner(replace(ALGORITHM1, s1=False)), []
         _serve(model, planner, store, source, resets_source, rotate)
         logits, reused = _serve(model, planner, store, target, resets_target, rotate)
         assert reused >= 0.9 * (doc_a.size + doc_b.size)  # the documents really were reused

@@ -10,6 +10,7 @@ very tokens it claims to reuse.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from irminsul.cache.cdc import chunk_boundaries
 from irminsul.cache.planner import HEAD_TOKENS, Plan, Planner
+from irminsul.config import ALGORITHM1
 
 CARVE_OUT = 32
 HANDLE_STRIDE = 1 << 20  # prompt k gets handles k * STRIDE + position
@@ -84,10 +86,10 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     # Regions (each found whole, or a run of them, is one hit; the others are registered at
     # commit) lie between resets, past the carve-out, and reach past the prefix.
     bounds = {0, n, anchor, *resets}
-    assert all(a in bounds | {L} and b in bounds and a >= planner.carve_out for a, b in whole)
-    assert whole == [] or planner.regions
+    assert all(a in bounds | {L} and b in bounds and a >= planner.config.carve_out for a, b in whole)
+    assert whole == [] or planner.config.regions
     for r in plan.regions:
-        assert r.kind == "miss" and r.start >= planner.carve_out and r.end > L
+        assert r.kind == "miss" and r.start >= planner.config.carve_out and r.end > L
         assert r.start in bounds and r.end in bounds
     # (b) the prefix segment, and its length against a naive LCP over earlier prompts.
     L = plan.prefix.length
@@ -131,9 +133,9 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     carve = {(s.start, s.end) for s in segs if s.kind == "carve_out"}
     for s in segs:
         if s.kind == "hit":
-            assert s.start >= planner.carve_out
+            assert s.start >= planner.config.carve_out
     for c in plan.chunks:
-        assert (c.start < planner.carve_out) == (c.kind == "carve_out")
+        assert (c.start < planner.config.carve_out) == (c.kind == "carve_out")
         past = (max(c.start, L), c.end)  # the chunk's part past the exact prefix
         if c.kind == "carve_out":
             assert past in carve
@@ -191,8 +193,8 @@ def test_plans_over_random_workloads(prompts, use_resets, s1, heads, regions, ca
     """Every plan covers the prompt exactly once, its prefix is the naive LCP (unbounded capacity),
     every hit reuses exactly its own tokens from where an earlier prompt prefilled them, and nothing
     below position 32 is reused."""
-    planner = Planner(capacity=capacity, s1=s1, s1_window=s1_window, heads=heads,
-                      regions=regions)
+    planner = Planner(replace(ALGORITHM1, capacity=capacity, s1=s1, s1_window=s1_window,
+                              head_probe=heads, regions=regions))
     history = History()
     for tokens, starts, ns in prompts:
         tokens = tokens.astype(dtype)
@@ -233,7 +235,7 @@ def test_shifted_document_is_reused_with_delta(reset_in_a):
     """A = header(40) + D; B = another header(75) + D with a reset at D's start. B reuses >= 90% of
     D (all of it when A also reset at D) and every hit rotates by delta = 75 - 40 = 35."""
     doc = _doc()
-    planner = Planner()
+    planner = Planner(ALGORITHM1)
     a = np.concatenate([_header(40, 0), doc])
     plan_a = planner.plan(a, [40] if reset_in_a else [])
     assert plan_a.prefix.length == 0 and plan_a.tokens_of("hit") == 0
@@ -263,7 +265,7 @@ def test_regions_moved_whole_are_one_hit_each():
     b = np.concatenate([_header(75, 1000), d2, d1])
     plans = {}
     for regions in (False, True):
-        planner = Planner(regions=regions, s1=False)
+        planner = Planner(replace(ALGORITHM1, regions=regions, s1=False))
         plan_a = planner.plan(a, [40, 2040])
         assert plan_a.tokens_of("hit") == 0
         assert [(r.start, r.end, r.kind) for r in plan_a.regions] == (
@@ -297,7 +299,7 @@ def test_a_run_of_regions_moved_together_is_one_hit():
     doc = _doc(3, 2000)
     a, ra = _messages(40, 0, doc, [600, 1300])
     b, rb = _messages(75, 1000, doc, [600, 1300])
-    planner = Planner(regions=True)
+    planner = Planner(replace(ALGORITHM1, regions=True))
     planner.commit(planner.plan(a, ra), np.arange(a.size) + 10_000)
     plan = planner.plan(b, rb)
     (hit,) = plan.hits
@@ -323,7 +325,7 @@ def test_a_run_stops_at_an_edited_region_or_an_evicted_run():
     first and last messages are served alone (the first one still points at the run)."""
     doc = _doc(4, 2000)
     a, ra = _messages(40, 0, doc, [600, 1300])
-    planner = Planner(regions=True, s1=False)
+    planner = Planner(replace(ALGORITHM1, regions=True, s1=False))
     planner.commit(planner.plan(a, ra), np.arange(a.size) + 10_000)
     edited = doc.copy()
     edited[1000] = 129_279 - edited[1000]
@@ -353,7 +355,7 @@ def _s1_pair(seed: int) -> dict[bool, Plan]:
     c = np.concatenate([_header(57, 5000), doc[700:1300]])
     plans = {}
     for s1 in (False, True):
-        p = Planner(s1=s1)
+        p = Planner(replace(ALGORITHM1, s1=s1))
         p.commit(p.plan(a, [40]), np.arange(a.size))
         plans[s1] = p.plan(c)
     return plans
@@ -407,7 +409,7 @@ def test_heads_serve_a_last_chunk_cut_short():
     a = np.concatenate([_header(40, 0), doc])
     plans = {}
     for heads in (False, True):
-        planner = Planner(heads=heads, s1=False)
+        planner = Planner(replace(ALGORITHM1, head_probe=heads, s1=False))
         planner.commit(planner.plan(a, [40]), np.arange(a.size))
         cuts = chunk_boundaries(doc)
         n = int(cuts[5]) + (int(cuts[6]) - int(cuts[5])) // 2  # halfway into D's seventh chunk
@@ -432,7 +434,7 @@ def test_heads_reuse_only_the_shared_run():
     serves); the head index is namespaced and forgets evicted chunks."""
     rng = np.random.default_rng(11)
     x = rng.integers(0, 129280, 100)
-    planner = Planner(min_size=40, max_size=100, heads=True, s1=False)
+    planner = Planner(replace(ALGORITHM1, min_chunk=40, max_chunk=100, head_probe=True, s1=False))
     entry = planner.registry.register(0, 1, x, np.arange(100) + 5000, 300)
     prompt = np.concatenate([_header(100, 0), x[:70], rng.integers(0, 129280, 30) + 200_000])
     plan = planner.plan(prompt, [100])
@@ -453,7 +455,7 @@ def test_carve_out_hand_built():
     """A prompt identical to a registered document from position 0 (different first token so the
     prefix tree misses): the chunk starting at 0 is a carve-out and is prefilled, later chunks hit."""
     doc = _doc(2, 1000)
-    planner = Planner(s1=False)
+    planner = Planner(replace(ALGORITHM1, s1=False))
     a = np.concatenate([_header(50, 0), doc])
     planner.commit(planner.plan(a, [50]), np.arange(a.size))
     plan = planner.plan(doc, [])  # doc at position 0, chunked from a zero state as in A
@@ -473,7 +475,7 @@ def test_prefix_then_tail():
     """A resend with an appended turn is served by the prefix tree up to the old length, and the
     tail after it is chunked from there."""
     doc = _doc(3, 800)
-    planner = Planner()
+    planner = Planner(ALGORITHM1)
     planner.commit(planner.plan(doc), np.arange(doc.size))
     longer = np.concatenate([doc, _header(300, 0)])
     plan = planner.plan(longer)
@@ -499,7 +501,7 @@ def test_s1_windows_never_overlap_hand_built():
     167 and leaves the last token a miss."""
     rng = np.random.default_rng(9)
     t = rng.integers(0, 129280, 95)
-    planner = Planner(min_size=100, max_size=100, s1_window=32)
+    planner = Planner(replace(ALGORITHM1, min_chunk=100, max_chunk=100, s1_window=32))
     a = planner.registry.register(0, 1, t[0:32], np.arange(32) + 1000, 500)
     b = planner.registry.register(0, 2, t[31:63], np.arange(32) + 2000, 600)
     c = planner.registry.register(0, 3, t[63:95], np.arange(32) + 3000, 700)
@@ -518,7 +520,7 @@ def test_s1_windows_never_overlap_hand_built():
 def test_namespaces_do_not_share():
     """The same prompt in another namespace reuses nothing: no prefix, no hits."""
     doc = _doc(4, 1000)
-    planner = Planner()
+    planner = Planner(ALGORITHM1)
     planner.commit(planner.plan(doc, namespace=1), np.arange(doc.size))
     plan = planner.plan(doc, namespace=2)
     assert plan.prefix.length == 0 and plan.hits == []
@@ -527,7 +529,7 @@ def test_namespaces_do_not_share():
 
 def test_commit_rejects_wrong_handle_count():
     """commit needs exactly one handle per prompt token."""
-    planner = Planner()
+    planner = Planner(ALGORITHM1)
     plan = planner.plan(_doc(5, 100))
     with pytest.raises(ValueError):
         planner.commit(plan, np.arange(99))
@@ -538,10 +540,11 @@ def test_acquire_protects_against_eviction():
     capacity evict everything else but not them; after release they become evictable again, and a
     second release unlocks below zero (ValueError)."""
     doc = _doc(6, 1500)
-    planner = Planner()  # unbounded while A is registered, then bounded to 400 tokens
+    planner = Planner(ALGORITHM1)  # unbounded while A is registered, then bounded to 400 tokens
     a = np.concatenate([_header(40, 0), doc])
     planner.commit(planner.plan(a, [40]), np.arange(a.size))
-    planner.capacity = planner.registry.capacity = 400
+    planner.config = replace(planner.config, capacity=400)
+    planner.registry.capacity = 400
     c = np.concatenate([a[:100], _header(10, 7000), doc[:600]])  # shares A's first 100 tokens
     plan = planner.plan(c, [110])
     assert plan.prefix.length == 100 and plan.tokens_of("hit") > 300
@@ -578,7 +581,7 @@ def test_evict_is_lru_across_both_indexes():
     """Eviction follows one timeline over the radix tree and the registry: a stale radix branch
     goes before a chunk reused since, and a stale chunk before a recently used prefix."""
     doc = _doc(8, 800)
-    planner = Planner()
+    planner = Planner(ALGORITHM1)
     first = np.concatenate([_header(40, 1), doc])
     planner.commit(planner.plan(first, [40]), np.arange(first.size))  # doc's chunks registered
     shifted = np.concatenate([_header(90, 2), doc])

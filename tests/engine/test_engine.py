@@ -21,8 +21,10 @@ from fixtures.tiny_models import build
 
 import irminsul.cache.planner as planner_module
 import irminsul.cache.registry as registry_module
+from irminsul.analysis.consistency import NaiveReuseRunner
 from irminsul.cache.cdc import chunk_boundaries
-from irminsul.engine import Engine, PoolExhausted
+from irminsul.config import CacheConfig, EngineConfig
+from irminsul.engine import Engine, ModelRunner, PoolExhausted
 from irminsul.engine.kv_pool import unpack
 from irminsul.model import MLAModel, load_model
 
@@ -73,7 +75,7 @@ def greedy_reference(model, prompt, max_tokens: int, stop=()) -> list[int]:
 
 def fresh_generate(model, prompt, max_tokens: int, stop=()) -> list[int]:
     """The request served alone by a fresh engine with caching off."""
-    engine = Engine(model, num_slots=len(prompt) + max_tokens + 1, mode="off")
+    engine = Engine(model, EngineConfig(slots=len(prompt) + max_tokens + 1, mode="off"))
     out, _ = engine.generate(list(prompt), max_tokens, stop=stop)
     engine.check()
     return out
@@ -120,7 +122,7 @@ def test_exact_prefix_hit_outputs_equal_no_cache(model3, mode: str) -> None:
     p1 = rng.integers(0, V, 300).tolist()
     p2 = p1[:200] + rng.integers(0, V, 60).tolist()
     p2[200] = (p1[200] + 1) % V  # diverges exactly at 200
-    engine = Engine(model3, num_slots=2000, mode=mode)
+    engine = Engine(model3, EngineConfig(slots=2000, mode=mode))
     out1, seq1 = engine.generate(p1, 6)
     stored = [p1 + out1[:-1]]  # the last output token is never run, so never cached
     assert out1 == greedy_reference(model3, p1, 6)
@@ -148,7 +150,7 @@ def test_whole_prompt_cached_still_gives_its_logits(model3) -> None:
     (the last token is recomputed) and the same greedy output; tokens add up in the stats."""
     rng = np.random.default_rng(2)
     p = rng.integers(0, V, 120).tolist()
-    engine = Engine(model3, num_slots=600, mode="off")
+    engine = Engine(model3, EngineConfig(slots=600, mode="off"))
     first, _ = engine.generate(p, 4)
     seq, logits = engine.prefill(p)
     engine.check()
@@ -195,8 +197,8 @@ def _request_script(engine: Engine, seed: int) -> tuple[list[torch.Tensor], list
 def test_observer_is_bitwise_off_and_live_serves_pic(model3) -> None:
     """Observer mode runs exactly the forwards of off mode (every logit torch.equal, same outputs)
     while recording would-be PIC hits on the shifted prompts; live mode serves those hits."""
-    off_logits, off_seqs = _request_script(Engine(model3, num_slots=4000, mode="off"), 0)
-    obs_logits, obs_seqs = _request_script(Engine(model3, num_slots=4000, mode="observer"), 0)
+    off_logits, off_seqs = _request_script(Engine(model3, EngineConfig(slots=4000, mode="off")), 0)
+    obs_logits, obs_seqs = _request_script(Engine(model3, EngineConfig(slots=4000, mode="observer")), 0)
     assert len(off_logits) == len(obs_logits)
     for a, b in zip(off_logits, obs_logits):
         assert torch.equal(a, b)
@@ -209,7 +211,7 @@ def test_observer_is_bitwise_off_and_live_serves_pic(model3) -> None:
     assert obs_seqs[1].stats.would_be_pic_tokens >= 0.9 * 550
     assert obs_seqs[2].stats.would_be_pic_tokens > 0
 
-    live_logits, live_seqs = _request_script(Engine(model3, num_slots=4000, mode="live"), 0)
+    live_logits, live_seqs = _request_script(Engine(model3, EngineConfig(slots=4000, mode="live")), 0)
     assert torch.equal(live_logits[0], off_logits[0])  # first request: nothing to reuse
     for obs, live in zip(obs_seqs, live_seqs):
         assert live.stats.would_be_pic_tokens == 0
@@ -227,7 +229,8 @@ def target_logits(model: MLAModel, rotate: bool, source: np.ndarray, rs: list[in
     """Serve the source, then the target live (its documents from the registry, k_r rotated or,
     for naive reuse, not) and the continuation teacher-forced; the logits after the target's
     last token and each continuation token, [1 + len(cont), V]."""
-    engine = Engine(model, num_slots=3000, mode="live", rotate=rotate)
+    engine = Engine(model, EngineConfig(slots=3000, mode="live"),
+                    runner=ModelRunner if rotate else NaiveReuseRunner)
     seq, _ = engine.prefill(source, rs)
     engine.finish(seq)
     seq, last = engine.prefill(target, rt)
@@ -254,7 +257,7 @@ def test_one_layer_live_pic_equals_full_recomputation(models1, case: str) -> Non
     errors = {rotate: float((target_logits(model, rotate, source, rs, target, rt, cont)
                              - full).abs().max()) for rotate in (True, False)}
     # greedy generation through the PIC path (a second engine: the first has the target cached)
-    engine = Engine(model, num_slots=3000, mode="live")
+    engine = Engine(model, EngineConfig(slots=3000, mode="live"))
     engine.generate(source, 2, resets=rs)
     out, seq = engine.generate(target, 6, resets=rt)
     engine.check()
@@ -280,7 +283,8 @@ def test_one_layer_chunk_heads_serve_a_cut_document_exactly(models1) -> None:
     full = model.logits(torch.from_numpy(target))[-1]
     reused = {}
     for heads in (False, True):
-        engine = Engine(model, num_slots=3000, mode="live", heads=heads)
+        engine = Engine(model, EngineConfig(slots=3000, mode="live",
+                                            cache=CacheConfig(head_probe=heads)))
         seq, _ = engine.prefill(source, [40])
         engine.finish(seq)
         seq, last = engine.prefill(target, [75])
@@ -300,7 +304,7 @@ def test_novel_spans_run_in_one_forward(models1) -> None:
     source, rs, target, rt, _ = shifted_docs(3)
     full = model.logits(torch.from_numpy(target))[-1]
     for budget in (len(target), 7):
-        engine = Engine(model, num_slots=3000, mode="live")
+        engine = Engine(model, EngineConfig(slots=3000, mode="live"))
         seq, _ = engine.prefill(source, rs)
         engine.finish(seq)
         prefill = engine.start_prefill(target, rt)
@@ -329,7 +333,7 @@ def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     equal full recomputation (one layer)."""
     model = models1["v2_lite_like"]
     source, rs, target, rt, _ = shifted_docs(4)
-    engine = Engine(model, num_slots=2000, mode="live")
+    engine = Engine(model, EngineConfig(slots=2000, mode="live"))
     for prompt, resets in ((source, rs), (target[:100], rt[:1])):
         seq, _ = engine.prefill(prompt, resets)
         engine.finish(seq)
@@ -340,7 +344,7 @@ def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     assert seq.owed and seq.owed_ckv
     engine.check()
     with pytest.raises(PoolExhausted):
-        engine.make_room(engine.pool.capacity)  # evicts every unheld index entry
+        engine.cache.make_room(engine.pool.capacity)  # evicts every unheld index entry
     engine.check()
     logits = engine.run_batch([(seq, tokens, at)])[0][-1]
     assert not seq.owed and not seq.owed_ckv
@@ -365,13 +369,13 @@ def test_more_kr_slots_hold_more_sessions_sharing_a_document(models1) -> None:
         header[0] = i  # no exact prefix in common
         prompts.append(np.concatenate([header, doc]))
     need_kr = sum(len(p) for p in prompts)
-    engine = Engine(model, num_slots=700, num_kr_slots=need_kr + 50, mode="live")
+    engine = Engine(model, EngineConfig(slots=700, kr_slots=need_kr + 50, mode="live"))
     for prompt in prompts:
         seq, logits = engine.prefill(prompt, [len(prompt) - len(doc)])  # held: sessions live
         assert (logits - model.logits(torch.from_numpy(prompt))[-1]).abs().max() <= 1e-5
         engine.check()
     assert seq.stats.pic_tokens > 300 and engine.pool.free < 100  # c_KV nearly full
-    equal = Engine(model, num_slots=700, mode="live")
+    equal = Engine(model, EngineConfig(slots=700, mode="live"))
     with pytest.raises(PoolExhausted):
         for prompt in prompts:
             equal.prefill(prompt, [len(prompt) - len(doc)])
@@ -393,7 +397,8 @@ def kl_table(model3):
         row = {"seed": seed}
         for name, mode, rotate in (("pic", "live", True), ("naive", "live", False),
                                    ("off", "off", True)):
-            engine = Engine(model3, num_slots=3000, mode=mode, rotate=rotate)
+            engine = Engine(model3, EngineConfig(slots=3000, mode=mode),
+                            runner=ModelRunner if rotate else NaiveReuseRunner)
             seq, _ = engine.prefill(source, rs)
             engine.finish(seq)
             seq, last = engine.prefill(target, rt)
@@ -453,7 +458,8 @@ def test_reused_rows_share_ckv_and_carry_rotated_kr_in_every_layer(model3, rotat
     in layer 0 to the k_r of full recomputation at the target position), or copied unrotated for
     naive reuse."""
     source, rs, target, rt, _ = shifted_docs(5)
-    engine = Engine(model3, num_slots=3000, mode="live", rotate=rotate)
+    engine = Engine(model3, EngineConfig(slots=3000, mode="live"),
+                    runner=ModelRunner if rotate else NaiveReuseRunner)
     src_seq, _ = engine.prefill(source, rs)
     src_rows = engine.pool.rows(src_seq.handles)
     src_ckv, src_kr = unpack(src_seq.handles)
@@ -511,14 +517,15 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
     headers = [rng.integers(0, V, n).tolist() for n in (20, 36, 50)]
     max_prompt = 58 + 3 * 110 + 12
     num_slots = 4 * max_prompt + 60  # ≤ 2 open + 1 generate + reuse, and nothing more
-    engine = Engine(model, num_slots=num_slots, mode=mode, capacity=capacity)
+    engine = Engine(model, EngineConfig(slots=num_slots, mode=mode,
+                                        cache=CacheConfig(capacity=capacity)))
     tainted: set[int] = set()  # handles whose rows a reused (PIC) row may have influenced
     open_: list[_Open] = []
     checks = []  # (prompt, max_tokens, stop, output, clean)
     resets_of: dict[tuple[int, ...], list[int]] = {}
     allocated = 0
     runs = 0  # hits over a run of regions (across a reset)
-    plan_tail = engine.planner.plan_tail
+    plan_tail = engine.cache.planner.plan_tail
 
     def counting_plan_tail(tokens, prefix, resets=(), **kwargs):  # noqa: ANN001, ANN003, ANN202
         nonlocal runs
@@ -526,7 +533,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
         runs += sum(1 for s in plan.hits if any(s.start < r < s.end for r in resets))
         return plan
 
-    engine.planner.plan_tail = counting_plan_tail
+    engine.cache.planner.plan_tail = counting_plan_tail
 
     def make_prompt() -> tuple[list[int], list[int]]:
         """A follow-up turn of an earlier request (prompt + output + new tokens), or a header
@@ -615,7 +622,7 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
             o = open_.pop(int(rng.integers(len(open_))))
             close(o, remember=bool(rng.random() < 0.7))
         engine.check()
-        tainted.intersection_update(h for ref in engine.references() for h in ref.tolist())
+        tainted.intersection_update(h for ref in engine.cache.references() for h in ref.tolist())
     while open_:
         close(open_.pop(int(rng.integers(len(open_)))), remember=bool(rng.random() < 0.7))
         engine.check()
@@ -641,7 +648,7 @@ def test_namespaces_are_isolated(model3) -> None:
     pic_tokens == 0; outputs equal a fresh engine's. Controls: under namespace 0 the same prompts
     are served from the caches, and namespace 1 reuses what namespace 1 saw."""
     source, rs, target, rt, _ = shifted_docs(8)
-    engine = Engine(model3, num_slots=4000, mode="live")
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
     engine.generate(source, 3, resets=rs, namespace=0)
     for prompt, resets, namespace in ((source, rs, 1), (target, rt, 2)):
         out, seq = engine.generate(prompt, 4, resets=resets, namespace=namespace)
@@ -678,7 +685,7 @@ def test_fingerprint_collisions_never_serve_wrong_kv(model3, colliding) -> None:
     """With every fingerprint colliding, distinct content is never served from the registry
     (pic_tokens == 0, verify_failures > 0) and every output equals a fresh engine's."""
     rng = np.random.default_rng(9)
-    engine = Engine(model3, num_slots=4000, mode="live")
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
     for i in range(5):
         # long chunks (no resets on odd requests) so that S1 sub-windows are registered and probed
         prompt = [i] + rng.integers(0, V, int(rng.integers(300, 600))).tolist()  # no prefix
@@ -688,7 +695,7 @@ def test_fingerprint_collisions_never_serve_wrong_kv(model3, colliding) -> None:
         assert seq.stats.pic_tokens == 0 and seq.stats.prefix_tokens == 0
         assert out == fresh_generate(model3, prompt, 4)
         engine.check()
-    assert engine.planner.registry.verify_failures > 0
+    assert engine.cache.planner.registry.verify_failures > 0
 
 
 def test_fingerprint_collisions_keep_true_hits_exact(models1, colliding) -> None:
@@ -696,11 +703,11 @@ def test_fingerprint_collisions_keep_true_hits_exact(models1, colliding) -> None
     (verified token by token) and served exactly, the colliding ones are rejected."""
     model = models1["v3_like"]
     source, rs, target, rt, cont = shifted_docs(10)
-    engine = Engine(model, num_slots=3000, mode="live")
+    engine = Engine(model, EngineConfig(slots=3000, mode="live"))
     engine.generate(source, 2, resets=rs)
     seq, last = engine.prefill(target, rt)
     assert seq.stats.pic_tokens >= 0.9 * 550
-    assert engine.planner.registry.verify_failures > 0
+    assert engine.cache.planner.registry.verify_failures > 0
     expected = model.logits(torch.from_numpy(target))[-1]
     assert float((last - expected).abs().max()) <= 1e-5
     engine.finish(seq)
@@ -716,7 +723,7 @@ def test_prompt_longer_than_pool_raises_pool_exhausted(model3) -> None:
     the need, leaves the accounting exact and the engine usable — also when the failing prompt
     already held an exact-prefix match and PIC hits, and when live sequences hold the pool."""
     rng = np.random.default_rng(11)
-    engine = Engine(model3, num_slots=100, mode="live")
+    engine = Engine(model3, EngineConfig(slots=100, mode="live"))
     with pytest.raises(PoolExhausted, match=r"KV pool full: \d+ c_KV and \d+ k_r slots needed"):
         engine.prefill(rng.integers(0, V, 150).tolist())
     engine.check()
@@ -726,7 +733,7 @@ def test_prompt_longer_than_pool_raises_pool_exhausted(model3) -> None:
     engine.check()
 
     # live sequences are never evicted
-    engine = Engine(model3, num_slots=200, mode="live")
+    engine = Engine(model3, EngineConfig(slots=200, mode="live"))
     held, _ = engine.prefill(rng.integers(0, V, 120).tolist())
     other = rng.integers(0, V, 100).tolist()
     with pytest.raises(PoolExhausted):
@@ -739,7 +746,7 @@ def test_prompt_longer_than_pool_raises_pool_exhausted(model3) -> None:
 
     # the failing prompt held a radix prefix and registry hits when it failed
     source, rs, target, rt, _ = shifted_docs(12)
-    engine = Engine(model3, num_slots=700, mode="live")
+    engine = Engine(model3, EngineConfig(slots=700, mode="live"))
     engine.generate(source, 1, resets=rs)
     engine.check()
     too_long = np.concatenate([source, target[75:], rng.integers(0, V, 200)])
@@ -760,7 +767,7 @@ def test_failed_prefill_gives_back_its_computed_and_reused_slots(model3) -> None
     every slot it took: free slots are what they were before, accounting is exact, and a request
     needing them succeeds with the output of a fresh engine."""
     source, rs, target, rt, _ = shifted_docs(15)
-    engine = Engine(model3, num_slots=1400, mode="live")
+    engine = Engine(model3, EngineConfig(slots=1400, mode="live"))
     engine.generate(source, 1, resets=rs)
     tail = np.random.default_rng(15).integers(0, V, 300)
     failing = np.concatenate([target[:625], tail])  # head 75 + B + A (reused) + 300 novel
@@ -781,7 +788,7 @@ def test_failed_rotation_gives_back_the_reused_slots(models1, monkeypatch) -> No
     """A reuse whose device work fails (here: the rotation raises) loses nothing: the prefill
     raises, every slot it took is free again and the accounting is exact."""
     source, rs, target, rt, _ = shifted_docs(16)
-    engine = Engine(models1["v2_lite_like"], num_slots=2000, mode="live")
+    engine = Engine(models1["v2_lite_like"], EngineConfig(slots=2000, mode="live"))
     seq, _ = engine.prefill(source, rs)
     engine.finish(seq)
     free = engine.pool.free
@@ -789,7 +796,7 @@ def test_failed_rotation_gives_back_the_reused_slots(models1, monkeypatch) -> No
     def broken(*args: object) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "_rotate", broken)
+    monkeypatch.setattr(engine.runner, "rotate", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.prefill(target, rt)
     engine.check()
@@ -802,7 +809,7 @@ def test_out_of_range_reset_is_rejected_or_ignored(models1, cached_prefix: bool)
     model = models1["v3_like"]
     rng = np.random.default_rng(16)
     prompt = rng.integers(0, V, 300).tolist()
-    engine = Engine(model, num_slots=2000, mode="live")
+    engine = Engine(model, EngineConfig(slots=2000, mode="live"))
     if cached_prefix:
         engine.generate(prompt[:200], 1)
     try:
@@ -821,7 +828,7 @@ def test_prompt_longer_than_context_raises_value_error(model3) -> None:
     """A prompt beyond max_position_embeddings (or an empty one) is rejected with ValueError
     before touching the pool."""
     n = model3.config.max_position_embeddings + 1
-    engine = Engine(model3, num_slots=n + 10, mode="live")
+    engine = Engine(model3, EngineConfig(slots=n + 10, mode="live"))
     with pytest.raises(ValueError, match="exceeds the model's context"):
         engine.prefill(np.arange(n) % V)
     with pytest.raises(ValueError, match="empty"):
@@ -838,7 +845,7 @@ def test_fork_shares_slots_and_both_branches_are_exact(model3) -> None:
     accounting."""
     rng = np.random.default_rng(13)
     prompt = rng.integers(0, V, 200).tolist()
-    engine = Engine(model3, num_slots=1000, mode="live")
+    engine = Engine(model3, EngineConfig(slots=1000, mode="live"))
     seq, logits = engine.prefill(prompt)
     twin = engine.fork(seq)
     assert np.array_equal(twin.handles, seq.handles)
@@ -866,7 +873,7 @@ def test_finish_with_an_identical_sequence_open(model3, how: str) -> None:
     and keeps accounting exact. (Regression: with a value-comparing Sequence, list.remove
     compared the handles arrays and raised after the slots were already released.)"""
     prompt = np.random.default_rng(14).integers(0, V, 50).tolist()
-    engine = Engine(model3, num_slots=500, mode="off")
+    engine = Engine(model3, EngineConfig(slots=500, mode="off"))
     first, _ = engine.prefill(prompt)
     second = engine.fork(first) if how == "fork" else engine.prefill(prompt)[0]
     engine.finish(second)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from fixtures.tiny_models import build
 
+from irminsul.config import EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.engine.scheduler import sample
 from irminsul.model import load_model
@@ -42,19 +43,19 @@ def test_batched_outputs_equal_solo_outputs(model, mode: str) -> None:
     prompts = _prompts(0, 12)
     rng = np.random.default_rng(1)
     lengths = [int(rng.integers(1, 7)) for _ in prompts]
-    scheduler = Scheduler(Engine(model, num_slots=4000, mode=mode), batch_tokens=200,
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode=mode)), batch_tokens=200,
                           chunk_tokens=64)
     ids = [scheduler.add(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths)]
     outs = _drain(scheduler, ids)
     for request_id, prompt, n in zip(ids, prompts, lengths):
-        alone, _ = Engine(model, num_slots=4000, mode="off").generate(prompt, n)
+        alone, _ = Engine(model, EngineConfig(slots=4000, mode="off")).generate(prompt, n)
         assert outs[request_id] == alone
 
 
 def test_greedy_matches_full_recomputation(model) -> None:
     """The scheduler's greedy tokens equal argmax decoding with full forwards, no cache."""
     prompt = _prompts(2, 1)[0]
-    scheduler = Scheduler(Engine(model, num_slots=2000), chunk_tokens=50)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=2000)), chunk_tokens=50)
     request = scheduler.add(prompt, SamplingParams(max_tokens=5))
     got = _drain(scheduler, [request])[request]
     seq = list(prompt)
@@ -67,7 +68,7 @@ def test_admission_waits_for_slots(model) -> None:
     """With room for about one request at a time, all still finish, never overcommitting."""
     prompts = _prompts(3, 4)
     need = max(p.size for p in prompts) + 4
-    scheduler = Scheduler(Engine(model, num_slots=need + 10, mode="live"))
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=need + 10, mode="live")))
     ids = [scheduler.add(p, SamplingParams(max_tokens=4)) for p in prompts]
     first = scheduler.step()
     assert len(scheduler.running) == 1 and len(scheduler.waiting) == 3
@@ -78,7 +79,7 @@ def test_admission_waits_for_slots(model) -> None:
 
 
 def test_abort_frees_slots(model) -> None:
-    engine = Engine(model, num_slots=3000)
+    engine = Engine(model, EngineConfig(slots=3000))
     scheduler = Scheduler(engine, chunk_tokens=32)
     a = scheduler.add(_prompts(4, 1)[0], SamplingParams(max_tokens=50))
     b = scheduler.add(_prompts(5, 1)[0], SamplingParams(max_tokens=50))
@@ -92,7 +93,7 @@ def test_abort_frees_slots(model) -> None:
 def test_drop_leaves_the_queues_without_touching_the_engine(model) -> None:
     """drop (the server's last resort when abort raises) removes a request from both queues;
     its sequence stays in the engine, which check() still accounts for."""
-    engine = Engine(model, num_slots=3000)
+    engine = Engine(model, EngineConfig(slots=3000))
     scheduler = Scheduler(engine, chunk_tokens=32, max_running=1)
     a = scheduler.add(_prompts(4, 1)[0], SamplingParams(max_tokens=50))
     b = scheduler.add(_prompts(5, 1)[0], SamplingParams(max_tokens=50))
@@ -105,7 +106,7 @@ def test_drop_leaves_the_queues_without_touching_the_engine(model) -> None:
 
 
 def test_rejects_what_can_never_run(model) -> None:
-    scheduler = Scheduler(Engine(model, num_slots=100))
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=100)))
     with pytest.raises(ValueError, match="exceeds the KV pool of 100 tokens"):
         scheduler.add(list(range(90)), SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -173,7 +174,7 @@ def test_requests_sharing_a_document_are_admitted_by_their_plans(model) -> None:
     shared = sum(len(p) + tokens for p in prompts[1:])  # its k_r, the document's included
     admitted = {}
     for name, kr_slots in (("split", first + shared + 8), ("equal", None)):
-        engine = Engine(model, num_slots=first + own + 8, num_kr_slots=kr_slots, mode="live")
+        engine = Engine(model, EngineConfig(slots=first + own + 8, kr_slots=kr_slots, mode="live"))
         scheduler = Scheduler(engine)
         _drain(scheduler, [scheduler.add(prompts[0], SamplingParams(max_tokens=tokens),
                                          resets=[len(prompts[0]) - len(doc)])])

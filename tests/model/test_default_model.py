@@ -80,7 +80,7 @@ def test_commands_default_to_the_embedded_model(tmp_path: Path,
     import irminsul.server
 
     served = {}
-    monkeypatch.setattr(irminsul.server, "serve", lambda model_dir, **_: served.update(
+    monkeypatch.setattr(irminsul.server, "serve", lambda model_dir, config: served.update(
         model_dir=model_dir))
     assert cli.main(["serve", "--device", "cpu"]) == 0
     assert served["model_dir"] == default_model_dir()

@@ -7,6 +7,7 @@ import torch
 from fixtures.engine_scenario import assert_same, poison_graph_inputs, serve_shifted
 from fixtures.tiny_models import build
 
+from irminsul.config import EngineConfig
 from irminsul.model import load_model
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +46,7 @@ def test_cuda_engine_live_pic_and_batching(tmp_path) -> None:
     doc_a, doc_b = rng.integers(0, 97, 300), rng.integers(0, 97, 250)
     source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
     target = np.concatenate([rng.integers(0, 97, 75), doc_b, doc_a, rng.integers(0, 97, 24)])
-    engine = Engine(model, num_slots=4000, mode="live")
+    engine = Engine(model, EngineConfig(slots=4000, mode="live"))
     seq, _ = engine.prefill(source, [40, 340])
     engine.finish(seq)
     seq, last = engine.prefill(target, [75, 325, 625])
@@ -63,7 +64,7 @@ def test_cuda_engine_live_pic_and_batching(tmp_path) -> None:
             outs[out.request_id] += out.new_tokens
     engine.check()
     for request_id, prompt in zip(ids, prompts):
-        alone, _ = Engine(model, num_slots=4000, mode="off").generate(prompt, 4)
+        alone, _ = Engine(model, EngineConfig(slots=4000, mode="off")).generate(prompt, 4)
         assert outs[request_id] == alone
 
 
@@ -90,7 +91,7 @@ def test_paged_forward_never_waits_for_the_device(tmp_path, monkeypatch) -> None
     monkeypatch.setattr(model, "hidden_paged", strict)
     rng = np.random.default_rng(1)
     doc = rng.integers(0, 97, 400)
-    engine = Engine(model, num_slots=4000, mode="live")
+    engine = Engine(model, EngineConfig(slots=4000, mode="live"))
     seq, _ = engine.prefill(np.concatenate([rng.integers(0, 97, 40), doc]), [40])
     engine.finish(seq)
     # A new header (fresh span from 0), the document reused, a tail of 250 (naive form with
@@ -113,15 +114,15 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)  # graphs need bf16 MoE
     served, engines = {}, {}
     for graphs in (False, True):
-        engines[graphs] = Engine(model, num_slots=4000, mode="live", graphs=graphs)
+        engines[graphs] = Engine(model, EngineConfig(slots=4000, mode="live", graphs=graphs))
         if graphs:
             poison_graph_inputs(engines[graphs])
         served[graphs] = serve_shifted(
             engines[graphs], seed=4, headers=(40, 75), docs=(300, 250), question=24,
             requests=lambda source, target, doc_a: [source, target, doc_a], batch_tokens=256,
             chunk_tokens=128, max_tokens=6)
-    assert engines[False].graphs is None
-    assert engines[True].graphs.replays.total() >= 5  # extend, decode (naive_from is 32 here)
+    assert engines[False].runner.graphs is None
+    assert engines[True].runner.graphs.replays.total() >= 5  # extend, decode (naive_from is 32 here)
     assert served[False].pic_tokens >= 500
     # Same arithmetic in bf16, the attention split differently (block rows, key splits): a
     # near-tie among a random model's logits may go either way.

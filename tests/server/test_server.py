@@ -24,10 +24,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from openai import OpenAI
 from fixtures.tiny_server_model import END, EOS, build, sentences
+from openai import OpenAI
 
 from irminsul.cache.markers import MARKER_TEXT
+from irminsul.config import EngineConfig, ServerConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.model import load_model
 from irminsul.server import AsyncEngine, EngineError, build_server
@@ -74,7 +75,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[Server]:
-    app, engine = build_server(model_dir, mode="live", slots=SLOTS, model_name="tiny")
+    config = ServerConfig(model_name="tiny", dtype="float32", device="cpu",
+                          engine=EngineConfig(mode="live", slots=SLOTS))
+    app, engine = build_server(model_dir, config)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -362,7 +365,7 @@ def test_engine_error_fails_the_request_and_serving_goes_on(server: Server) -> N
 def test_async_engine_generate_abort_and_shutdown(model_dir: Path) -> None:
     """Directly, without HTTP: a request's outputs, an early exit that aborts, a prompt the pool
     can never hold, and shutdown failing what is in flight."""
-    engine = AsyncEngine(Scheduler(Engine(load_model(model_dir), num_slots=512)))
+    engine = AsyncEngine(Scheduler(Engine(load_model(model_dir), EngineConfig(slots=512))))
     engine.start()
 
     async def main() -> None:

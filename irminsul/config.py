@@ -1,0 +1,106 @@
+"""Every default in one place: how the cache plans, how the engine runs, how the server listens.
+
+Python callers build these and pass them down; the CLI builds them from its flags, so ``--help``
+shows each default once, taken from here. Each layer takes the config of its own concern:
+
+    CacheConfig    the planner (chunking, carve-out, probes, regions, index capacity)
+    EngineConfig   the engine (cache mode, KV slots, batch budgets, kernels, graphs) + its cache
+    ServerConfig   the HTTP server (address, model name, dtype, device) + its engine
+
+``ALGORITHM1`` is the paper's Algorithm 1 exactly (no head probe, no regions): what ``analyze``
+replays, so its figures are the paper's; the engine's default adds the two probes beyond it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["off", "observer", "live"]
+MODES: tuple[Mode, ...] = ("off", "observer", "live")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a prompt is planned (Algorithm 1 and the probes beyond it)."""
+
+    mask_bits: int = 7  # a chunk ends where the Gear hash's low bits are zero: ~128-token chunks
+    min_chunk: int = 32
+    max_chunk: int = 512
+    carve_out: int = 32  # nothing is reused below this position (the attention sink)
+    s1: bool = True  # a missed chunk probes its s1_window-token sub-windows
+    s1_window: int = 128
+    # A missed chunk reuses the longest run its first HEAD_TOKENS start in a registered chunk
+    # (a prompt's last chunk is cut where the prompt ends, so it rarely matches whole).
+    head_probe: bool = True
+    # Each region (tokens between two resets) is looked up whole first, and a region found is
+    # run on along the run of regions it was registered with: a moved document is one hit.
+    regions: bool = True
+    capacity: int | None = None  # tokens per index (radix tree, registry), LRU; None: unbounded
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.mask_bits <= 30:
+            raise ValueError(f"mask_bits must be in [1, 30], got {self.mask_bits}")
+        if not 1 <= self.min_chunk <= self.max_chunk:
+            raise ValueError(f"need 1 <= min_chunk <= max_chunk, got {self.min_chunk} and "
+                             f"{self.max_chunk}")
+        if self.carve_out < 0 or self.s1_window < 1:
+            raise ValueError(f"carve_out must be >= 0 and s1_window >= 1, got {self.carve_out} "
+                             f"and {self.s1_window}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1 token or None, got {self.capacity}")
+
+
+MAX_DEFAULT_SLOTS = 1 << 16  # 64K tokens: ~2 GB of latent rows for DeepSeek-V2-Lite in bf16
+
+
+def default_slots(context: int) -> int:
+    """The KV pool's default size: a few full-context requests, capped for long contexts."""
+    return min(4 * context, MAX_DEFAULT_SLOTS)
+
+
+# The paper's Algorithm 1, as analyze replays it.
+ALGORITHM1 = CacheConfig(head_probe=False, regions=False)
+# Tokens each index of analyze's replay holds: ~124 GB of DeepSeek-V2-Lite KV (27 × 576 × bf16).
+REPLAY_CAPACITY = 4_000_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine serves: cache mode, KV pool, batching, and what runs the forward."""
+
+    mode: Mode = "live"  # off: exact prefix only; observer: record would-be hits; live: serve
+    slots: int | None = None  # c_KV slots (tokens; None: default_slots of the model's context)
+    kr_slots: int | None = None  # k_r slots (None: as many as c_KV); 1/9 of a c_KV row each
+    batch_tokens: int = 2048  # tokens per forward: decode tokens first, then prefill spans
+    chunk_tokens: int = 512  # prompt tokens one request prefills per forward
+    max_running: int = 64  # requests admitted at once
+    kernels: bool | None = None  # Triton kernels (None: on CUDA when triton is installed)
+    graphs: bool | None = None  # CUDA graphs for short spans (None: with kernels, bf16 models)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown cache mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if (self.slots is not None and self.slots < 1) or (self.kr_slots is not None
+                                                            and self.kr_slots < 1):
+            raise ValueError(f"a KV pool needs slots in both spaces, got {self.slots} c_KV and "
+                             f"{self.kr_slots} k_r")
+        if min(self.batch_tokens, self.chunk_tokens, self.max_running) < 1:
+            raise ValueError(f"batch_tokens, chunk_tokens and max_running must be >= 1, got "
+                             f"{self.batch_tokens}, {self.chunk_tokens}, {self.max_running}")
+        if self.graphs and self.kernels is False:
+            raise ValueError("graphs replay the kernel path: they need kernels")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server and the engine behind it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the name clients send (None: the model directory's name)
+    dtype: str = "auto"  # weights and KV (auto: bfloat16 on CUDA, else float32)
+    device: str | None = None  # torch device (None: cuda when available, else cpu)
+    default_max_tokens: int = 1024  # a chat request without max_tokens: this, or what fits
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,288 @@
+"""The cache manager: which KV slots each token's rows live in, and what the indexes keep.
+
+A prompt is planned by the :class:`~irminsul.cache.planner.Planner` (Algorithm 1): exact-prefix
+tokens reuse their slots as they are; a live PIC hit shares the chunk's c_KV slots and gets k_r
+slots of its own, which the model runner fills with the source k_r rotated by δ (a
+:class:`~.batch.Reuse`); everything else — novel chunks, the carve-out — gets fresh slots and is
+computed. New chunks are registered and the prompt inserted into the radix tree; a finished
+sequence is inserted whole.
+
+Modes: ``off`` is exact-prefix only (the SGLang-equivalent baseline); ``observer`` plans and
+records would-be PIC hits but computes them (outputs identical to ``off``); ``live`` reuses them.
+
+Every slot reference is owned by a sequence, a radix node or a registry entry (or is the pool's
+reserved padding slot); when the pool runs out the indexes are evicted (least recently used
+first across both), never what a sequence holds. :meth:`CacheManager.check` verifies the
+accounting. Nothing here touches the device: the model runner moves the rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..cache.planner import Commit, Plan, Planner, Segment
+from ..config import CacheConfig, Mode
+from .batch import ForwardBatch, Reuse
+from .kv_pool import KVPool, PoolExhausted, unpack
+from .sequence import Prefill, Sequence, Stretch
+
+Span = tuple[np.ndarray, np.ndarray]  # tokens and their positions, computed in one forward
+
+
+class CacheManager:
+    """Plans prompts, holds what plans reuse, settles slot references, evicts, checks."""
+
+    def __init__(self, config: CacheConfig, mode: Mode, pool: KVPool, context: int) -> None:
+        """``pool``: the slots (and rows) every sequence and index refers to; ``context``: the
+        model's context in tokens, the longest prompt a plan takes."""
+        self.mode, self.pool, self.context = mode, pool, context
+        self.planner = Planner(config, pic=mode != "off")
+        self.sequences: list[Sequence] = []
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def start_prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
+                      namespace: int = 0) -> Prefill:
+        """Plan a prompt and hold what the plan reuses; :meth:`advance` serves it."""
+        prompt = np.array(tokens if isinstance(tokens, np.ndarray) else list(tokens),
+                          dtype=np.int64)
+        if prompt.size == 0:
+            raise ValueError("empty prompt")
+        if prompt.size > self.context:
+            raise ValueError(f"prompt of {prompt.size} tokens exceeds the model's context of "
+                             f"{self.context}")
+        plan = self.planner.plan(prompt, resets, namespace=namespace)
+        self.planner.acquire(plan)
+        seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
+        seq.stats.prompt_tokens = int(prompt.size)
+        seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
+        self.sequences.append(seq)
+        return Prefill(seq, plan, prompt, self._stretches(plan))
+
+    def advance(self, prefill: Prefill, budget: int) -> tuple[Span | None, list[Reuse]]:
+        """Serve the prefill's cached stretches and give its next ``budget`` tokens fresh slots.
+        Returns those tokens and their positions (several spans when reused stretches lie
+        between them; None when nothing is left to compute) and the reuses whose rows the model
+        runner must rotate before that forward.
+
+        Cached stretches cost no budget and do not depend on computed ones, so they are all
+        served as they come: one forward computes every novel span up to the budget, each
+        attending to the rows before it (reused rows are in place by then; earlier spans' rows
+        are stored layer by layer in the same forward)."""
+        seq, stretches = prefill.seq, prefill.stretches
+        positions: list[np.ndarray] = []
+        reuses: list[Reuse] = []
+        pieces, served = [seq.handles], len(seq.handles)  # one concatenation at the end
+        try:
+            while stretches:
+                kind, start, end, hits = stretches[0]
+                start = max(start, served)
+                if start >= end:
+                    stretches.popleft()
+                    continue
+                if kind == "compute":
+                    if budget <= 0:
+                        break
+                    stop = min(end, start + budget)
+                    self.make_room(stop - start)
+                    pieces.append(self.pool.alloc(stop - start))
+                    seq.stats.prefilled_tokens += stop - start
+                    positions.append(np.arange(start, stop))
+                    budget -= stop - start
+                    served = stop
+                    continue
+                stretches.popleft()  # cached stretches are served whole
+                if kind == "prefix":
+                    pieces.append(prefill.plan.prefix.handles[start:end])
+                    seq.owed.append(pieces[-1])
+                    seq.stats.prefix_tokens += end - start
+                else:
+                    handles, reuse = self._share(seq, hits)
+                    pieces.append(handles)
+                    reuses.append(reuse)
+                    seq.stats.pic_tokens += end - start
+                served = end
+        finally:  # what was served belongs to the sequence, whatever happens next
+            if len(pieces) > 1:
+                seq.handles = np.concatenate(pieces)
+        if not positions:
+            return None, reuses
+        at = np.concatenate(positions)
+        return (prefill.prompt[at], at), reuses
+
+    def complete_prefill(self, prefill: Prefill) -> None:
+        """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
+        self.settle(prefill.seq)  # before the plan's locks go
+        try:
+            self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
+        finally:
+            self.planner.release(prefill.plan)
+
+    def abort_prefill(self, prefill: Prefill) -> None:
+        """Give up a prefill: drop its references, keep the indexes as they were."""
+        self.settle(prefill.seq)  # while the plan's locks still hold what it is owed
+        self.planner.release(prefill.plan)
+        self.finish(prefill.seq, remember=False)
+
+    def _stretches(self, plan: Plan) -> deque[Stretch]:
+        """The plan as stretches. Adjacent computed segments fuse into one, so observer mode
+        runs exactly the forwards that off mode runs; consecutive live hits fuse into one reuse
+        (one gather-rotate-scatter); and the last token is always computed, since its logits
+        start the generation."""
+        stretches: list[list] = []  # [kind, start, end, hits], mutable while fusing
+        for seg in plan.segments:
+            kind = ("prefix" if seg.kind == "prefix" else
+                    "reuse" if seg.kind == "hit" and self.mode == "live" else "compute")
+            if stretches and kind == stretches[-1][0] and kind != "prefix":
+                stretches[-1][2] = seg.end
+            else:
+                stretches.append([kind, seg.start, seg.end, []])
+            if kind == "reuse":
+                stretches[-1][3].append(seg)
+        kind, start, end, hits = stretches[-1]
+        if kind != "compute":
+            if kind == "reuse":
+                hits[-1] = hits[-1]._replace(end=end - 1)
+            stretches[-1] = [kind, start, end - 1, [h for h in hits if h.size]]
+            stretches.append(["compute", end - 1, end, []])
+        return deque(Stretch(*stretch) for stretch in stretches)
+
+    def _share(self, seq: Sequence, hits: list[Segment]) -> tuple[np.ndarray, Reuse]:
+        """Consecutive hits' tokens as handles sharing their c_KV slots (owed to ``seq``) with
+        fresh k_r slots, and the reuse that fills those with the source k_r rotated by each
+        hit's δ (all layers in one gather-rotate-scatter)."""
+        parts, deltas, sizes = [], [], []
+        for hit in hits:  # some 500 hits at 32K: one plain loop
+            parts.append(hit.entry.handles[hit.offset:hit.offset + hit.size])
+            deltas.append(hit.delta)
+            sizes.append(hit.size)
+        source = np.concatenate(parts)
+        self.make_room(0, len(source))
+        ckv, kr_src = unpack(source)
+        handles = self.pool.alloc_kr(ckv, retain=False)
+        seq.owed_ckv.append(ckv)
+        return handles, Reuse(kr_src, unpack(handles)[1], np.repeat(deltas, sizes))
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def begin_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]]
+                    ) -> tuple[ForwardBatch, list[np.ndarray | None]]:
+        """Slots for a forward over (sequence, tokens, positions) items: a prefill's tokens at
+        the positions :meth:`advance` gave slots to, or new tokens appended at the sequence's
+        end (a decode step, a teacher-forced continuation), which get fresh slots now. Returns
+        the batch and each item's appended handles (None for a prefill's), for
+        :meth:`end_batch`."""
+        appended: list[np.ndarray | None] = []
+        self.make_room(sum(len(tokens) for seq, tokens, at in work
+                           if int(at[0]) >= len(seq.handles)))
+        try:
+            keys, new, positions = [], [], []
+            for seq, tokens, at in work:
+                at = np.asarray(at, dtype=np.int64)
+                positions.append(at)
+                if len(tokens) != len(at) or len(at) == 0:
+                    raise ValueError("need one position per token")
+                if at[0] >= len(seq.handles):  # appended at the end: fresh slots now
+                    if at[0] != len(seq.handles) or (np.diff(at) != 1).any():
+                        raise ValueError(f"appended tokens must continue the sequence at "
+                                         f"{len(seq.handles)}, got positions from {int(at[0])}")
+                    appended.append(self.pool.alloc(len(at)))
+                    keys.append(np.concatenate([seq.handles, appended[-1]]))
+                else:
+                    if at[-1] >= len(seq.handles):
+                        raise ValueError("positions past the sequence's slots")
+                    appended.append(None)
+                    keys.append(seq.handles)
+                new.append(keys[-1][at])
+        except BaseException:
+            self._release_appended(appended)
+            raise
+        tokens = np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in work])
+        return ForwardBatch(tokens, positions, keys, np.concatenate(new)), appended
+
+    def end_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]],
+                  appended: list[np.ndarray | None], ok: bool) -> None:
+        """After the batch's forward is issued (``ok``) or failed: count what its sequences are
+        owed (the host counts while the device runs), and give appended tokens their slots, or
+        free them."""
+        for seq, _, _ in work:
+            self.settle(seq)
+        if not ok:
+            self._release_appended(appended)
+            return
+        for (seq, _, _), handles in zip(work, appended):
+            if handles is not None:
+                seq.handles = np.concatenate([seq.handles, handles])
+
+    def _release_appended(self, appended: list[np.ndarray | None]) -> None:
+        for handles in appended:
+            if handles is not None:
+                self.pool.release(handles)
+
+    # -- sequences -------------------------------------------------------------------------------
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A second sequence sharing every KV slot of ``seq`` so far (one more reference each)."""
+        if seq.finished:
+            raise ValueError("cannot fork a finished sequence")
+        self.settle(seq)
+        twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats)
+        self.pool.retain(twin.handles)
+        self.sequences.append(twin)
+        return twin
+
+    def finish(self, seq: Sequence, *, remember: bool = True) -> None:
+        """Insert the finished sequence into the radix tree, then drop its own references."""
+        if seq.finished:
+            return
+        self.settle(seq)
+        if remember and seq.handles.size == len(seq.tokens):
+            self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace))
+        self.pool.release(seq.handles)
+        seq.finished = True
+        self.sequences.remove(seq)
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def settle(self, seq: Sequence) -> None:
+        """Count the references ``seq`` is owed (:attr:`Sequence.owed`)."""
+        if seq.owed or seq.owed_ckv:
+            self.pool.retain_slots(*seq.owed_slots())
+            seq.owed, seq.owed_ckv = [], []
+
+    def _apply(self, commit: Commit) -> None:
+        # One retain and one release for all of a commit's arrays: each counts its slots once.
+        if commit.held:
+            self.pool.retain(np.concatenate(commit.held))
+        if commit.freed:
+            self.pool.release(np.concatenate(commit.freed))
+
+    def make_room(self, ckv: int, kr: int | None = None) -> None:
+        """Evict index entries (never what a sequence holds) until ``ckv`` c_KV and ``kr`` k_r
+        slots are free (default: as many; ``make_room(n)``: n fresh tokens)."""
+        kr = ckv if kr is None else kr
+        pool = self.pool
+        while pool.ckv_slots.free < ckv or pool.kr_slots.free < kr:
+            short = max(ckv - pool.ckv_slots.free, kr - pool.kr_slots.free)
+            freed = self.planner.evict(short)
+            if not freed:
+                raise PoolExhausted(f"KV pool full: {ckv} c_KV and {kr} k_r slots needed, "
+                                    f"{pool.ckv_slots.free} and {pool.kr_slots.free} free, "
+                                    "nothing evictable")
+            pool.release(np.concatenate(freed))
+
+    def references(self) -> list[np.ndarray]:
+        """Every handle array that holds a slot reference: sequences, radix nodes, registry."""
+        refs = [self.pool.reserved] + [seq.handles for seq in self.sequences]
+        refs += list(self.planner.radix.values())
+        refs += [entry.handles for entry in self.planner.registry.entries()]
+        return refs
+
+    def check(self) -> None:
+        """Verify that every slot is free or referenced exactly as often as it is counted (the
+        references sequences are owed not yet)."""
+        owed = [seq.owed_slots() for seq in self.sequences]
+        self.pool.check(self.references(), uncounted=([c for c, _ in owed], [k for _, k in owed]))

@@ -1,0 +1,148 @@
+"""The model runner: one forward over the KV pool's rows per batch, and the δ-rotation of reuses.
+
+It owns the model, the pool's row tensors, the kernels' choice, the CUDA graphs and the rotation,
+and knows nothing of plans, sequences or slot accounting: the cache manager names every slot
+(:mod:`.batch`), the runner moves rows. It is the unit one GPU runs.
+
+A batch is a list of contiguous spans, each attending to its sequence's rows up to its last
+position. On CUDA short spans run in the paged Triton kernel, which reads the pool in place, and
+a batch of them only replays a CUDA graph (:mod:`.graphs`); long spans (fresh prefills among
+them) and everything off the GPU run in plain torch over context gathered from the pool.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..device import upload
+from ..model import MLAModel
+from ..model.mla import naive_from
+from ..model.paged import PagedKV
+from .batch import ForwardBatch, Reuse
+from .kv_pool import unpack
+
+if TYPE_CHECKING:
+    from .graphs import CudaGraphs
+    from .rotation import Rotation
+
+
+def default_kernels(model: MLAModel) -> bool:
+    """Whether a runner runs the Triton kernels by default: on a CUDA device with triton."""
+    return (model.lm_head.weight.device.type == "cuda"
+            and importlib.util.find_spec("triton") is not None)
+
+
+def default_graphs(model: MLAModel, kernels: bool) -> bool:
+    """Whether a runner replays CUDA graphs by default: with the kernels on CUDA, for bfloat16
+    models (grouped GEMM in float32 reads expert offsets on the host) whose attention heads fill
+    16-row blocks."""
+    weight = model.lm_head.weight
+    return (kernels and weight.device.type == "cuda" and weight.dtype == torch.bfloat16
+            and model.config.num_attention_heads % 16 == 0)
+
+
+def resolve_backend(model: MLAModel, kernels: bool | None, graphs: bool | None
+                    ) -> tuple[bool, bool]:
+    """(kernels, graphs) for a model: the config's choices, their defaults where None."""
+    kernels = default_kernels(model) if kernels is None else kernels
+    graphs = default_graphs(model, kernels) if graphs is None else graphs
+    if graphs and not kernels:
+        raise ValueError("graphs replay the kernel path: they need kernels=True")
+    weight = model.lm_head.weight
+    if graphs and weight.device.type == "cuda" and weight.dtype != torch.bfloat16:
+        raise ValueError(f"CUDA graphs need a bfloat16 model, not {weight.dtype}: grouped GEMM "
+                         "in other dtypes reads the expert offsets on the host")
+    return kernels, graphs
+
+
+class ModelRunner:
+    """Runs forwards and rotations over one pool's rows ``ckv`` / ``kr`` [layers, slots, ·]."""
+
+    def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *, kernels: bool,
+                 graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None) -> None:
+        """``kernels`` / ``graphs``: as :func:`resolve_backend` gives them; ``rotation``: make
+        the captured rotation (only live engines reuse rows); ``scratch``: a (c_KV, k_r) slot
+        pair outside the cache's capacity that graphs write their padding rows to."""
+        self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
+        self._naive_from = naive_from(model.config)
+        self._rotation: Rotation | None = None
+        if kernels and rotation:
+            from .rotation import Rotation  # needs triton
+
+            # A reuse rotates at most a prompt's worth of rows.
+            self._rotation = Rotation(kr, model.rotary, model.config.max_position_embeddings)
+        self.graphs: CudaGraphs | None = None
+        if graphs:
+            from .graphs import CudaGraphs  # needs triton
+
+            if scratch is None:
+                raise ValueError("graphs need a scratch slot pair for their padding rows")
+            self.graphs = CudaGraphs(model, ckv, kr, scratch)
+
+    @property
+    def graph_replays(self) -> int:
+        """Forwards served by replaying a CUDA graph so far."""
+        return sum(self.graphs.replays.values()) if self.graphs is not None else 0
+
+    def rotate(self, reuse: Reuse) -> None:
+        """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src`` rotated
+        by ``deltas`` (queued on the current stream, ahead of the forward that reads them)."""
+        if self._rotation is not None:
+            self._rotation(*reuse)
+            return
+        src, dst, deltas = reuse
+        device = self.kr.device
+        base = self.kr[:, upload(src, device)].transpose(0, 1)  # [tokens, layers, rope]
+        rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas))
+        self.kr[:, upload(dst, device)] = rotated.transpose(0, 1)
+
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
+        """Each item's logits: [n, vocab] with ``all_logits``, else [1, vocab] for its last
+        token. Every new token's latent rows are stored in its slot, layer by layer, before it
+        attends; spans of one item see each other's rows within the forward.
+
+        The batch splits into contiguous spans: short ones through the kernel when there is one
+        (one launch per layer for all of them, context or not), the rest in torch over context
+        gathered from the pool. A batch of kernel spans only replays a graph where there are
+        graphs."""
+        device = self.ckv.device
+        kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, c_KV, k_r slots)
+        for at, seq_keys in zip(batch.positions, batch.keys):
+            for rows in np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1):
+                first, n = int(at[rows[0]]), len(rows)  # one span: n positions from first
+                span = slice(offset + int(rows[0]), offset + int(rows[0]) + n)
+                if self.kernels and n < self._naive_from:
+                    kernel.append((rows + offset, n, *unpack(seq_keys[:first + n])))
+                else:
+                    gathered.append((span, seq_keys[:first]))
+            offset += len(at)
+        lengths = batch.lengths
+        at = np.concatenate(batch.positions)
+        last = None if all_logits else np.cumsum(lengths) - 1
+        new_ckv, new_kr = unpack(batch.new)
+        if (self.graphs is not None and not gathered
+                and self.graphs.fits(len(at), sum(len(c) for _, _, c, _ in kernel))):
+            hidden, rows = self.graphs.hidden(batch.tokens, at, new_ckv, new_kr,
+                                              [(n, c, r) for _, n, c, r in kernel], last)
+            return self.model.head(hidden, lengths, rows)
+        layout = None
+        if kernel:
+            from ..kernels import PagedLayout  # needs triton: only with kernels
+
+            layout = PagedLayout.build([n for _, n, _, _ in kernel], [c for _, _, c, _ in kernel],
+                                       [r for _, _, _, r in kernel],
+                                       self.model.config.num_attention_heads, device)
+        take = (upload(np.concatenate([rows for rows, _, _, _ in kernel]), device)
+                if kernel and gathered else None)
+        context = []
+        for span, handles in gathered:
+            slots = [upload(s, device) for s in unpack(handles)] if handles.size else [None, None]
+            context.append((span, *slots))
+        kv = PagedKV(self.ckv, self.kr, upload(new_ckv, device), upload(new_kr, device), layout,
+                     take, context)
+        hidden = self.model.hidden_paged(upload(batch.tokens, device), upload(at, device), kv)
+        return self.model.head(hidden, lengths, None if last is None else upload(last, device))
