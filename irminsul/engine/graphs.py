@@ -169,8 +169,8 @@ class CudaGraphs:
         # launch also caps them by the longest request; here the cap is fixed: 64 per request).
         splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
         rows, _, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket)
-        layout = PagedLayout(keys_c, keys_r, None, table, blocks[0], blocks[1], bucket,
-                             self.heads, block_rows(bucket), splits)
+        layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket, self.heads,
+                             block_rows(bucket), splits)
         kv = PagedKV(self.ckv, self.kr, rows[2], rows[3], layout, None, [])
 
         def forward() -> torch.Tensor:

@@ -3,9 +3,9 @@
 A reuse's rows — source slots, fresh slots, δs — go to the device through one staging buffer
 laid out ``[n | src | dst | δ]`` (:class:`~.staging.Staging`: no pinning, one copy), and the
 rotation kernel reads its row count there. So on CUDA its launch is captured once, as a graph
-sized for the longest prompt, and every reuse replays it: launching the Triton kernel from
-Python costs 150–250 µs of host time on the lent H200 machines, on the path to the forward
-the request is waiting for.
+sized for the longest prompt, and every reuse replays it: launching a Triton kernel from Python
+(binding its arguments, finding the compiled variant) costs host time on the path to the forward
+the request is waiting for, and a replay is one driver call.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class Rotation:
 
     def __init__(self, kr: torch.Tensor, rotary: Rotary, max_rows: int) -> None:
         self.kr, self.rotary, self.max_rows = kr, rotary, max_rows
+        # The kernel's view of the rotary, its δ tables made on the pool's device once, here.
+        self._rotary_args = rotary.kernel_args(kr.device)
         self.staging = Staging(kr.device, 1 + 3 * max_rows)
         self._graph: torch.cuda.CUDAGraph | None = None
         if kr.device.type == "cuda":
@@ -54,11 +56,11 @@ class Rotation:
 
     def _launch(self, programs: int) -> None:
         buffer = self.staging.buffer
-        rotate_kr(self.kr, buffer[1:], self.rotary, count=buffer[:1], programs=programs,
+        rotate_kr(self.kr, buffer[1:], *self._rotary_args, count=buffer[:1], programs=programs,
                   block=BLOCK)
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """The launch for any count up to ``max_rows``, captured after a launch of none (the
-        buffer's count is still 0: the kernel compiled and the δ tables made, nothing rotated)."""
+        buffer's count is still 0: the kernel compiled, nothing rotated)."""
         programs = min(triton.cdiv(self.max_rows, BLOCK), MAX_PROGRAMS)
         return capture(partial(self._launch, programs))[0]

@@ -3,11 +3,10 @@
 The serve path's per-forward inputs — a reuse's source slots, fresh slots and δs; a graph
 replay's token ids, positions, kernel layout and key slots — are small host arrays the device
 needs before it can run. Uploading each on its own costs a pinning of host memory and a copy
-per array: on the lent H200 machines 0.1–0.4 ms of host time per array (pinning), and on the
-slowest of them 70–170 µs per copy or event call, before a forward the request is waiting for.
-Here the caller writes every array straight into a pinned mirror of one device buffer, at the
-offsets the device reads them from, and a copy per contiguous range sends them: no pinning, one
-or two driver calls.
+per array: a page-locked buffer and a driver call each, host time spent before a forward the
+request is waiting for, and it grows with the number of arrays. Here the caller writes every
+array straight into a pinned mirror of one device buffer, at the offsets the device reads them
+from, and a copy per contiguous range sends them: no pinning, one or two driver calls.
 
 A mirror is written again only once the copy that last read it is done (a CUDA event); with a
 ring of a few mirrors the host waits only when that many copies are still queued behind the

@@ -8,8 +8,9 @@ folded (token, head) → row ``token·H + head``, so a block of rows shares ever
 launch covers a ragged batch of requests (decode steps and prefill segments alike).
 
 Long contexts with few query rows are split along the keys (flash-decoding): each split writes a
-partial output and its log-sum-exp, merged afterwards. With ``fused`` rows, k_r is rotated on load
-by a per-row δ from a shared base (the paper's production variant), using the rotary's δ tables.
+partial output and its log-sum-exp, merged afterwards. Reused k_r rows are read as stored: the
+engine materialises their rotation once per reuse (:mod:`.rotate`), so every read after that is a
+plain load.
 """
 
 from __future__ import annotations
@@ -21,22 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.paged import upload
-from ..model.rope import Rotary
-from .rotate import delta_cos_sin, pair_layout
+from ..device import upload
+from .rotate import pair_layout
 
 SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 
 
 @triton.jit
-def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
+def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
                 heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
                 RANK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-                PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, HI_OFFSET: tl.constexpr,
-                FUSED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
+                PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, SPLIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
+                PRECISION: tl.constexpr):
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(BLK_REQ + blk)
     q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
@@ -74,13 +74,6 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR, KV_DELTA, COS, SIN,
         k_at = KR + r_slot[:, None] * r_stride + pair[None, :] * PAIR_STEP
         k_a = tl.load(k_at, mask=kr_mask, other=0.0)
         k_b = tl.load(k_at + PAIR_SHIFT, mask=kr_mask, other=0.0)
-        if FUSED:
-            delta = tl.load(KV_DELTA + kv0 + keys, mask=key_ok, other=0)
-            cos, sin = delta_cos_sin(delta, COS, SIN, HI_OFFSET, HALF, HALF_P2)
-            a, b = k_a.to(tl.float32), k_b.to(tl.float32)
-            # Round to the pool's dtype, exactly as a materialised rotated row would be stored.
-            k_a = (a * cos - b * sin).to(KR.dtype.element_ty)
-            k_b = (b * cos + a * sin).to(KR.dtype.element_ty)
         s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
         s += tl.dot(q_b, tl.trans(k_b), input_precision=PRECISION)
@@ -119,7 +112,6 @@ class PagedLayout:
 
     kv_ckv: torch.Tensor  # int32 [total keys] c_KV slots
     kv_kr: torch.Tensor  # int32 [total keys] k_r slots
-    kv_delta: torch.Tensor | None  # int32 [total keys] δ to rotate each k_r by on load, or None
     requests: torch.Tensor  # int32 [4, B]: q_start, new, kv_start, kv_len
     block_req: torch.Tensor  # int32 [blocks]: the request of each block of query rows
     block_row0: torch.Tensor  # int32 [blocks]: its first folded row within the request
@@ -130,8 +122,8 @@ class PagedLayout:
 
     @classmethod
     def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
-              device: torch.device | str, kv_delta: list[np.ndarray] | None = None,
-              block_m: int | None = None, splits: int | None = None) -> PagedLayout:
+              device: torch.device | str, block_m: int | None = None,
+              splits: int | None = None) -> PagedLayout:
         """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
         ``kv_kr[i]`` (every key in position order, the new tokens' own rows last), in blocks of
         ``block_m`` query rows (default: 16 for decode-sized batches, else 64), each request's
@@ -150,7 +142,6 @@ class PagedLayout:
             return upload(values, device, np.int32)
 
         return cls(ints(np.concatenate(kv_ckv)), ints(np.concatenate(kv_kr)),
-                   None if kv_delta is None else ints(np.concatenate(kv_delta)),
                    ints(cls.request_table(new, kv_len)), ints(block_req), ints(block_row0),
                    sum(new), heads, block_m, splits)
 
@@ -179,7 +170,7 @@ class TileConfig:
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
         """Every block keeps the whole value width (recomputing q·k per value split costs more
         than it saves); prefill blocks run 8 warps and one stage, the fastest of the shapes
-        benchmarks/kernels.py tries on an H200. float32 tiles are twice the bytes: half the keys
+        benchmarks/gpu/kernels.py tries on an H200. float32 tiles are twice the bytes: half the keys
         per step."""
         wide = dtype == torch.float32
         if block_m == 16:
@@ -188,11 +179,12 @@ class TileConfig:
 
 
 def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
-                        layout: PagedLayout, scale: float, rotary: Rotary,
+                        layout: PagedLayout, scale: float, interleaved: bool,
                         tiles: TileConfig | None = None) -> torch.Tensor:
     """Absorbed attention of queries q [T, H, rank + rope] (q̃_nope | q_rope) over the pool's
     rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
-    dtype (the latent-space output, before W_UV). ``tiles`` overrides the default tile sizes
+    dtype (the latent-space output, before W_UV). ``interleaved``: the rotary's pair layout of
+    q_rope and k_r (:func:`~.rotate.pair_layout`). ``tiles`` overrides the default tile sizes
     (split lengths are multiples of 64 keys, so block_n must divide 64)."""
     tokens, heads, width = q.shape
     rank, rope = ckv.shape[1], kr.shape[1]
@@ -205,8 +197,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     tiles = tiles or TileConfig.default(block_m, rank, q.dtype)
     dv = tiles.dv
     half = rope // 2
-    step, shift = pair_layout(rotary)
-    cos, sin = rotary.delta_tables(q.device) if layout.kv_delta is not None else (q, q)
+    step, shift = pair_layout(rope, interleaved)
     rows = tokens * heads
     if layout.splits > 1:
         out = torch.empty(layout.splits, rows, rank, dtype=torch.float32, device=q.device)
@@ -217,12 +208,10 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     grid = (layout.block_req.numel(), layout.splits, rank // dv)
     _mla_kernel[grid](
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
-        layout.kv_delta if layout.kv_delta is not None else layout.kv_ckv, cos, sin,
         layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
         heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
         kr.stride(0), rows, RANK=rank, HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)),
-        PAIR_STEP=step, PAIR_SHIFT=shift, HI_OFFSET=rotary.hi_offset,
-        FUSED=layout.kv_delta is not None, SPLIT=layout.splits > 1, BLOCK_M=block_m,
+        PAIR_STEP=step, PAIR_SHIFT=shift, SPLIT=layout.splits > 1, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, DV=dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:

@@ -14,26 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from ..kernels import PagedLayout
-
-
-def upload(values: np.ndarray, device: torch.device | str, dtype: np.dtype | type = np.int64,
-           *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A host array as a tensor on ``device`` (or copied into ``out`` there). To a GPU through
-    pinned memory, asynchronously: a copy from pageable memory makes the host wait for the
-    device's queue to drain, which would stop the serve path from queueing a forward ahead of
-    the device."""
-    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        tensor = tensor.pin_memory()
-    if out is None:
-        return tensor.to(device, non_blocking=cuda)
-    return out.copy_(tensor, non_blocking=cuda)
 
 
 @dataclass

@@ -12,17 +12,31 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from ..device import upload
 from .config import MLAConfig, RopeConfig
-from .paged import upload
 
 log = logging.getLogger(__name__)
 
 DELTA_LOW_BITS = 10
 DELTA_LOW = 1 << DELTA_LOW_BITS  # fine steps of the δ-rotation tables
+
+
+class KernelRotary(NamedTuple):
+    """A rotary as the δ-rotation kernel takes it (:func:`irminsul.kernels.rotate_kr`'s
+    arguments after the pool and the rows, in this order): tensors and integers only, so the
+    kernels need nothing from the model."""
+
+    cos: torch.Tensor  # float32 [DELTA_LOW + 2·hi_offset + 1, dim/2]: Rotary.delta_tables
+    sin: torch.Tensor  # float32, the same shape
+    hi_offset: int  # coarse rows on each side of δ = 0
+    low_bits: int  # DELTA_LOW_BITS: δ's low bits index the fine rows
+    dim: int  # rope dim: a k_r row's width
+    interleaved: bool  # pairs (2i, 2i+1); else half-split (i, i + dim/2)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -137,6 +151,11 @@ class Rotary:
             self._delta_tables[device] = (upload(np.cos(angles), device, np.float32),
                                           upload(np.sin(angles), device, np.float32))
         return self._delta_tables[device]
+
+    def kernel_args(self, device: torch.device | str) -> KernelRotary:
+        """This rotary as the δ-rotation kernel takes it, its tables on ``device``."""
+        cos, sin = self.delta_tables(device)
+        return KernelRotary(cos, sin, self.hi_offset, DELTA_LOW_BITS, self.dim, self.interleaved)
 
     @property
     def hi_offset(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from fixtures.engine_scenario import assert_same, poison_graph_inputs, serve_shifted
 from fixtures.tiny_models import build
 
+from irminsul.config import EngineConfig
 from irminsul.model import load_model, parse_config
 from irminsul.model.rope import Rotary
 
@@ -90,7 +91,7 @@ def test_rotate_kr_matches_exact_rotation(name: str, dtype: torch.dtype) -> None
     delta = torch.randint(-160000, 160000, (150,), generator=gen, dtype=torch.int32)
     delta[:4] = torch.tensor([0, 1, -1, 1023], dtype=torch.int32)
     kr = kr.to(DEVICE)
-    rotate_kr(kr, torch.cat([src, dst, delta]).to(DEVICE), rotary)
+    rotate_kr(kr, torch.cat([src, dst, delta]).to(DEVICE), *rotary.kernel_args(DEVICE))
     kr = kr.cpu()
     for layer in range(layers):
         want = exact_rotation(rotary, before[layer, src].double().numpy(), delta.numpy())
@@ -179,38 +180,9 @@ def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dt
     for layout in (PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE),
                    PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16, splits=13)):
         got = paged_mla_attention(q.to(DEVICE), ckv.to(DEVICE), kr.to(DEVICE), layout, scale,
-                                  rotary)
+                                  rotary.interleaved)
         assert got.dtype == dtype
         assert (got.cpu().double() - want).abs().max() <= tol * want.abs().max()
-
-
-@pytest.mark.parametrize("name", list(ROTARIES))
-def test_fused_rotation_equals_materialised(name: str) -> None:
-    """Rotation on load from a shared base = attending to rows rotate_kr wrote (same rounding)."""
-    from irminsul.kernels import PagedLayout, paged_mla_attention, rotate_kr
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # see INTERPRETER_BF16
-    rotary = rotary_for(name)
-    rank, heads, slots = ROTARIES[name][0], 4, 1200
-    new, kv_len = [1, 30], [500, 200]
-    rng = np.random.default_rng(4)
-    ckv_idx = [rng.choice(500, k, replace=False) for k in kv_len]
-    base_idx = [rng.choice(500, k, replace=False) for k in kv_len]
-    deltas = [rng.integers(-100000, 100000, k) for k in kv_len]
-    gen = torch.Generator().manual_seed(5)
-    ckv = torch.randn(slots, rank, generator=gen).to(dtype).to(DEVICE)
-    kr = torch.randn(1, slots, rotary.dim, generator=gen).to(dtype).to(DEVICE)
-    q = (torch.randn(sum(new), heads, rank + rotary.dim, generator=gen) * 0.1).to(dtype)
-    q = q.to(DEVICE)
-    fused = PagedLayout.build(new, ckv_idx, base_idx, heads, DEVICE, kv_delta=deltas)
-    got = paged_mla_attention(q, ckv, kr[0], fused, 0.2, rotary)
-    rotated_idx = [500 + np.arange(k) + sum(kv_len[:i]) for i, k in enumerate(kv_len)]
-    for base, dst, delta in zip(base_idx, rotated_idx, deltas):
-        rotate_kr(kr, torch.from_numpy(np.concatenate([base, dst, delta])).to(DEVICE), rotary)
-    plain = PagedLayout.build(new, ckv_idx, rotated_idx, heads, DEVICE)
-    want = paged_mla_attention(q, ckv, kr[0], plain, 0.2, rotary)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
 def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
@@ -221,7 +193,7 @@ def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
     build("v2_lite_like", tmp_path, layers=2)
     model = load_model(tmp_path, device=DEVICE)
     served = {kernels: serve_shifted(
-        Engine(model, num_slots=3000, mode="live", kernels=kernels), seed=6, headers=(40, 45),
+        Engine(model, EngineConfig(slots=3000, mode="live", kernels=kernels)), seed=6, headers=(40, 45),
         docs=(150, 120), question=9, requests=lambda source, target, _: [source, target[:90]],
         batch_tokens=200, chunk_tokens=64, max_tokens=5) for kernels in (False, True)}
     assert served[False].pic_tokens >= 200
@@ -242,14 +214,15 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
     model = load_model(tmp_path, device=DEVICE)
     served, engines = {}, {}
     for graphs in (False, True):
-        engines[graphs] = Engine(model, num_slots=3000, mode="live", kernels=True, graphs=graphs)
+        engines[graphs] = Engine(model, EngineConfig(slots=3000, mode="live", kernels=True,
+                                                     graphs=graphs))
         if graphs:
             poison_graph_inputs(engines[graphs])
         served[graphs] = serve_shifted(
             engines[graphs], seed=8, headers=(40, 29), docs=(120, 90), question=9,
             requests=lambda _, target, doc_a: [target[:60], doc_a[:30]], batch_tokens=64,
             chunk_tokens=24, max_tokens=4)
-    replays = engines[True].graphs.replays  # extend, the scheduler's short spans and steps
+    replays = engines[True].runner.graphs.replays  # extend, the scheduler's short spans and steps
     assert replays.total() >= 5
     assert max(replays) > DECODE_BUCKET  # a bucket of 64-row blocks too
     assert served[False].pic_tokens >= 100  # doc A; doc B starts inside the first 32 positions
@@ -265,7 +238,7 @@ def test_graphs_leave_the_whole_capacity_to_requests(tmp_path) -> None:
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA graphs need bf16
     model = load_model(tmp_path, device=DEVICE, dtype=dtype)
     for graphs in (False, True):
-        engine = Engine(model, num_slots=64, mode="live", kernels=True, graphs=graphs)
+        engine = Engine(model, EngineConfig(slots=64, mode="live", kernels=True, graphs=graphs))
         assert engine.pool.capacity == 64
         scheduler = Scheduler(engine, batch_tokens=64, chunk_tokens=64)
         scheduler.add(np.arange(60) % 97, SamplingParams(max_tokens=4))
