@@ -1,6 +1,6 @@
 """Time `irminsul analyze` on a whole request log (default: the shared mini-swe-agent log).
 
-Target (issue #2): the full mini-swe-agent log, 20,163 requests / ~3e8 prompt tokens, in <= 10
+Target: the full mini-swe-agent log, 20,163 requests / ~3e8 prompt tokens, in <= 10
 minutes on the 2-core CI machine. Prints requests, prompt tokens, wall time, tokens/s and peak RSS.
 """
 
@@ -10,11 +10,14 @@ import argparse
 import json
 import resource
 import time
+from pathlib import Path
 
 from irminsul.analysis.analyze import analyze_log
 from irminsul.traffic.render import ChatRenderer
 
-DEFAULT_LOG = "../shared/traces/mini-swe-agent-gemini3pro.requests.jsonl.xz"
+# The shared traces lie beside the repository, whatever directory the script is run from.
+DEFAULT_LOG = str(Path(__file__).resolve().parents[3] / "shared" / "traces"
+                  / "mini-swe-agent-gemini3pro.requests.jsonl.xz")
 
 
 def main() -> None:

@@ -1,16 +1,17 @@
 """The cache's own host time per live prefill, per TTFT cell, the device work stubbed out.
 
-What live PIC adds on the host to a prefill of issue #5's cells (benchmarks/shift_prompts.py):
+What live PIC adds on the host to a prefill of the GPU suite's TTFT cells
+(benchmarks/gpu/shift_prompts.py):
 before its forward can be issued — planning (radix match, chunking, fingerprints, registry
 lookups) and serving the reused runs (slot allocation, eviction, reference counts) — and after it
 (registering the new chunks, inserting the prompt in the radix tree, finishing the sequence; on a
 GPU the registration overlaps the forward). The engine is the real one, over the tiny stand-in
 model; its forward and its k_r rotation are stubbed, so what is timed is the bookkeeping alone,
 on whatever CPU runs this (on the GPU machine, the one TTFT pays). Phases as
-benchmarks/prefill_profile.py times them; medians over the requests after the warm-ups, in ms.
+benchmarks/gpu/prefill_profile.py times them; medians over the requests after the warm-ups, in ms.
 
-    python benchmarks/cache_host_time.py [--lengths 4096 16384 32768] [--headers 50 2000]
-                                         [--requests 20] [--out F]
+    python benchmarks/cpu/cache_host_time.py [--lengths 4096 16384 32768] [--headers 50 2000]
+                                             [--requests 20] [--out F]
 """
 
 from __future__ import annotations
@@ -19,29 +20,33 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from gpu_common import V2_LITE, AgentText, build_model, run_metadata
-from gpu_ttft import cache_slots
-from prefill_profile import phases
-from shift_prompts import build_requests
 
-from irminsul.engine import Engine
-from irminsul.engine.engine import Sequence
+# The cells, the model and the phase timing are the GPU suite's own: import them as its scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+from common import V2_LITE, AgentText, build_model, run_metadata  # noqa: E402
+from prefill_profile import phases  # noqa: E402
+from shift_prompts import build_requests  # noqa: E402
+from ttft import cache_slots  # noqa: E402
+
+from irminsul.config import EngineConfig  # noqa: E402
+from irminsul.engine import Engine, ModelRunner  # noqa: E402
+from irminsul.engine.batch import ForwardBatch, Reuse  # noqa: E402
 
 PHASES = ("plan", "advance (reuse, alloc)", "commit")
 
 
-class HostOnly(Engine):
-    """The engine with no device work: forwards return zero logits, reuses rotate nothing."""
+class HostOnly(ModelRunner):
+    """A model runner with no device work: forwards return zero logits, reuses rotate nothing."""
 
-    def run_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]], *,
-                  all_logits: bool = False) -> list[torch.Tensor]:
-        return [torch.zeros(len(tokens) if all_logits else 1, 1) for _, tokens, _ in work]
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
+        return [torch.zeros(n if all_logits else 1, 1) for n in batch.lengths]
 
-    def _rotate(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray) -> None:
+    def rotate(self, reuse: Reuse) -> None:
         pass
 
 
@@ -81,8 +86,9 @@ def main() -> None:
         for pattern, header in specs:
             requests = build_requests(pattern, text, length, args.requests + args.warmup,
                                       header=header, seed=length)
-            engine = HostOnly(model, num_slots=cache_slots(length, len(requests)), mode="live",
-                              kernels=False, graphs=False)
+            config = EngineConfig(slots=cache_slots(length, len(requests)), mode="live",
+                                  kernels=False, graphs=False)
+            engine = Engine(model, config, runner=HostOnly)
             row = {"pattern": pattern, "prompt_tokens": length, "header_tokens": header,
                    **cell(engine, requests, args.warmup)}
             rows.append(row)

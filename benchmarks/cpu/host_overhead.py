@@ -1,19 +1,26 @@
-"""Host overhead per forward: DeepSeek-V2-Lite's 27-layer structure at tiny widths, one new token
-against a short context, so the arithmetic is negligible and what is timed is the per-layer work
-of issuing ops (on a GPU: kernel launches). Prints the median time per forward and the number of
+"""Host overhead of the model's plain-torch forward: time and ops dispatched per 1-token forward.
+
+DeepSeek-V2-Lite's 27-layer structure at tiny widths, one new token against a short context, so
+the arithmetic is negligible and what is timed is the per-layer work of issuing ops (on a GPU:
+kernel launches). Prints the median time per forward and the number of
 torch ops dispatched per forward.
 
-    python benchmarks/host_overhead.py [--device cuda]
+    python benchmarks/cpu/host_overhead.py [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from gpu_common import TINY, random_model, timed
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The model builders and the timer are the GPU suite's: import them as its scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+from common import TINY, random_model, timed  # noqa: E402
 
 
 class _Count(TorchDispatchMode):

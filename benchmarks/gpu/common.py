@@ -1,4 +1,4 @@
-"""Shared pieces of the issue #5 benchmarks: the model under test, real agent text, timing.
+"""Shared pieces of the GPU suite and its sections: the model under test, real agent text, timing.
 
 The model is DeepSeek-V2-Lite's exact shapes with random weights made on the device (no
 download), a real checkpoint directory, or (``tiny``) a two-layer stand-in with the same

@@ -1,4 +1,4 @@
-"""NVML energy per prefill for a miss, an exact-prefix hit and a PIC hit (issue #5).
+"""NVML energy per prefill for a miss, an exact-prefix hit and a PIC hit (a GPU suite section).
 
 The paper's Table 1 protocol: the GPU's total-energy counter (mJ) is read at event boundaries,
 3 warm-up and 10 timed readings per cell. NVML integrates power over a ~10 ms window, so an event
@@ -15,10 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from gpu_common import sync
-from gpu_ttft import no_cache
+from common import sync
 from shift_prompts import ShiftRequest
+from ttft import no_cache
 
+from irminsul.config import EngineConfig
 from irminsul.engine import Engine
 from irminsul.model import MLAModel
 
@@ -74,7 +75,8 @@ def prefill_energy(model: MLAModel, requests: list[ShiftRequest], counter: Count
     """
     device = str(model.lm_head.weight.device)
     length = requests[0].prompt.size
-    engines = {name: Engine(model, num_slots=4 * length + 64, mode="live" if name == "live" else "off")
+    engines = {name: Engine(model, EngineConfig(slots=4 * length + 64,
+                                                mode="live" if name == "live" else "off"))
                for name in ("none", "off", "live")}
     namespaces = iter(range(1, 10**9))  # every miss in a namespace of its own
     walk = iter(range(10**9))  # walks the requests: every PIC-hit prefill has a fresh header

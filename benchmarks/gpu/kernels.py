@@ -1,13 +1,13 @@
-"""The attention kernel against the plain-torch path, and fused rotation-on-load against the
-materialised rotation (issue #5), at DeepSeek-V2-Lite's attention shapes (16 heads, 512 + 64).
+"""The attention and rotation kernels at DeepSeek-V2-Lite's attention shapes (16 heads, 512 + 64).
+
+The attention kernel against the plain-torch path, and the rotation kernel that materialises a
+reuse's k_r rows.
 
 Per context length, one layer, median of repeats (each the device time per call of back-to-back
-calls, `gpu_common.per_call`):
+calls, `common.per_call`):
 
     decode     8 requests × 1 new token: torch (gather the rows, SDPA over head-folded queries)
-               vs the kernel reading the pool in place, with k_r materialised (rotated copies)
-               or fused (a shared base rotated on load by a per-row δ); plus what the
-               materialisation costs once per reuse (gather–rotate–scatter of every k_r row)
+               vs the kernel reading the pool in place, k_r materialised (rotated copies)
     prefill    one 512-token novel segment attending to the whole context, torch vs kernel (and a few
                other tile shapes for the kernel)
     spans      a PIC prefill's novel spans (a 30-token line and the last token) against the whole
@@ -16,7 +16,12 @@ calls, `gpu_common.per_call`):
                (its keys, the 50 before it and itself) and the last token (every key), at the
                32-token graph's launch (64-row blocks, 33 splits) and with 16-row blocks; and the
                split merge alone, which every launch with splits ends with
-    rotation   the materialisation at a few launch shapes (tokens and layers per program, warps)
+    rotation   what the materialisation costs once per reuse (gather–rotate–scatter of every
+               k_r row, every layer) at a few launch shapes (tokens and layers per program, warps)
+
+Rotating k_r on load inside the attention kernel instead was measured and dropped:
+slower per read than materialised rows, which every decode step reads again (the "kernel fused"
+rows of docs/results/gpu-kernels.json).
 
 Prints a table and writes JSON (``--out``).
 """
@@ -30,7 +35,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_common import V2_LITE, per_call, percentiles, run_metadata
+from common import V2_LITE, per_call, percentiles, run_metadata
 from triton.runtime.errors import OutOfResources
 
 from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention, rotate_kr
@@ -70,6 +75,7 @@ def measure(context: int, repeats: int) -> dict:
     scale = softmax_scale(parse_config(V2_LITE))
     batch, room = 8, 600  # requests, slots for each request's new tokens
     slots, device = context + batch * room + batch * (context + room), "cuda"
+    interleaved, rotary_args = rotary.interleaved, rotary.kernel_args(device)
     gen = torch.Generator(device=device).manual_seed(0)
     ckv = torch.randn(slots, RANK, device=device, generator=gen).bfloat16()
     kr = torch.randn(1, slots, ROPE, device=device, generator=gen).bfloat16()
@@ -91,32 +97,30 @@ def measure(context: int, repeats: int) -> dict:
         shared = rng.permutation(context)  # one shifted body, shared c_KV, scattered slots
         ckv_idx = [np.concatenate([shared[:b], context + i * room + np.arange(n)])
                    for i, (n, b) in enumerate(zip(new, before))]
-        base = [c.copy() for c in ckv_idx]  # fused: every request reads the shared k_r base
+        base = [c.copy() for c in ckv_idx]  # the shared k_r rows a reuse rotates from
         own = [context + batch * room + i * (context + room) + np.arange(len(c))
                for i, c in enumerate(ckv_idx)]  # materialised: each request's rotated copy
         deltas = [rng.integers(-4000, 4000, len(c)) for c in ckv_idx]
         q = (torch.randn(sum(new), HEADS, RANK + ROPE, device=device, generator=gen) * 0.1)
         q = q.bfloat16()
         plain = PagedLayout.build(new, ckv_idx, own, HEADS, device)
-        fused = PagedLayout.build(new, ckv_idx, base, HEADS, device, kv_delta=deltas)
         cidx = [torch.from_numpy(c).to(device) for c in ckv_idx]
         ridx = [torch.from_numpy(r).to(device) for r in own]
         run(f"{phase} torch", partial(torch_attention, q, ckv, kr[0], cidx, ridx, new, scale))
-        run(f"{phase} kernel", partial(paged_mla_attention, q, ckv, kr[0], plain, scale, rotary))
-        run(f"{phase} kernel fused", partial(paged_mla_attention, q, ckv, kr[0], fused, scale,
-                                             rotary))
+        run(f"{phase} kernel", partial(paged_mla_attention, q, ckv, kr[0], plain, scale,
+                                       interleaved))
         if phase == "prefill":  # the prefill tiles are the open question: try a few
             for block_m, tiles in PREFILL_TILES:
                 layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m)
                 run(f"prefill m{block_m} n{tiles.block_n} dv{tiles.dv} w{tiles.num_warps} "
                     f"s{tiles.num_stages}", partial(paged_mla_attention, q, ckv, kr[0], layout,
-                                                    scale, rotary, tiles))
+                                                    scale, interleaved, tiles))
         launches = {"spans": GRAPH_LAUNCHES, "line": LINE_LAUNCHES}.get(phase, [])
         for block_m, splits in launches:
             layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m,
                                        splits=splits)
             run(f"{phase} m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
-                                                         layout, scale, rotary))
+                                                         layout, scale, interleaved))
         if phase == "line":
             splits, rows = LINE_LAUNCHES[0][1], sum(new) * HEADS
             partial_out = torch.randn(splits, rows, RANK, device=device, generator=gen)
@@ -129,7 +133,7 @@ def measure(context: int, repeats: int) -> dict:
     nbytes = 2 * len(base[0]) * layers * ROPE * pool.element_size()
     for block, group, warps in ROTATE_SHAPES:
         label = f"materialise (27 layers) b{block} g{group} w{warps}"
-        run(label, partial(rotate_kr, pool, rot, rotary, block=block, group=group,
+        run(label, partial(rotate_kr, pool, rot, *rotary_args, block=block, group=group,
                            num_warps=warps))
         row[f"{label} GB/s"] = nbytes / (row[label]["p50_ms"] / 1e3) / 1e9
     return row

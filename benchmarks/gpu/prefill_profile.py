@@ -11,7 +11,7 @@ For one TTFT cell (pattern, prompt length), after the cell's warm-up requests:
     ops      the top operators of one request by host time and by device time (torch.profiler),
              and the device time of the ideal forward of the same request
 
-    python benchmarks/prefill_profile.py [--pattern agent_meta] [--length 16384] [--samples 5]
+    python benchmarks/gpu/prefill_profile.py [--pattern agent_meta] [--length 16384] [--samples 5]
                                          [--out F.txt]
 """
 
@@ -26,10 +26,11 @@ from collections import Counter
 from contextlib import redirect_stdout
 
 import torch
-from gpu_common import AgentText, build_model, sync, timed
-from gpu_ttft import cache_slots, ideal
+from common import AgentText, build_model, run_metadata, sync, timed
 from shift_prompts import PATTERNS, ShiftRequest, build_requests
+from ttft import cache_slots, ideal
 
+from irminsul.config import EngineConfig
 from irminsul.engine import Engine
 
 
@@ -103,15 +104,17 @@ def main() -> None:
     text = AgentText(model.config.vocab_size)
     requests = build_requests(args.pattern, text, args.length, args.warmup + args.samples + 2,
                               header=args.header, seed=args.length)
-    live = Engine(model, num_slots=cache_slots(args.length, len(requests)), mode="live")
-    floor = Engine(model, num_slots=4 * args.length + 64, mode="off")
+    live = Engine(model, EngineConfig(slots=cache_slots(args.length, len(requests)), mode="live"))
+    floor = Engine(model, EngineConfig(slots=4 * args.length + 64, mode="off"))
     reference, _ = floor.prefill(requests[0].prompt, namespace=-1)
     for request in requests[:args.warmup]:
         phases(live, request)
         ideal(floor, reference, request)
     report = io.StringIO()
     with redirect_stdout(report):
-        print(f"{args.pattern} L={args.length} H={args.header}, {torch.cuda.get_device_name()}")
+        meta = run_metadata("cuda")  # the report reads the run's date and software from this line
+        print(f"{args.pattern} L={args.length} H={args.header}, {meta['device']}, "
+              f"torch {meta['torch']}, {meta['date']}")
         sampled = requests[args.warmup:args.warmup + args.samples]
         samples = [phases(live, request) for request in sampled]
         timing = {name: statistics.median(t[name] for t in samples) for name in samples[0]}

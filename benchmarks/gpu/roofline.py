@@ -1,4 +1,4 @@
-"""Measured peaks and how close the prefill and the δ-rotation come to them (issue #5).
+"""Measured peaks and how close the prefill and the δ-rotation come to them (a GPU suite section).
 
 Peaks are measured on the machine, not taken from a datasheet: bf16 dense matmul TFLOP/s
 (8192³ ``torch.matmul``) and device-to-device copy bandwidth (read + write bytes). A fresh prefill
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_common import CallTime, per_call, sync
+from common import CallTime, per_call, sync
 
 from irminsul.model import MLAModel
 from irminsul.model.config import MLAConfig
@@ -82,7 +82,7 @@ def prefill_efficiency(model: MLAModel, ids: torch.Tensor, peak_tflops: float,
 
 
 def torch_rotate(kr: torch.Tensor, rot: torch.Tensor, rotary: Rotary) -> None:
-    """The engine's plain-torch gather–rotate–scatter (``Engine._rotate`` without the kernels)."""
+    """The engine's plain-torch gather–rotate–scatter (``ModelRunner.rotate`` without the kernels)."""
     src, dst, delta = rot.view(3, -1)
     base = kr[:, src].transpose(0, 1)  # [tokens, layers, rope_dim]
     kr[:, dst] = rotary.rotate(base, delta).transpose(0, 1)
@@ -97,7 +97,12 @@ def rotate_implementations(device: str) -> dict[str, RotateFn]:
         from irminsul.kernels import rotate_kr
     except ImportError:  # no triton or no kernel yet
         return found
-    found["triton"] = rotate_kr
+
+    def triton_rotate(kr: torch.Tensor, rot: torch.Tensor, rotary: Rotary) -> None:
+        """The kernel, the rotary unpacked into its plain arguments (as the engine does)."""
+        rotate_kr(kr, rot, *rotary.kernel_args(kr.device))
+
+    found["triton"] = triton_rotate
     return found
 
 

@@ -1,4 +1,6 @@
-"""KV memory per session when N concurrent sessions share position-shifted content (issue #5).
+"""KV memory per session when N concurrent sessions share position-shifted content.
+
+The GPU suite's ``memory`` section; it counts slots, so it also runs alone on a CPU.
 
 N agent sessions are live at once, each holding a prompt made of its own per-agent header (H
 tokens) and the same body of real agent text. Exact-prefix caching (``off``) cannot share the body
@@ -12,7 +14,7 @@ What that buys at a fixed memory budget: how many such sessions a pool of B byte
 with exact prefixes only, and live with k_r slot spaces of 1 (equal spaces), 4, 8, ... k_r slots
 per c_KV slot — sessions are prefilled and held until the pool is exhausted.
 
-    python benchmarks/session_memory.py [--sessions 1 8 32] [--budget-mb 1024] [--ratios 1 4 8 12 16]
+    python benchmarks/gpu/session_memory.py [--sessions 1 8 32] [--budget-mb 1024] [--ratios 1 4 8 12 16]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import numpy as np
 import torch
 
+from irminsul.config import EngineConfig
 from irminsul.engine import Engine, PoolExhausted
 from irminsul.model import MLAModel, parse_config
 from irminsul.traffic.logs import sample_logs
@@ -66,7 +69,7 @@ def session_bytes(sessions: list[int], body_tokens: int = 4096, header: int = 25
     for n in sessions:
         row: dict[str, float] = {"sessions": n, "body_tokens": body_tokens, "header_tokens": header}
         for mode in ("off", "live"):
-            engine = Engine(model, num_slots=(body_tokens + header + 8) * (n + 1), mode=mode)
+            engine = Engine(model, EngineConfig(slots=(body_tokens + header + 8) * (n + 1), mode=mode))
             for i in range(n):
                 engine.prefill(_session(text, body_tokens, header, i), [header])  # held: live
             used = {space: int((slots.refs > 0).sum()) for space, slots in
@@ -87,8 +90,7 @@ def sessions_held(budget_bytes: int, ratios: list[float], body_tokens: int = 409
     rows = []
     for mode, ratio in [("off", 1.0)] + [("live", float(r)) for r in ratios]:
         ckv_slots = int(budget_bytes / (ROW_BYTES["ckv"] + ratio * ROW_BYTES["kr"]))
-        engine = Engine(model, num_slots=ckv_slots, num_kr_slots=int(ratio * ckv_slots),
-                        mode=mode)
+        engine = Engine(model, EngineConfig(slots=ckv_slots, kr_slots=int(ratio * ckv_slots), mode=mode))
         held = 0
         while (body_tokens + (held + 1) * header) <= text.size:
             try:

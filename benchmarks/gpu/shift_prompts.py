@@ -1,7 +1,7 @@
-"""Token-level partition-shift requests of an exact prompt length (issue #5's TTFT cells).
+"""Token-level partition-shift requests of an exact prompt length: the GPU suite's TTFT cells.
 
 The patterns of :mod:`irminsul.traffic.workloads`, built straight as token ids of real agent text
-(:class:`gpu_common.AgentText`) so that every prompt has exactly the cell's length:
+(:class:`common.AgentText`) so that every prompt has exactly the cell's length:
 
     agent_meta  one of AGENTS personas (H tokens) and a per-request line (request id, time) before
                 the shared body; the exact prefix stops at the line (or earlier, on a new agent).
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gpu_common import AgentText
+from common import AgentText
 
 from irminsul.cache.radix import common_prefix
 from irminsul.traffic.render import ChatRenderer

@@ -1,14 +1,14 @@
-"""Issue #5's benchmark on one GPU: every figure in one run, written as one JSON.
+"""The GPU suite: every serving figure of one GPU in one run, written as one JSON.
 
 Sections: TTFT cells (agent_meta at each H, sysvar, rerank; per prompt length), NVML energy per
 prefill (miss / prefix hit / PIC hit), measured peaks and the prefill's and rotation's share of
 them, decode tokens/s PIC live vs off, KV bytes per session at N concurrent sessions, and the
 transformers ``generate`` baseline. The JSON is rewritten after every section, so a run cut short
-keeps what it finished. ``benchmarks/results_table.py`` renders it as the README's table.
+keeps what it finished. ``benchmarks/report.py`` renders it into docs/performance.md.
 
-    python benchmarks/issue5.py --out docs/results/DATE-h200-issue5.json [--quick]
-    python benchmarks/issue5.py --device cpu --tiny --out /tmp/smoke.json   # CI-sized
-    python benchmarks/issue5.py --sections ttft --patterns rerank --out F.json  # some cells
+    python benchmarks/gpu/suite.py --out docs/results/gpu-suite.json [--quick]
+    python benchmarks/gpu/suite.py --device cpu --tiny --out /tmp/smoke.json   # CI-sized
+    python benchmarks/gpu/suite.py --sections ttft --patterns rerank --out F.json  # some cells
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ from functools import partial
 from typing import Any
 
 import energy
-import gpu_ttft
 import roofline
 import session_memory
 import torch
-from gpu_common import AgentText, build_model, model_config, run_metadata
+import ttft
+from common import AgentText, build_model, model_config, run_metadata
 from shift_prompts import PATTERNS, build_requests
 
-from irminsul.engine.engine import default_graphs, default_kernels
+from irminsul.engine.model_runner import default_graphs, default_kernels
 
 SECTIONS = ("ttft", "energy", "roofline", "decode", "memory", "transformers")
 
 
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """Problem sizes: the issue's, fewer for ``--quick``, CI-sized for ``--tiny``."""
+    """Problem sizes: the full run's, fewer for ``--quick``, CI-sized for ``--tiny``."""
     if args.tiny:
         return dict(lengths=[256], headers=[50], requests=3, warmup=1, energy_length=256,
                     energy_batch=1, decode=[256], decode_batch=2, decode_tokens=4,
@@ -63,7 +63,7 @@ def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysva
     """Every (length, pattern, H) cell of ``patterns``, printed and saved as it finishes."""
     # A discarded cell first: Triton compiles each kernel variant on first use, which would
     # otherwise land inside the first cell's timed requests.
-    gpu_ttft.ttft_cell(model, build_requests("rerank", text, s["lengths"][0], 4, seed=1), 2)
+    ttft.ttft_cell(model, build_requests("rerank", text, s["lengths"][0], 4, seed=1), 2)
     cells = []
     for length in s["lengths"]:
         specs = [("agent_meta", h) for h in s["headers"]] + [("sysvar", sysvar_depth),
@@ -74,11 +74,11 @@ def ttft_cells(model: torch.nn.Module, text: AgentText, s: dict[str, Any], sysva
             requests = build_requests(pattern, text, length, s["requests"] + s["warmup"],
                                       header=header, seed=length)
             cell = {"pattern": pattern, "header_tokens": header,
-                    **gpu_ttft.ttft_cell(model, requests, s["warmup"])}
+                    **ttft.ttft_cell(model, requests, s["warmup"])}
             cells.append(cell)
             print(f"{pattern:>10} L={length:>6} H={header:>5} served "
                   f"{100 * cell['served']['PIC live']:5.1f}% "
-                  + "  ".join(f"{m} {cell[m]['p50_ms']:7.1f}" for m in gpu_ttft.MODES)
+                  + "  ".join(f"{m} {cell[m]['p50_ms']:7.1f}" for m in ttft.MODES)
                   + f"  live/ideal {cell['live_over_ideal']:.2f}x", flush=True)
             save(cells)
     return cells
@@ -138,14 +138,14 @@ def main() -> None:
                 "rotation": {name: roofline.rotation_bandwidth(model, fn, s["rotate_tokens"], copy)
                              for name, fn in roofline.rotate_implementations(args.device).items()}})
         elif section == "decode":
-            save(section, {length: gpu_ttft.decode_rate(model, text, length, 250,
+            save(section, {length: ttft.decode_rate(model, text, length, 250,
                                                         s["decode_batch"], s["decode_tokens"])
                            for length in s["decode"]})
         elif section == "memory":
             save(section, session_memory.session_bytes(s["sessions"], s["session_body"],
                                                        device=args.device))
         elif section == "transformers" and not args.model:
-            save(section, gpu_ttft.transformers_ttft(model_config(args.tiny), args.device,
+            save(section, ttft.transformers_ttft(model_config(args.tiny), args.device,
                                                      s["lengths"], text, max(s["requests"] // 2, 2)))
 
 

@@ -1,4 +1,4 @@
-"""Live-PIC TTFT, decode throughput and the transformers baseline (issue #5's serving figures).
+"""Live-PIC TTFT, decode throughput and the transformers baseline: the GPU suite's serving figures.
 
 Per cell (pattern, prompt length, H), over the cell's requests after warm-ups, time to first token:
 
@@ -9,7 +9,7 @@ Per cell (pattern, prompt length, H), over the cell's requests after warm-ups, t
 
 All four run through the engine's forward path (plain torch or the kernels, whichever it uses).
 
-Run by ``benchmarks/issue5.py``; the requests come from :mod:`shift_prompts`.
+Run by ``benchmarks/gpu/suite.py``; the requests come from :mod:`shift_prompts`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_common import AgentText, percentiles, timed
+from common import AgentText, percentiles, timed
 from shift_prompts import ShiftRequest
 
-from irminsul.engine import Engine, SamplingParams, Scheduler
-from irminsul.engine.engine import Sequence
+from irminsul.config import EngineConfig
+from irminsul.engine import Engine, SamplingParams, Scheduler, Sequence
 from irminsul.model import MLAModel
 
 MODES = ("no cache", "exact prefix", "PIC live", "ideal")
@@ -60,7 +60,7 @@ def ideal(engine: Engine, reference: Sequence, request: ShiftRequest) -> None:
     cached = np.ones(request.prompt.size, dtype=bool)
     cached[compute] = False
     handles = reference.handles[:request.prompt.size].copy()
-    engine.make_room(compute.size)
+    engine.cache.make_room(compute.size)
     handles[compute] = engine.pool.alloc(compute.size)
     seq = Sequence(request.prompt, handles, reference.namespace)
     seq.owed.append(handles[cached])  # counted once the forward is issued, as in PIC live
@@ -75,7 +75,7 @@ def ttft_cell(model: MLAModel, requests: list[ShiftRequest], warmup: int) -> dic
     device = _device(model)
     length = requests[0].prompt.size
     small, large = 4 * length + 64, cache_slots(length, len(requests))  # without, with reuse
-    engines = {name: Engine(model, num_slots=slots, mode=mode)
+    engines = {name: Engine(model, EngineConfig(slots=slots, mode=mode))
                for name, mode, slots in (("no cache", "off", small), ("exact prefix", "off", large),
                                          ("PIC live", "live", large), ("ideal", "off", small))}
     times: dict[str, list[float]] = {name: [] for name in MODES}
@@ -123,8 +123,9 @@ def decode_rate(model: MLAModel, text: AgentText, length: int, header: int, batc
     body = text.tokens[:length - header]
     out = {}
     for mode in ("off", "live"):
-        scheduler = Scheduler(Engine(model, num_slots=(length + tokens) * (batch + 1), mode=mode),
-                              batch_tokens=length + batch, chunk_tokens=length)
+        config = EngineConfig(slots=(length + tokens) * (batch + 1), mode=mode)
+        scheduler = Scheduler(Engine(model, config), batch_tokens=length + batch,
+                              chunk_tokens=length)
         for i in range(batch):
             start = length + i * header
             scheduler.add(np.concatenate([text.tokens[start:start + header], body]),
