@@ -1,4 +1,5 @@
-"""Issue #5's GPU benchmark, run CI-sized on the CPU: its building blocks and its FLOP count."""
+"""The GPU suite, run CI-sized on the CPU: its building blocks, its FLOP count, and the report
+rendered from its results."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other as scripts do
+# The benchmarks import each other as scripts do: the GPU suite's folder first, then the report.
+sys.path[:0] = [str(ROOT / "benchmarks" / "gpu"), str(ROOT / "benchmarks")]
 
 import energy  # noqa: E402
-import results_table  # noqa: E402
+import report  # noqa: E402
 import session_memory  # noqa: E402
-from gpu_common import TINY, AgentText, build_model  # noqa: E402
+from common import TINY, AgentText, build_model  # noqa: E402
 from roofline import prefill_flops  # noqa: E402
 from shift_prompts import PATTERNS, build_requests  # noqa: E402
 
@@ -95,22 +97,29 @@ def test_prefill_energy_with_a_fake_counter(text: AgentText) -> None:
         assert out[event]["p50_j"] == pytest.approx(0.5)
     assert out["PIC hit"]["over_miss"] == pytest.approx(1.0)
 
+
 def test_cpu_run_and_table(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "issue5.py"), "--device", "cpu",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "suite.py"), "--device", "cpu",
                     "--tiny", "--out", str(out)], check=True, cwd=ROOT, timeout=120,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     results = json.loads(out.read_text())
     assert {c["pattern"] for c in results["ttft"]} == set(PATTERNS)
     assert all(c["requests"] == 3 for c in results["ttft"])
     assert [m["sessions"] for m in results["memory"]] == [1, 2]
-    table = results_table.render(results)
+    table = report.suite_tables(results)
     assert "PIC-live TTFT" in table and "rerank" in table and "transformers" in table
+    headline = report.headline_table(results).splitlines()
+    assert len(headline) == 2 + 3 and all(line.count("|") == 8 for line in headline)
+    (tmp_path / "results").mkdir()
+    out.rename(tmp_path / "results" / "gpu-suite.json")
+    page = report.performance(tmp_path / "results")
+    assert page.startswith(report.GENERATED) and "## GPU suite" in page and "### Roofline" in page
 
 
 def test_cache_host_time_runs(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_host_time.py"),
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "cache_host_time.py"),
                     "--lengths", "512", "--headers", "50", "--requests", "3", "--warmup", "1",
                     "--out", str(out)],
                    check=True, cwd=ROOT, timeout=120,
@@ -130,3 +139,9 @@ def test_sessions_held_at_a_budget_hand_counted() -> None:
     rows = session_memory.sessions_held(budget, [1, 8], body_tokens=512, header=64)
     assert [(r["mode"], r["ckv_slots"], r["kr_slots"], r["sessions"]) for r in rows] == [
         ("off", 1920, 1920, 3), ("live", 1920, 1920, 3), ("live", 1080, 8640, 8)]
+
+
+def test_performance_page_is_generated_from_the_results() -> None:
+    """docs/performance.md is what ``python benchmarks/report.py`` writes from docs/results/:
+    rerun it after changing a result or the report."""
+    assert (ROOT / "docs" / "performance.md").read_text(encoding="utf-8") == report.performance()
