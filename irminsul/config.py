@@ -30,8 +30,9 @@ class CacheConfig:
     carve_out: int = 32  # nothing is reused below this position (the attention sink)
     s1: bool = True  # a missed chunk probes its s1_window-token sub-windows
     s1_window: int = 128
-    # A missed chunk reuses the longest run its first HEAD_TOKENS start in a registered chunk
-    # (a prompt's last chunk is cut where the prompt ends, so it rarely matches whole).
+    # A missed chunk reuses the most leading tokens it shares with a registered chunk that
+    # starts with the same HEAD_TOKENS (a prompt's last chunk is cut where the prompt ends, so
+    # it rarely matches whole).
     head_probe: bool = True
     # Each region (tokens between two resets) is looked up whole first, and a region found is
     # run on along the run of regions it was registered with: a moved document is one hit.

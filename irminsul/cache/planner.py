@@ -7,8 +7,9 @@ prompt exactly once, in order:
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
     hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with the head probe,
-               the longest registered run a missed chunk starts with; with regions, a whole region,
-               run on as far as the run of regions it was registered in goes on the same)
+               the most leading tokens a missed chunk shares with a registered chunk; with
+               regions, a whole region, run on as far as the run of regions it was registered in
+               goes on the same)
                found in the registry and verified token by token; reused with
                delta = p_target - p_source (lines 7-10)
     miss       tokens to prefill (line 12)
@@ -128,7 +129,7 @@ class Planner:
     def __init__(self, config: CacheConfig, *, pic: bool = True) -> None:
         """``config``: chunking, carve-out and probes (:class:`~irminsul.config.CacheConfig`;
         :data:`~irminsul.config.ALGORITHM1` is the paper's algorithm exactly). Beyond it:
-        ``head_probe``, a missed chunk first reuses the longest run of leading tokens it shares
+        ``head_probe``, a missed chunk first reuses the most leading tokens it shares
         with a registered chunk (at least HEAD_TOKENS); ``regions``, each region of the tail is
         looked up whole before it is chunked, and registered whole at commit (a run of
         consecutive ones too, which a found region is run on along with one comparison), so
@@ -250,8 +251,8 @@ class Planner:
 
     def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,
                     namespace: int) -> list[Segment]:
-        """A missed chunk [first, end), served from ``start``: the longest registered run its
-        head starts (with the head probe), then S1 windows over the rest."""
+        """A missed chunk [first, end), served from ``start``: the most leading tokens it
+        shares with a registered chunk (with the head probe), then S1 windows over the rest."""
         hit = self.registry.lookup_head(namespace, tokens[first:end])
         if hit is None or first + hit.size <= start:
             return self._probe_windows(tokens, start, end, namespace)

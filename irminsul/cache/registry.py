@@ -16,7 +16,7 @@ windows at *every* offset and takes the hits left to right, so any registered wi
 anywhere inside a missed chunk is found, whatever the chunk boundaries around it did.
 
 Chunk heads (``head`` > 0). Each chunk's first ``head`` tokens are indexed too. A missed chunk
-whose head is registered reuses the longest run of leading tokens it shares with such a chunk:
+whose head is registered reuses the most leading tokens it shares with such a chunk:
 a chunk cut short (the prompt's last chunk ends where the prompt does, not where the content
 says) or grown past a cut, a document edited near its end.
 
@@ -142,7 +142,7 @@ class Registry:
         return None
 
     def lookup_head(self, namespace: int, tokens: np.ndarray) -> WindowHit | None:
-        """The registered chunk sharing the longest run of leading tokens with ``tokens`` (at
+        """The registered chunk sharing the most leading tokens with ``tokens`` (at
         least its head; compared token by token), or None."""
         if not self.head or tokens.size < self.head:
             return None
