@@ -203,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
-                          max_running=args.max_running, graphs=None if args.graphs else False)
+                          max_running=args.max_running,
+                          graphs=False if args.no_graphs else ENGINE.graphs)
     serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
                                          model_name=args.served_model_name, dtype=args.dtype,
                                          device=args.device, engine=engine))
@@ -286,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch device (None: cuda when available, else cpu)")
     serve.add_argument("--served-model-name", default=SERVER.model_name, metavar="NAME",
                        help="the model name clients send (None: the directory's name)")
-    serve.add_argument("--no-graphs", dest="graphs", action="store_false",
+    serve.add_argument("--no-graphs", action="store_true",
                        help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
                             "batches of short spans, bfloat16 models)")
     serve.set_defaults(func=cmd_serve)
