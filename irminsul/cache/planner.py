@@ -376,6 +376,10 @@ class Planner:
             freed += self.radix.evict(self.radix.total_tokens - capacity)
         return Commit([np.asarray(handles, dtype=np.int64)[present:]], freed)
 
+    def references(self) -> list[np.ndarray]:
+        """Every handle array the indexes hold: radix nodes', then registry entries'."""
+        return list(self.radix.values()) + [entry.handles for entry in self.registry.entries()]
+
     def evict(self, num_tokens: int) -> list[np.ndarray]:
         """Free at least ``num_tokens`` index tokens if possible, least recently used first
         across both indexes (never anything held); returns the dropped handles.

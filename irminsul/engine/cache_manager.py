@@ -276,10 +276,8 @@ class CacheManager:
 
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""
-        refs = [self.pool.reserved] + [seq.handles for seq in self.sequences]
-        refs += list(self.planner.radix.values())
-        refs += [entry.handles for entry in self.planner.registry.entries()]
-        return refs
+        return ([self.pool.reserved] + [seq.handles for seq in self.sequences]
+                + self.planner.references())
 
     def check(self) -> None:
         """Verify that every slot is free or referenced exactly as often as it is counted (the

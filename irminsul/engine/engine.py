@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..config import EngineConfig, default_slots
+from ..config import EngineConfig, Mode, default_slots
 from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
@@ -47,7 +47,7 @@ class Engine:
                              rotation=config.mode == "live", scratch=scratch)
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         return self.config.mode
 
     @property
