@@ -23,7 +23,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..cache.planner import Commit, Plan, Planner, Segment
+from ..cache.plan import Commit, Plan, Segment
+from ..cache.planner import Planner
 from ..config import CacheConfig, Mode
 from .batch import ForwardBatch, Reuse
 from .kv_pool import KVPool, PoolExhausted, unpack

@@ -13,7 +13,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from ..cache.planner import Plan, Segment
+from ..cache.plan import Plan, Segment
 from .kv_pool import unpack
 
 

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul.cache.cdc import chunk_boundaries
-from irminsul.cache.planner import HEAD_TOKENS, Plan, Planner
+from irminsul.cache.plan import Plan
+from irminsul.cache.planner import HEAD_TOKENS, Planner
 from irminsul.config import ALGORITHM1
 
 CARVE_OUT = 32
