@@ -18,6 +18,7 @@ to float noise, so the metrics are reported over the requests with hits and over
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,6 +114,9 @@ def serve(engine: Engine, prompt: Prompt, continuation: list[int],
 class NaiveReuseRunner(ModelRunner):
     """A model runner that reuses k_r as it was cached, unrotated: naive position-independent
     reuse, the baseline that shows what the δ-rotation buys."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "rotation": False})  # no captured rotation to keep
 
     def rotate(self, reuse: Reuse) -> None:
         device = self.kr.device

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..config import EngineConfig, Mode, default_slots
+from ..config import EngineConfig, default_slots
 from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
@@ -45,10 +45,6 @@ class Engine:
         scratch = tuple(int(s[0]) for s in unpack(self.pool.reserved)) if graphs else None
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
                              rotation=config.mode == "live", scratch=scratch)
-
-    @property
-    def mode(self) -> Mode:
-        return self.config.mode
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -30,7 +30,7 @@ class Rotation:
     replaying a CUDA graph of the launch on a CUDA device (elsewhere: launched each call)."""
 
     def __init__(self, kr: torch.Tensor, rotary: Rotary, max_rows: int) -> None:
-        self.kr, self.rotary, self.max_rows = kr, rotary, max_rows
+        self.kr, self.max_rows = kr, max_rows
         # The kernel's view of the rotary, its δ tables made on the pool's device once, here.
         self._rotary_args = rotary.kernel_args(kr.device)
         self.staging = Staging(kr.device, 1 + 3 * max_rows)
