@@ -7,9 +7,9 @@ from .engine import Engine
 from .kv_pool import KVPool, PoolExhausted
 from .model_runner import ModelRunner
 from .sampler import SamplingParams, sample
-from .scheduler import Limits, Load, Request, Scheduler, StepOutput
+from .scheduler import Limits, Load, PromptTooLong, Request, Scheduler, StepOutput
 from .sequence import Prefill, Sequence, ServeStats
 
 __all__ = ["MODES", "CacheManager", "Engine", "EngineConfig", "KVPool", "Limits", "Load", "Mode",
-           "ModelRunner", "PoolExhausted", "Prefill", "Request", "SamplingParams", "Scheduler",
-           "Sequence", "ServeStats", "StepOutput", "sample"]
+           "ModelRunner", "PoolExhausted", "Prefill", "PromptTooLong", "Request", "SamplingParams",
+           "Scheduler", "Sequence", "ServeStats", "StepOutput", "sample"]

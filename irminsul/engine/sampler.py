@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy: logits / T would overflow to inf (vLLM's threshold).
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens: greedy at temperature 0, else softmax(logits / T) cut by top-k/top-p."""
+    """How to pick tokens: greedy at temperature 0 (or below :data:`GREEDY_BELOW`), else
+    softmax(logits / T) cut by top-k, then top-p."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -21,26 +27,39 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab]."""
-    if params.temperature == 0:
+    """One token id from logits [vocab]. Raises ValueError when sampling logits that are not
+    finite (the caller fails that request alone)."""
+    if params.greedy:
         return int(logits.argmax())
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # Subtracting the maximum first keeps logits / T finite for any T >= GREEDY_BELOW.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays, also
+        # when top_p rounds to 0 in float32.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the model's logits are not finite; cannot sample")
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -8,11 +8,17 @@ k_r alone for every reused one — on top of what running requests' plans may st
 engine evicts index entries to make room, never anything a request holds), so an admitted request
 never runs out of slots mid-flight. Otherwise its plan is dropped and room is made as if it reused
 nothing, then it is planned again; if even that does not fit, it waits for a request to leave.
+
+One request never fails another: an error while planning, serving or sampling one request
+finishes that request alone (reason ``"error"``, its message in :attr:`StepOutput.error`). A
+batched forward that raises is run again request by request, so only the request it fails on is
+lost (a forward writes each row to the same slot every time, so running it again is harmless).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +32,13 @@ from .kv_pool import PoolExhausted
 from .sampler import SamplingParams, sample
 from .sequence import Prefill, Sequence, ServeStats
 
+log = logging.getLogger(__name__)
+
 State = Literal["waiting", "prefill", "decode", "finished"]
+
+
+class PromptTooLong(ValueError):
+    """The prompt plus ``max_tokens`` can never fit the model's context or the KV pool."""
 
 
 @dataclass
@@ -62,6 +74,7 @@ class StepOutput:
     finish_reason: str | None
     stats: ServeStats | None  # where the prompt came from, once prefilled
     ttft: float | None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class Limits(NamedTuple):
@@ -80,6 +93,7 @@ class Load(NamedTuple):
     pool_capacity: int
     pool_free: int
     graph_replays: int  # forwards replayed from a CUDA graph so far
+    failed: int  # requests failed by an error of their own so far
 
 
 class Scheduler:
@@ -104,6 +118,7 @@ class Scheduler:
         # Requests that left (finished, aborted, dropped) so far, and that count when the head of
         # the queue last did not fit: it is planned again only once another has left.
         self._left, self._blocked_at = 0, -1
+        self.failed = 0
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
             namespace: int = 0, request_id: str | None = None) -> str:
@@ -113,10 +128,10 @@ class Scheduler:
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) + params.max_tokens > context:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+            raise PromptTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the model's context of {context} tokens")
         if len(prompt) + params.max_tokens > capacity:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+            raise PromptTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the KV pool of {capacity} tokens")
         request = Request(request_id or f"req-{next(self._ids)}", prompt, params, tuple(resets),
                           namespace)
@@ -134,7 +149,7 @@ class Scheduler:
         """Requests in flight and the pool's use, for metrics."""
         pool = self.engine.pool
         return Load(len(self.running), len(self.waiting), pool.capacity, pool.free,
-                    self.engine.runner.graph_replays)
+                    self.engine.runner.graph_replays, self.failed)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
@@ -168,11 +183,16 @@ class Scheduler:
             ckv, kr = ckv + plan[0] + decode, kr + plan[1] + decode
         return ckv, kr
 
-    def _admit(self) -> None:
+    def _admit(self, outputs: list[StepOutput]) -> None:
         while (self.waiting and len(self.running) < self.max_running
                and self._blocked_at != self._left):
             request = self.waiting[0]
-            prefill = self._fit(request)
+            try:
+                prefill = self._fit(request)
+            except Exception as err:  # planning this prompt failed: it alone is lost
+                self.waiting.pop(0)
+                outputs.append(self._fail(request, err, "planning"))
+                continue
             if prefill is None:
                 self._blocked_at = self._left  # wait for a running request to finish
                 return
@@ -194,6 +214,9 @@ class Scheduler:
             return prefill
         except PoolExhausted:
             self.cache.abort_prefill(prefill)
+        except BaseException:
+            self.cache.abort_prefill(prefill)
+            raise
         fresh = len(request.prompt) + decode
         try:
             self.cache.make_room(held_ckv + fresh, held_kr + fresh)
@@ -204,36 +227,81 @@ class Scheduler:
                                          namespace=request.namespace)
 
     def step(self) -> list[StepOutput]:
-        """Admit what fits, run one batch, sample, and report what changed."""
-        self._admit()
-        work: list[tuple[Request, np.ndarray, int]] = []
+        """Admit what fits, run one batch, sample, and report what changed (requests that
+        failed on their own included)."""
+        outputs: list[StepOutput] = []
+        self._admit(outputs)
+        work: list[tuple[Request, np.ndarray, np.ndarray]] = []
         budget = self.batch_tokens
         for request in self.running:
             if request.state == "decode":
                 at = len(request.seq.tokens)
                 work.append((request, np.asarray(request.output[-1:]), np.array([at])))
                 budget -= 1
-        for request in self.running:
+        for request in list(self.running):
             if request.state == "prefill" and budget > 0:
-                span = self.engine.advance(request.prefill, min(budget, self.chunk_tokens))
+                try:
+                    span = self.engine.advance(request.prefill, min(budget, self.chunk_tokens))
+                except Exception as err:
+                    outputs.append(self._fail(request, err, "serving its cached KV"))
+                    continue
                 if span is not None:
                     work.append((request, *span))
                     budget -= len(span[0])
-        outputs: list[StepOutput] = []
         if not work:
             return outputs
-        logits = self.engine.run_batch([(r.seq, tokens, at) for r, tokens, at in work])
-        for (request, tokens, _), out in zip(work, logits):
-            if request.state == "decode":
-                request.seq.append(tokens)
-            elif request.seq.handles.size < len(request.prompt):
-                continue  # more prompt to prefill (the last prompt token is always computed)
-            else:
-                self.cache.complete_prefill(request.prefill)
-                request.state, request.first_token_time = "decode", time.perf_counter()
-            outputs.append(self._emit(request, sample(out[-1], request.params,
-                                                      request.generator)))
+        for (request, tokens, _), out in zip(work, self._forward(work, outputs)):
+            if out is None:
+                continue  # failed in the forward
+            try:
+                if request.state == "decode":
+                    request.seq.append(tokens)
+                elif request.seq.handles.size < len(request.prompt):
+                    continue  # more prompt to prefill (the last prompt token is always computed)
+                else:
+                    try:
+                        self.cache.complete_prefill(request.prefill)
+                    finally:  # the plan is released either way: the sequence is what is left
+                        request.state = "decode"
+                    request.first_token_time = time.perf_counter()
+                token = sample(out[-1], request.params, request.generator)
+            except Exception as err:
+                outputs.append(self._fail(request, err, "sampling"))
+                continue
+            outputs.append(self._emit(request, token))
         return outputs
+
+    def _forward(self, work: list[tuple[Request, np.ndarray, np.ndarray]],
+                 outputs: list[StepOutput]) -> list[torch.Tensor | None]:
+        """Each item's logits; None for a request the forward failed on (failed here)."""
+        try:
+            return self.engine.run_batch([(r.seq, tokens, at) for r, tokens, at in work])
+        except Exception as err:
+            if len(work) == 1:
+                outputs.append(self._fail(work[0][0], err, "the forward"))
+                return [None]
+        # One of them breaks the batch: run each alone, so only that one is lost.
+        logits: list[torch.Tensor | None] = []
+        for request, tokens, at in work:
+            try:
+                logits.append(self.engine.run_batch([(request.seq, tokens, at)])[0])
+            except Exception as err:
+                outputs.append(self._fail(request, err, "the forward"))
+                logits.append(None)
+        return logits
+
+    def _fail(self, request: Request, err: Exception, where: str) -> StepOutput:
+        """Finish a request an error of its own stopped (its slots freed, nothing of it kept in
+        the indexes) and say why."""
+        log.warning("request %s failed in %s: %r", request.id, where, err)
+        self.failed += 1
+        if request.state == "waiting":
+            request.state, request.finish_reason = "finished", "error"
+            self._left += 1
+        else:
+            self._finish(request, "error", remember=False)
+        return StepOutput(request.id, [], True, "error", None, request.ttft,
+                          error=f"{where} failed: {err}")
 
     def _emit(self, request: Request, token: int) -> StepOutput:
         request.output.append(token)
@@ -244,11 +312,11 @@ class Scheduler:
             self._finish(request, reason)
         return StepOutput(request.id, [token], reason is not None, reason, stats, request.ttft)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, *, remember: bool = True) -> None:
         if request.state == "prefill":
             self.cache.abort_prefill(request.prefill)
         elif request.seq is not None:
-            self.cache.finish(request.seq)
+            self.cache.finish(request.seq, remember=remember)
         request.state, request.finish_reason = "finished", reason
         self.running.remove(request)
         self._left += 1

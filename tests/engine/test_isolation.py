@@ -1,0 +1,154 @@
+"""One request never fails another: a fault while planning, computing or sampling one request
+finishes it alone, and every other request's tokens are those of a run without it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import build
+
+import irminsul.engine.scheduler as scheduler_module
+from irminsul.config import EngineConfig
+from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.engine.sampler import sample
+from irminsul.model import load_model
+
+POISON = 666  # the namespace of the request the injected faults hit
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v3")
+    build("v3_like", directory)
+    return load_model(directory)
+
+
+def _prompts(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    doc = rng.integers(0, 97, 200)
+    return [np.concatenate([rng.integers(0, 97, int(rng.integers(3, 40))), doc])
+            for _ in range(count)]
+
+
+def _run(model, *, poison: bool) -> tuple[dict[str, list[int]], dict[str, str], Scheduler]:
+    """Four sampled requests (each seeded), plus the poisoned one when asked, run to the end
+    under a batch budget that chunks their prefills; tokens and errors by request id."""
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=3000, mode="live")),
+                          batch_tokens=160, chunk_tokens=64)
+    prompts = _prompts(5)
+    for i, prompt in enumerate(prompts[:4]):
+        scheduler.add(prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=i),
+                      request_id=f"r{i}")
+    if poison:
+        scheduler.add(prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=9),
+                      namespace=POISON, request_id="poison")
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    while scheduler.has_work():
+        for out in scheduler.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_tokens)
+            if out.error is not None:
+                errors[out.request_id] = out.error
+        scheduler.engine.check()  # slot accounting exact after every step
+    return tokens, errors, scheduler
+
+
+def _poisoned(seq) -> bool:
+    return seq.namespace == POISON
+
+
+def test_a_sampling_fault_fails_its_request_alone(model, monkeypatch) -> None:
+    clean, errors, _ = _run(model, poison=False)
+    assert not errors and all(len(t) == 12 for t in clean.values())
+
+    def faulty(logits, params, generator):
+        if params.seed == 9:
+            raise RuntimeError("probability tensor contains either inf, nan")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(scheduler_module, "sample", faulty)
+    got, errors, scheduler = _run(model, poison=True)
+    assert set(errors) == {"poison"} and "sampling failed" in errors["poison"]
+    assert {k: v for k, v in got.items() if k != "poison"} == clean
+    assert scheduler.load().failed == 1
+
+
+def test_a_forward_fault_fails_its_request_alone(model, monkeypatch) -> None:
+    """A batched forward that raises because of one request is run again request by request:
+    the others' tokens are unchanged (every step of theirs ran once more, writing the same
+    rows) and only the poisoned request fails."""
+    clean, _, _ = _run(model, poison=False)
+    real = Engine.run_batch
+
+    def faulty(self, work, **kw):
+        if any(_poisoned(seq) for seq, _, _ in work):
+            raise RuntimeError("injected forward fault")
+        return real(self, work, **kw)
+
+    monkeypatch.setattr(Engine, "run_batch", faulty)
+    got, errors, _ = _run(model, poison=True)
+    assert set(errors) == {"poison"} and "injected forward fault" in errors["poison"]
+    assert {k: v for k, v in got.items() if k != "poison"} == clean
+
+
+def test_a_planning_fault_fails_its_request_alone(model, monkeypatch) -> None:
+    clean, _, _ = _run(model, poison=False)
+    engine_advance = Engine.advance
+
+    def faulty_advance(self, prefill, budget):
+        if _poisoned(prefill.seq):
+            raise RuntimeError("injected planning fault")
+        return engine_advance(self, prefill, budget)
+
+    monkeypatch.setattr(Engine, "advance", faulty_advance)
+    got, errors, _ = _run(model, poison=True)
+    assert set(errors) == {"poison"} and "injected planning fault" in errors["poison"]
+    assert {k: v for k, v in got.items() if k != "poison"} == clean
+
+
+def test_admission_fault_fails_its_request_alone(model, monkeypatch) -> None:
+    clean, _, scheduler = _run(model, poison=False)
+    real = type(scheduler.cache).start_prefill
+
+    def faulty(self, tokens, resets=(), *, namespace=0):
+        if namespace == POISON:
+            raise RuntimeError("injected admission fault")
+        return real(self, tokens, resets, namespace=namespace)
+
+    monkeypatch.setattr(type(scheduler.cache), "start_prefill", faulty)
+    got, errors, _ = _run(model, poison=True)
+    assert set(errors) == {"poison"} and "injected admission fault" in errors["poison"]
+    assert got["poison"] == [] and {k: v for k, v in got.items() if k != "poison"} == clean
+
+
+# -- sampling parameters that used to crash the shared step ----------------------------------
+
+LOGITS = torch.tensor([0.5, 3.0, 1.0, -2.0, 3.0 - 1e-3])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-6),
+                                    dict(temperature=1.0, top_p=1e-45),
+                                    dict(temperature=1.0, top_p=1e-300),
+                                    dict(temperature=2e-5, top_p=0.5)])
+def test_extreme_parameters_pick_the_top_token(params: dict) -> None:
+    """A temperature too small to sample with is greedy, a top_p that rounds to zero keeps the
+    top token: the argmax (index 1), never an error."""
+    assert sample(LOGITS, SamplingParams(**params), torch.Generator().manual_seed(0)) == 1
+
+
+def test_non_finite_logits_raise_a_clear_error() -> None:
+    logits = LOGITS.clone()
+    logits[2] = math.nan
+    with pytest.raises(ValueError, match="not finite"):
+        sample(logits, SamplingParams(temperature=1.0), torch.Generator())
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=math.nan), dict(temperature=math.inf),
+                                 dict(top_p=math.nan), dict(seed=2**64),
+                                 dict(seed=-(2**63) - 1)])
+def test_parameters_that_cannot_be_sampled_with_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
