@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from ..cache.markers import find_markers
 from .logs import read_requests
-from .render import ChatRenderer
+from .render import ChatRenderer, Rendered
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Prompt:
     tokens: np.ndarray  # int32 [n]
     message_starts: np.ndarray  # int64
     markers: np.ndarray  # int64 (empty when the prompt has none)
+    rendered: Rendered | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -34,11 +35,12 @@ class Prompt:
 
 
 def render_prompt(renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None = None,
-                  *, session: str = "") -> Prompt:
-    """Render a chat request (with the generation prompt) and find its resets."""
-    rendered = renderer.render(messages, tools)
+                  *, session: str = "", remember: bool = True) -> Prompt:
+    """Render a chat request (with the generation prompt) and find its resets. With
+    ``remember=False`` the renderer keeps nothing until ``renderer.remember(prompt.rendered)``."""
+    rendered = renderer.render(messages, tools, remember=remember)
     return Prompt(session, rendered.tokens, rendered.message_starts,
-                  find_markers(rendered.tokens, renderer.marker))
+                  find_markers(rendered.tokens, renderer.marker), rendered)
 
 
 def distinct_messages(renderer: ChatRenderer, logs: Iterable[str | os.PathLike]) -> list[np.ndarray]:

