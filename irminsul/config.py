@@ -104,4 +104,25 @@ class ServerConfig:
     dtype: str = "auto"  # weights and KV (auto: bfloat16 on CUDA, else float32)
     device: str | None = None  # torch device (None: cuda when available, else cpu)
     default_max_tokens: int = 1024  # a chat request without max_tokens: this, or what fits
+    # A request body larger than this is refused (413) before it is parsed; None: sized for the
+    # model's context (request_bytes_for).
+    max_request_bytes: int | None = None
+    # Requests waiting for their first token beyond the engine's max_running; more get 429.
+    max_waiting: int = 1024
+    render_workers: int = 4  # threads that parse, render and tokenise requests off the event loop
+    render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_waiting", "render_workers", "render_memo_bytes",
+                     "default_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "max_waiting" else 1):
+                raise ValueError(f"{name} must be positive, got {value}")
+
+    def request_bytes_for(self, context: int) -> int:
+        """The body-size limit: ``max_request_bytes``, or by default 1 MiB plus 32 bytes per
+        token of context (JSON-escaped text of a full context, with room for the rest)."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return (1 << 20) + 32 * context

@@ -113,6 +113,7 @@ class KVPool:
                  num_kr_slots: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", reserved: int = 0) -> None:
         num_kr_slots = num_slots if num_kr_slots is None else num_kr_slots
+        self.num_slots, self.num_kr_slots = num_slots, num_kr_slots
         if num_slots < 1 or num_kr_slots < 1:
             raise ValueError(f"a KV pool needs slots in both spaces, got {num_slots} c_KV and "
                              f"{num_kr_slots} k_r")

@@ -12,19 +12,26 @@ requests with different salts never share KV, by prefix or by content); and in `
 ``irminsul`` block splitting ``prompt_tokens_details.cached_tokens`` into exact-prefix and
 position-independent hits.
 
-Bodies are parsed by hand, not by FastAPI's signature binding, so malformed JSON and every
-invalid field answer HTTP 400 with an OpenAI-style error rather than FastAPI's 422.
+One client never hurts another. A body larger than the limit is refused (413) before it is read
+whole; parsing, validation, rendering and tokenising run on a pool of worker threads, so a large
+request never blocks /health or the other clients; too many requests waiting for their first
+token get 429 with ``Retry-After``. Bodies are parsed by hand, not by FastAPI's signature
+binding, so every invalid field answers 400 with an OpenAI-style error naming it; every error,
+an unexpected one included, is JSON in that shape and counted in
+``irminsul:request_errors_total`` by status and code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,14 +40,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.cdc import namespace_seed
 from ..config import ServerConfig
+from ..engine import PromptTooLong
 from ..traffic.render import ChatRenderer
 from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .prompts import PromptTokens, chat_prompt, completion_prompt
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_json, parse
+
+log = logging.getLogger(__name__)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 @dataclass
@@ -52,11 +63,16 @@ class _Server:
     model_name: str
     stop_token_ids: tuple[int, ...]
     metrics: ServerMetrics
-    default_max_tokens: int
-    context: int  # the model's context, in tokens
-    pool_capacity: int  # KV pool slots
-    vocab_size: int
-    created: int
+    config: ServerConfig
+    max_request_bytes: int
+    max_unstarted: int  # requests without a first token, beyond which new ones get 429
+    workers: ThreadPoolExecutor
+    created: int = field(default_factory=lambda: int(time.time()))
+    unstarted: int = 0  # requests accepted that have not had their first token (event loop only)
+
+    @property
+    def limits(self) -> Any:
+        return self.engine.limits
 
     def namespace(self, salt: str | None) -> int:
         """The cache namespace: the model, and the tenant's salt when one is given."""
@@ -69,19 +85,43 @@ class _Server:
         message)."""
         if asked is not None:
             return asked
-        room = min(self.context, self.pool_capacity) - prompt_tokens
+        room = min(self.limits.context, self.limits.pool_capacity) - prompt_tokens
         return max(1, min(default, room))
+
+    def admit(self) -> _Ticket:
+        """A place among the requests waiting for their first token, or 429."""
+        if self.unstarted >= self.max_unstarted:
+            raise RequestError(f"too many requests waiting ({self.unstarted}); retry later",
+                               status=429, kind="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.unstarted += 1
+        return _Ticket(self)
+
+
+class _Ticket:
+    """One request's place among those waiting for a first token; given back once."""
+
+    def __init__(self, server: _Server) -> None:
+        self._server: _Server | None = server
+
+    def release(self) -> None:
+        if self._server is not None:
+            self._server.unstarted -= 1
+            self._server = None
 
 
 def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: str, *,
-               stop_token_ids: tuple[int, ...] = (),
-               default_max_tokens: int = ServerConfig.default_max_tokens,
+               stop_token_ids: tuple[int, ...] = (), config: ServerConfig | None = None,
                manage_engine: bool = True) -> FastAPI:
-    """The app. With ``manage_engine`` its lifespan starts the engine thread and shuts it down."""
+    """The app. With ``manage_engine`` its lifespan starts the engine thread and shuts it down.
+    ``config`` gives the request limits and the worker pool (ServerConfig's defaults if None)."""
+    config = config or ServerConfig()
     limits = async_engine.limits
     server = _Server(async_engine, renderer, model_name, tuple(stop_token_ids),
-                     ServerMetrics(lambda: async_engine.snapshot), default_max_tokens,
-                     limits.context, limits.pool_capacity, limits.vocab_size, int(time.time()))
+                     ServerMetrics(lambda: async_engine.snapshot), config,
+                     config.request_bytes_for(limits.context),
+                     async_engine.scheduler.max_running + config.max_waiting,
+                     ThreadPoolExecutor(config.render_workers, thread_name_prefix="irminsul-render"))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +130,7 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
         try:
             yield
         finally:
+            server.workers.shutdown(wait=False, cancel_futures=True)
             if manage_engine:
                 await asyncio.to_thread(async_engine.shutdown)
 
@@ -98,29 +139,28 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, err: RequestError) -> JSONResponse:
-        server.metrics.request_errors.labels(status=str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status)
+        server.metrics.error(err.status, err.code)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        server.metrics.error(err.status_code, None)
         body = RequestError(str(err.detail), status=err.status_code).body()
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        body = parse(ChatCompletionRequest, await _json(request))
-        return await _complete(server, request, body, chat=True)
+        return await _handle(server, request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        body = parse(CompletionRequest, await _json(request))
-        return await _complete(server, request, body, chat=False)
+        return await _handle(server, request, chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": server.created,
-            "owned_by": "irminsul", "max_model_len": server.context}]}
+            "owned_by": "irminsul", "max_model_len": limits.context}]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -135,38 +175,92 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     return app
 
 
-async def _json(request: Request) -> Any:
+def _body_schema(model: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its body by hand (for /docs and for
+    schema-driven clients and fuzzers)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema(ref_template=
+                                                               "#/$defs/{model}")}}}}
+
+
+async def _handle(server: _Server, request: Request, *, chat: bool) -> Response:
+    """One generation request from its bytes to its response; any failure is answered as an
+    OpenAI error (a RequestError), never as a dropped connection."""
+    ticket = server.admit()
+    streaming = False
     try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise RequestError(f"malformed JSON body: {err}") from err
+        raw = await _read_body(request, server.max_request_bytes)
+        body, prompt = await asyncio.get_running_loop().run_in_executor(
+            server.workers, _prepare, server, raw, chat)
+        response = await _complete(server, request, body, prompt, ticket, chat)
+        streaming = isinstance(response, StreamingResponse)
+        return response
+    except RequestError:
+        raise
+    except Exception as err:
+        log.exception("request failed")
+        raise RequestError(f"internal error: {err!r}", status=500, kind="server_error",
+                           code="internal_error") from err
+    finally:
+        if not streaming:  # a stream gives its place back at its first token
+            ticket.release()
 
 
-async def _complete(server: _Server, request: Request,
-                    body: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> Response:
-    """Validate, submit, and answer one request (a stream or one JSON object)."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+
+    def too_large(size: int) -> RequestError:
+        return RequestError(f"request body of {size} bytes or more exceeds the limit of {limit} "
+                            "bytes (--max-request-bytes)", status=413, code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prepare(server: _Server, raw: bytes, chat: bool
+             ) -> tuple[ChatCompletionRequest | CompletionRequest, PromptTokens]:
+    """Decode, validate and render a body (on a worker thread)."""
+    body = parse(ChatCompletionRequest if chat else CompletionRequest, decode_json(raw))
     if body.model != server.model_name:
         raise RequestError(f"the model '{body.model}' does not exist; this server serves "
                            f"'{server.model_name}'", param="model", code="model_not_found")
     prompt = (chat_prompt(server.renderer, body) if chat else
-              completion_prompt(server.renderer, body, server.vocab_size))
-    limit = server.max_tokens(body.token_limit, len(prompt.tokens),
-                              server.default_max_tokens if chat else COMPLETION_MAX_TOKENS)
+              completion_prompt(server.renderer, body, server.limits.vocab_size))
+    return body, prompt
+
+
+async def _complete(server: _Server, request: Request,
+                    body: ChatCompletionRequest | CompletionRequest, prompt: PromptTokens,
+                    ticket: _Ticket, chat: bool) -> Response:
+    """Submit a prepared request and answer it (a stream or one JSON object)."""
+    default = server.config.default_max_tokens if chat else COMPLETION_MAX_TOKENS
+    limit = server.max_tokens(body.token_limit, len(prompt.tokens), default)
     params = body.sampling_params(max_tokens=limit, stop_token_ids=server.stop_token_ids)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     handle = await _submit(server, prompt, params, body.cache_salt, request_id, chat)
+    if prompt.rendered is not None:  # accepted: its rendering is worth keeping
+        server.renderer.remember(prompt.rendered)
     generation = Generation(handle, server.renderer.tokenizer, prompt.tokens,
-                            body.stop_strings, server.metrics)
+                            body.stop_strings, server.metrics, on_start=ticket.release)
     shape = _Shape(request_id, server.model_name, int(time.time()), chat)
     if body.stream:
-        return StreamingResponse(_sse(generation, shape, body.include_usage),
+        return StreamingResponse(_sse(generation, shape, body.include_usage, server.metrics.error),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
     try:
         text = "".join([piece async for piece in generation.text_deltas()])
     except EngineError as err:
-        raise RequestError(str(err), status=500, kind="server_error") from err
+        raise RequestError(str(err), status=500, kind="server_error",
+                           code="engine_error") from err
     finally:
         watcher.cancel()
     return JSONResponse(shape.response(text, generation.finish_reason,
@@ -179,11 +273,15 @@ async def _submit(server: _Server, prompt: PromptTokens, params: Any, salt: str 
         return await server.engine.submit(prompt.tokens, params, resets=prompt.resets,
                                           namespace=server.namespace(salt),
                                           request_id=request_id)
-    except ValueError as err:  # the scheduler's verdict: too long for the context or the pool
+    except PromptTooLong as err:  # the scheduler's verdict: too long for the context or the pool
         raise RequestError(str(err), param="messages" if chat else "prompt",
                            code="context_length_exceeded") from err
+    except ValueError as err:
+        raise RequestError(str(err), param="messages" if chat else "prompt",
+                           code="invalid_value") from err
     except EngineError as err:
-        raise RequestError(str(err), status=503, kind="server_error") from err
+        raise RequestError(str(err), status=503, kind="server_error",
+                           code="engine_unavailable") from err
 
 
 async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
@@ -243,10 +341,11 @@ def _event(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _sse(generation: Generation, shape: _Shape, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(generation: Generation, shape: _Shape, include_usage: bool,
+               count_error: Callable[[int, str | None], None]) -> AsyncIterator[str]:
     """The stream: (chat) a role chunk, text chunks, a finish chunk, optionally a usage chunk,
-    then [DONE]. An engine failure is sent as an error event. Cancellation (the client left)
-    propagates through ``text_deltas``, whose ``finally`` aborts the request."""
+    then [DONE]. A failure mid-stream is sent as an error event (and counted). Cancellation (the
+    client left) propagates through ``text_deltas``, whose ``finally`` aborts the request."""
     try:
         if shape.chat:
             yield _event(shape.chunk("", role=True))
@@ -255,8 +354,13 @@ async def _sse(generation: Generation, shape: _Shape, include_usage: bool) -> As
         yield _event(shape.chunk(None if shape.chat else "", generation.finish_reason))
         if include_usage:
             yield _event(shape.usage_chunk(generation.usage().to_json()))
-    except EngineError as err:
-        yield _event(RequestError(str(err), status=500, kind="server_error").body())
+    except Exception as err:
+        if not isinstance(err, EngineError):
+            log.exception("stream failed")
+        error = RequestError(str(err), status=500, kind="server_error", code="engine_error")
+        count_error(error.status, error.code)
+        yield _event(error.body())
     finally:
         generation.handle.abort()  # also when the stream never reached text_deltas
+        generation.started()  # a stream that never reached its first token
     yield _event("[DONE]")

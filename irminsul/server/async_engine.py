@@ -8,8 +8,10 @@ delivered in one callback per event loop, so a busy batch costs the loop one wak
 not one per request.
 
 A request that fails to be admitted (a prompt that can never fit) gets the scheduler's
-ValueError from :meth:`AsyncEngine.submit`; a step that raises fails only the requests that
-were running (their slots are freed) and the loop keeps serving. A handle dropped by its consumer
+ValueError from :meth:`AsyncEngine.submit`; a request the scheduler fails on its own (an error
+while planning, computing or sampling it) raises EngineError in its consumer alone; a step that
+raises as a whole fails only the requests that were running (their slots are freed) and the loop
+keeps serving. A handle dropped by its consumer
 (a client gone, a stop string seen) is aborted, which frees its slots at the next loop turn.
 """
 
@@ -49,6 +51,7 @@ class EngineSnapshot:
     steps: int = 0
     step_errors: int = 0
     graph_replays: int = 0  # forwards replayed from a CUDA graph
+    request_failures: int = 0  # requests the engine failed alone (the others went on)
 
     @property
     def pool_usage(self) -> float:
@@ -314,7 +317,8 @@ class AsyncEngine:
             handle = (self._handles.pop(out.request_id, None) if out.finished
                       else self._handles.get(out.request_id))
             if handle is not None:
-                deliveries.append((handle, out))
+                deliveries.append((handle, out if out.error is None else
+                                   EngineError(f"request failed: {out.error}")))
         self._post(deliveries)
 
     def _fail_running(self, err: Exception) -> None:
@@ -374,7 +378,7 @@ class AsyncEngine:
         load = self.scheduler.load()
         self.snapshot = EngineSnapshot(load.running, load.waiting, load.pool_capacity,
                                        load.pool_free, self._steps, self._errors,
-                                       load.graph_replays)
+                                       load.graph_replays, load.failed)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

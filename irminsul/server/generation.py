@@ -10,7 +10,7 @@ cancels it) the request is aborted too.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
@@ -43,8 +43,12 @@ class Generation:
     """Iterate :meth:`text_deltas`; afterwards ``finish_reason`` and :meth:`usage` are set."""
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, prompt: Sequence[int],
-                 stops: Sequence[str], metrics: ServerMetrics) -> None:
+                 stops: Sequence[str], metrics: ServerMetrics, *,
+                 on_start: Callable[[], None] | None = None) -> None:
+        """``on_start`` is called once: at the first output, or when the generation ends
+        without one."""
         self.handle = handle
+        self._on_start = on_start
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
         self._stops = StopStrings(stops)
@@ -53,6 +57,12 @@ class Generation:
         self._stats: ServeStats | None = None
         self._start = time.perf_counter()
 
+    def started(self) -> None:
+        """The request has its first output (or will never have one): call ``on_start``."""
+        if self._on_start is not None:
+            on_start, self._on_start = self._on_start, None
+            on_start()
+
     def usage(self) -> Usage:
         return Usage(self.handle.prompt_tokens, self._generated, self._stats)
 
@@ -60,6 +70,7 @@ class Generation:
         """Non-empty pieces of the completion text, in order."""
         try:
             async for out in self.handle:
+                self.started()
                 if out.stats is not None:
                     self._stats = out.stats
                     self._metrics.prompt_served(out.stats, out.ttft)
@@ -80,6 +91,7 @@ class Generation:
             self.finish_reason = "error"
             raise
         finally:
+            self.started()
             self.handle.abort()  # a consumer that left early: free the request's slots
             self._metrics.finished(self.finish_reason or "abort", self._generated,
                                    time.perf_counter() - self._start)

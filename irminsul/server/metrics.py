@@ -42,8 +42,9 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.requests_finished = counter("requests_finished", "Requests finished, by reason",
                                          ("reason",))
-        self.request_errors = counter("request_errors", "Requests answered with an error, "
-                                      "by HTTP status", ("status",))
+        self.request_errors = counter("request_errors", "Requests answered with an error (an "
+                                      "error event mid-stream included), by HTTP status and "
+                                      "OpenAI error code", ("status", "code"))
         self.ttft = Histogram("irminsul:time_to_first_token_seconds",
                               "Time from admission request to the first token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -61,7 +62,11 @@ class ServerMetrics:
         gauge("kv_pool_capacity_slots", "KV pool slots in all", lambda s: s.pool_capacity)
         gauge("num_requests_running", "Requests being prefilled or decoded", lambda s: s.running)
         gauge("num_requests_waiting", "Requests waiting for admission", lambda s: s.waiting)
-        gauge("engine_step_errors", "Engine steps that raised", lambda s: s.step_errors)
+        gauge("engine_step_errors", "Engine steps that raised as a whole (their batch failed)",
+              lambda s: s.step_errors)
+        gauge("engine_request_failures", "Requests the engine failed alone (an error of their "
+              "own while planning, computing or sampling); the batch went on",
+              lambda s: s.request_failures)
         gauge("cuda_graph_replays", "Forwards replayed from a CUDA graph (batches of short spans)",
               lambda s: s.graph_replays)
 
@@ -79,6 +84,9 @@ class ServerMetrics:
         self.generation_tokens.inc(generated)
         self.requests_finished.labels(reason=reason).inc()
         self.e2e.observe(latency)
+
+    def error(self, status: int, code: str | None) -> None:
+        self.request_errors.labels(status=str(status), code=code or "none").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

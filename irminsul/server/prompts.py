@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..cache.markers import find_markers
 from ..traffic.prompt import render_prompt
-from ..traffic.render import ChatRenderer, TemplateError
+from ..traffic.render import ChatRenderer, Rendered, TemplateError
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 
@@ -27,29 +27,39 @@ class PromptTokens:
 
     tokens: list[int]
     resets: list[int]
+    # What rendering added to the renderer's memo, kept there only once the engine accepts the
+    # request (ChatRenderer.remember), so refused requests leave nothing behind.
+    rendered: Rendered | None = field(default=None, repr=False, compare=False)
 
 
 def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> PromptTokens:
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        prompt = render_prompt(renderer, messages, request.tools)
+        prompt = render_prompt(renderer, messages, tools, remember=False)
     except TemplateError as err:
-        raise RequestError(f"cannot render the messages: {err}", param="messages") from err
-    except (KeyError, TypeError) as err:  # a template or message shape the renderer rejects
-        raise RequestError(f"malformed messages: {err!r}", param="messages") from err
-    return PromptTokens(prompt.tokens.tolist(), prompt.resets.tolist())
+        raise RequestError(f"cannot render the messages: {err}", param="messages",
+                           code="invalid_value") from err
+    except (KeyError, TypeError, ValueError) as err:  # a shape the template cannot take
+        raise RequestError(f"malformed messages: {err!r}", param="messages",
+                           code="invalid_value") from err
+    return PromptTokens(prompt.tokens.tolist(), prompt.resets.tolist(), prompt.rendered)
 
 
 def completion_prompt(renderer: ChatRenderer, request: CompletionRequest,
                       vocab_size: int) -> PromptTokens:
     if isinstance(request.prompt, str):
-        tokens = renderer.encode(request.prompt)
+        try:
+            tokens = renderer.encode(request.prompt)
+        except TypeError as err:  # the tokenizer's word for text that is not valid Unicode
+            raise RequestError(f"cannot tokenise the prompt: {err}", param="prompt",
+                               code="invalid_value") from err
     else:
         tokens = np.asarray(request.prompt, dtype=np.int64)
         bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
         if bad.size:
             raise RequestError(f"token id {int(bad[0])} is outside the vocabulary "
-                               f"[0, {vocab_size})", param="prompt")
+                               f"[0, {vocab_size})", param="prompt", code="invalid_value")
     return PromptTokens(tokens.tolist(), find_markers(tokens, renderer.marker).tolist())
 
 

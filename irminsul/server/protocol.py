@@ -1,48 +1,66 @@
 """The OpenAI request bodies the server accepts, and OpenAI-style errors.
 
 Only the fields the server acts on are declared; unknown fields are ignored, as OpenAI clients
-send many. Requests asking for what the engine cannot do (several choices, log-probabilities)
-are refused with a 400 rather than silently answered differently.
+send many. Declared fields are strict, as OpenAI's API is: no string or boolean for a number,
+finite numbers in documented ranges, integers within 64 bits. Requests asking for what the
+engine cannot do (several choices, log-probabilities, images) are refused with a 400 rather than
+silently answered differently.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..engine import SamplingParams
+
+INT32_MAX, INT64 = 2**31 - 1, 2**63
 
 
 class RequestError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status (400 unless said)."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int = 400, kind: str = "invalid_request_error") -> None:
+                 status: int = 400, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = (message, param, code,
                                                                       status, kind)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=-INT64, le=INT64 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM, SGLang): 0 or -1 = no cut
-    seed: int | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # extension (vLLM, SGLang): 0 or -1 = no cut
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,21 +103,71 @@ class _Sampling(BaseModel):
                 top_k=0 if self.top_k in (None, -1) else self.top_k,
                 seed=self.seed, stop_token_ids=stop_token_ids)
         except ValueError as err:
-            raise RequestError(f"invalid sampling parameters: {err}",
+            raise RequestError(f"invalid sampling parameters: {err}", code="invalid_value",
                                param=str(err).split(" ", 1)[0]) from err
 
 
+class ContentPart(BaseModel):
+    """One part of a multi-part message content; only text parts are served."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got a '{self.type}' part")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, refusal, ...
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    max_completion_tokens: MaxTokens | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -108,7 +176,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
 
     @field_validator("prompt")
@@ -135,17 +203,87 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+# -- decoding and validating a body ---------------------------------------------------------------
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON value of a request body. RequestError for what JSON does not allow (NaN,
+    Infinity), nesting too deep to decode, and text with a lone UTF-16 surrogate (no model
+    tokenizer takes it), naming where it is."""
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError as err:
+        raise RequestError("malformed JSON body: nested too deeply", code="invalid_json") from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RequestError(f"malformed JSON body: {err}", code="invalid_json") from err
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then look for an unpaired one
+        where = _lone_surrogate(value, ())
+        if where is not None:
+            path = ".".join(map(str, where))
+            raise RequestError(f"text with a lone UTF-16 surrogate is not valid Unicode ({path})",
+                               param=str(where[0]) if where else None, code="invalid_value")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _lone_surrogate(value: Any, path: tuple) -> tuple | None:
+    """The path of the first string (key or value) holding a lone surrogate, else None."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            stack.extend((v, (*where, k)) for k, v in reversed(item.items()))
+            stack.extend((k, where) for k in item)
+        elif isinstance(item, list):
+            stack.extend((v, (*where, i)) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
 def parse(model: type[_Sampling], body: Any) -> Any:
     """Validate a decoded JSON body; a RequestError names the first bad field."""
     if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object", code="invalid_type")
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "missing":
-            message = f"'{where}' is a required property"
-        raise RequestError(f"{message} ({where})" if where else message,
-                           param=str(first["loc"][0]) if first["loc"] else None) from err
+        loc, message, kind = _first_error(err.errors())
+        where = ".".join(str(p) for p in loc)
+        code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+        if kind == "missing":
+            message, code = f"'{where}' is a required property", "missing_required_parameter"
+        raise RequestError(f"{message} ({where})" if where else message, code=code,
+                           param=str(loc[0]) if loc else None) from err
+    except RecursionError as err:
+        raise RequestError("request body nested too deeply", code="invalid_value") from err
+
+
+def _first_error(errors: list[dict]) -> tuple[tuple, str, str]:
+    """The first bad field's error, said once: pydantic reports a value that fits no member of
+    a union (``str | list[ContentPart]``) once per member; a member whose shape matched but
+    whose value did not (an image part, an id out of range) says most, else the members'
+    expected types are listed together."""
+    field = errors[0]["loc"][:1]
+    alike = [e for e in errors if e["loc"][:1] == field]
+    specific = [e for e in alike if not e["type"].endswith("_type")]
+    chosen = specific[0] if specific else alike[0]
+    loc = tuple(p for p in chosen["loc"] if not _union_tag(p))
+    message = chosen["msg"].removeprefix("Value error, ")
+    if not specific and len(alike) > 1:
+        wanted = dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in alike)
+        message = "Input should be " + " or ".join(wanted)
+    return loc, message, chosen["type"]
+
+
+def _union_tag(part: Any) -> bool:
+    """Whether a location part names a union member (``str``, ``list[...]``), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)

@@ -1,0 +1,104 @@
+"""The server under test: the tiny model directory, served in-process by uvicorn on a thread (so
+tests can reach the engine thread to verify slot accounting with ``Engine.check``)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fixtures.tiny_server_model import build
+from openai import OpenAI
+
+from irminsul.config import EngineConfig, ServerConfig
+from irminsul.server import AsyncEngine, build_server
+
+SLOTS = 2048
+
+
+@dataclass
+class Server:
+    url: str
+    engine: AsyncEngine
+    client: OpenAI
+    model: str
+    model_dir: Path
+    app: FastAPI
+
+    def check(self, timeout: float = 10.0) -> None:
+        """Wait until the engine is idle, then verify its slot accounting (on its thread)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.run_in_engine_thread(lambda s: s.has_work()).result(5):
+            assert time.monotonic() < deadline, "engine still busy"
+            time.sleep(0.01)
+        self.engine.run_in_engine_thread(lambda s: s.engine.check()).result(5)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def errors(self, status: int, code: str | None = None) -> float:
+        """irminsul:request_errors_total summed over the series with this status (and code)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        total = 0.0
+        for labels, value in re.findall(r"^irminsul:request_errors_total\{(.*)\} (\S+)$", text,
+                                        re.MULTILINE):
+            if f'status="{status}"' in labels and (code is None or f'code="{code}"' in labels):
+                total += float(value)
+        return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, config: ServerConfig) -> Iterator[Server]:
+    """Serve ``model_dir`` on a free loopback port until the block ends."""
+    app, engine = build_server(model_dir, config)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield Server(url, engine, OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
+                     config.model_name or model_dir.name, model_dir, app)
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+    assert not engine.alive  # the lifespan shut the engine thread down
+
+
+def config(**server: object) -> ServerConfig:
+    """The tests' server: the tiny model in float32 on the CPU, live PIC, SLOTS slots."""
+    engine = server.pop("engine", None) or EngineConfig(mode="live", slots=SLOTS)
+    return ServerConfig(model_name="tiny", dtype="float32", device="cpu", engine=engine,
+                        **server)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("tiny-server-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[Server]:
+    with running(model_dir, config()) as served:
+        yield served
