@@ -148,11 +148,11 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
         body = RequestError(str(err.detail), status=err.status_code).body()
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, model_name))
     async def chat_completions(request: Request) -> Response:
         return await _handle(server, request, chat=True)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest, model_name))
     async def completions(request: Request) -> Response:
         return await _handle(server, request, chat=False)
 
@@ -175,12 +175,27 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     return app
 
 
-def _body_schema(model: type) -> dict[str, Any]:
+def _body_schema(model: type, model_name: str) -> dict[str, Any]:
     """The OpenAPI request body of a route that parses its body by hand (for /docs and for
-    schema-driven clients and fuzzers)."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema(ref_template=
-                                                               "#/$defs/{model}")}}}}
+    schema-driven clients and fuzzers): the pydantic model's JSON schema with its definitions
+    inlined, and the one model id this server accepts."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    schema = inline(schema)
+    schema["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
 
 
 async def _handle(server: _Server, request: Request, *, chat: bool) -> Response:
