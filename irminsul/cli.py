@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from . import __version__
 from .analysis.analyze import analyze_log
 from .analysis.report import render_reports
 from .config import MAX_DEFAULT_SLOTS, MODES, REPLAY_CAPACITY, EngineConfig, ServerConfig
@@ -64,6 +65,7 @@ def _write_workload(pattern: str, out: Path, source: Path, pool: TextPool, *, re
 
 
 def cmd_workload(args: argparse.Namespace) -> None:
+    """Write one partition-shift workload log built from real agent text."""
     renderer = _renderer(args)
     sources = [Path(s) for s in args.source] if args.source else sample_logs()
     count = _write_workload(args.pattern, Path(args.out), sources[0], _pool(renderer, sources),
@@ -159,7 +161,7 @@ def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
     from .traffic.render import TemplateError
 
     try:
-        return ChatRenderer.from_dir(args.model_tokenizer or args.tokenizer or _model_dir(args))
+        return ChatRenderer.from_dir(args.tokenizer or _model_dir(args))
     except (FileNotFoundError, TemplateError) as err:
         raise ValueError(f"{err} (prompts are rendered with the model directory's "
                          "tokenizer.json and chat template; pass --tokenizer DIR to use "
@@ -199,6 +201,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve the model over an OpenAI-compatible HTTP API until interrupted."""
+    if args.tokenizer:
+        # The server renders with the checkpoint's own tokenizer and template; taking the option
+        # and ignoring it would serve different prompts from the ones asked for.
+        raise ValueError("serve renders prompts with the model directory's tokenizer and chat "
+                         "template; --tokenizer does not apply to it")
     from .server import serve  # torch, the model runtime and the web stack load only here
 
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
@@ -210,25 +217,60 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          device=args.device, engine=engine))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="irminsul", description=__doc__)
-    parser.add_argument("--tokenizer", metavar="DIR",
-                        help="local Hugging Face tokenizer directory with a chat_template "
-                             "(default: the DeepSeek tokenizer, DeepSeek-V3-style template)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    sub = parser.add_subparsers(dest="command", required=True)
+TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with a chat template "
+                  "(default: the model's own for bench and consistency, which run a model; else "
+                  "the DeepSeek tokenizer with a DeepSeek-V3-style template). serve always uses "
+                  "the model's own")
 
-    analyze = sub.add_parser("analyze", help="how much of a request log each cache serves")
+
+def _global_options(parser: argparse.ArgumentParser, *, top: bool, tokenizer: bool = True) -> None:
+    """The options the commands share, taken before or after the command's name alike.
+
+    The top-level parser holds the defaults; each command's parser adds the same options with
+    ``SUPPRESS`` defaults, so an option given after the command overrides one given before it,
+    and one not given after it leaves the top-level value in place.
+    """
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    if tokenizer:
+        parser.add_argument("--tokenizer", metavar="DIR", default=default(None),
+                            help=TOKENIZER_HELP)
+    parser.add_argument("-q", "--quiet", action="store_true", default=default(False),
+                        help="no progress bars")
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, *, tokenizer: bool = True,
+             **kwargs: object) -> argparse.ArgumentParser:
+    """A command's parser with the global options (``tokenizer``: --tokenizer among them);
+    ``summary`` is its line in --help."""
+    parser = sub.add_parser(name, help=summary, description=summary, **kwargs)
+    _global_options(parser, top=False, tokenizer=tokenizer)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``irminsul`` argument parser: global options and one subparser per command."""
+    parser = argparse.ArgumentParser(prog="irminsul", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"irminsul {__version__}",
+                        help="print the version and exit")
+    _global_options(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; irminsul COMMAND --help for its options")
+
+    analyze = _command(sub, "analyze", "how much of a request log each cache serves")
     analyze.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines request log(s)")
     analyze.add_argument("--json", metavar="OUT", help="write the full report as JSON")
-    analyze.add_argument("--capacity", type=_capacity, default=REPLAY_CAPACITY,
-                         help=f"replay cache budget in tokens per index, or 'none' "
-                              f"(default {REPLAY_CAPACITY:,})")
+    _capacity_option(analyze)
     analyze.add_argument("--strict", action="store_true", help="fail on the first malformed line")
     analyze.set_defaults(func=cmd_analyze)
 
-    workload = sub.add_parser("workload", help="write a partition-shift workload log")
-    workload.add_argument("pattern", choices=PATTERNS)
+    workload = _command(sub, "workload", "write a partition-shift workload log")
+    workload.add_argument("pattern", choices=PATTERNS,
+                          help="what changes between requests: a per-agent header "
+                               "(agent_meta), a variable in the system prompt (sysvar), compacted "
+                               "tool results (compact), re-ranked documents (rerank), the tool "
+                               "set (tool_variants)")
     workload.add_argument("--out", required=True, metavar="LOG", help=".jsonl[.gz|.xz] to write")
     workload.add_argument("--source", action="append", metavar="LOG",
                           help="real log to take bodies from (first) and text from (all); "
@@ -236,27 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_options(workload)
     workload.set_defaults(func=cmd_workload)
 
-    demo = sub.add_parser("demo", help="build the workloads and analyze them with the samples")
-    demo.add_argument("--out", metavar="DIR", help="where to write the workloads")
+    demo = _command(sub, "demo", "build the workloads and analyze them with the samples")
+    demo.add_argument("--out", metavar="DIR",
+                      help="where to write the workloads (default: a new temporary directory)")
     demo.add_argument("--json", metavar="OUT", help="write all reports as JSON")
-    demo.add_argument("--capacity", type=_capacity, default=REPLAY_CAPACITY)
+    _capacity_option(demo)
     _workload_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    check = sub.add_parser("consistency",
-                           help="KL, argmax-match and first divergence of PIC and naive reuse "
-                                "against full recomputation")
+    check = _command(sub, "consistency",
+                     "KL, argmax-match and first divergence of PIC and naive reuse against full "
+                     "recomputation")
     _model_workload_options(check, many=False)
     check.add_argument("--tokens", type=int, default=16,
                        help="continuation tokens per request (default 16)")
     check.set_defaults(func=cmd_consistency)
 
-    bench_p = sub.add_parser("bench", help="replay workloads against the engine per cache mode")
+    bench_p = _command(sub, "bench", "replay workloads against the engine per cache mode")
     _model_workload_options(bench_p, many=True)
     bench_p.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = _command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API",
+                     tokenizer=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--model", metavar="DIR",
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
                             "tokenizer.json and a chat template; default: the embedded default "
@@ -310,22 +353,32 @@ def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> N
     parser.add_argument("--slots", type=int, default=None,
                         help="KV pool size per engine in tokens (default: the whole workload, "
                              "so nothing is evicted)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--tokenizer", dest="model_tokenizer", metavar="DIR",
-                        help="tokenizer directory with a chat template (default: --model)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="torch device to run the model on (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV (default float32)")
+
+
+def _capacity_option(parser: argparse.ArgumentParser) -> None:
+    """--capacity of the commands that replay logs through the cache."""
+    parser.add_argument("--capacity", type=_capacity, default=REPLAY_CAPACITY, metavar="N|none",
+                        help=f"replay cache budget in tokens per index, or 'none' "
+                             f"(default {REPLAY_CAPACITY:,})")
 
 
 def _workload_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the commands that build workloads."""
     parser.add_argument("--requests", type=int, default=80, help="requests to write (default 80)")
     parser.add_argument("--header-tokens", type=int, default=250,
                         help="agent_meta header length / sysvar variable depth in tokens "
                              "(default 250; demo sweeps 50, 250, 1000, 2000)")
     parser.add_argument("--markers", action="store_true", help="insert S2 boundary markers")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the workload's variations (default 0)")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for bad input, as argparse does)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -1,15 +1,22 @@
-"""The command line: analyze's JSON contract, malformed input, workload writing."""
+"""The command line: analyze's JSON contract, malformed input, workload writing, --version,
+help on every option and the global options' place."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import lzma
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from irminsul.cli import main
+import irminsul
+from irminsul.cli import build_parser, main
+from irminsul.model import default_model_dir
 from irminsul.traffic.logs import read_requests, sample_logs
+from irminsul.traffic.render import ChatRenderer
 
 
 def _small_log(tmp_path: Path, bad_line: str | None = None) -> Path:
@@ -64,3 +71,71 @@ def test_workload_command(tmp_path: Path) -> None:
     requests = list(read_requests(out, strict=True))
     assert len(requests) == 7
     assert all(r.messages[-1]["content"].startswith("Retrieved documents") for r in requests)
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"irminsul {irminsul.__version__}\n"
+    assert irminsul.__version__ == metadata.version("irminsul")
+
+
+def test_version_without_package_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source tree that was never installed still has a version to print."""
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert irminsul._installed_version() == irminsul.UNKNOWN_VERSION
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """The parser and every subcommand's parser, each with its command line prefix."""
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help() -> None:
+    parser = build_parser()
+    missing = [f"{prog} {'/'.join(action.option_strings) or action.dest}"
+               for prog, p in _parsers(parser) for action in p._actions
+               if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
+    assert len(list(_parsers(parser))) == 7  # irminsul and its six commands
+    assert missing == []
+
+
+COMMANDS = {"analyze": ["LOG"], "workload": ["rerank", "--out", "W"], "demo": [],
+            "consistency": [], "bench": []}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_global_options_before_or_after_the_command(command: str) -> None:
+    """--tokenizer and -q mean the same before and after the command; after wins."""
+    parse, rest = build_parser().parse_args, COMMANDS[command]
+    for argv in (["--tokenizer", "DIR", "-q", command, *rest],
+                 [command, *rest, "--tokenizer", "DIR", "-q"],
+                 ["--tokenizer", "OTHER", command, *rest, "--quiet", "--tokenizer", "DIR"]):
+        args = parse(argv)
+        assert (args.tokenizer, args.quiet) == ("DIR", True), argv
+    args = parse([command, *rest])
+    assert (args.tokenizer, args.quiet) == (None, False)
+    assert "model_tokenizer" not in vars(args)  # bench and consistency's own copy is gone
+
+
+def test_serve_refuses_a_tokenizer(capsys: pytest.CaptureFixture) -> None:
+    """serve renders with the model's own tokenizer, so --tokenizer is refused, not ignored."""
+    assert main(["--tokenizer", "DIR", "serve"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_analyze_takes_tokenizer_after_the_log(tmp_path: Path) -> None:
+    """The README's own example: irminsul analyze LOG --tokenizer DIR."""
+    tokenizer, out = default_model_dir(), tmp_path / "report.json"
+    assert main(["analyze", str(_small_log(tmp_path)), "--tokenizer", str(tokenizer), "-q",
+                 "--json", str(out)]) == 0
+    name = json.loads(out.read_text())["tokenizer"]
+    assert name == ChatRenderer.from_dir(tokenizer).name != ChatRenderer.default().name
