@@ -42,10 +42,24 @@ def _write_json(path: str | None, reports: list[dict]) -> None:
         Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")
 
 
+def _warn_malformed(report: dict) -> None:
+    """Say on stderr how many lines of a log were skipped and where the first was, so that a
+    damaged log is noticed without --json (whose report lists every one)."""
+    skipped = report["malformed_lines"]
+    if skipped:
+        print(f"irminsul: warning: {report['log']}: skipped {len(skipped)} malformed "
+              f"line{'s' if len(skipped) > 1 else ''}; first: {skipped[0]} "
+              "(--json lists all, --strict stops at the first)", file=sys.stderr)
+
+
 def cmd_analyze(args: argparse.Namespace) -> None:
+    """Characterise, measure the recoverability of and replay each request log."""
     renderer = _renderer(args)
-    reports = [analyze_log(log, renderer, capacity=args.capacity, strict=args.strict,
-                           progress=not args.quiet) for log in args.logs]
+    reports = []
+    for log in args.logs:
+        reports.append(analyze_log(log, renderer, capacity=args.capacity, strict=args.strict,
+                                   progress=not args.quiet))
+        _warn_malformed(reports[-1])
     print(render_reports(reports))
     _write_json(args.json, reports)
 
@@ -99,6 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     reports = []
     for name, path in logs:
         report = analyze_log(path, renderer, capacity=args.capacity, progress=not args.quiet)
+        _warn_malformed(report)
         reports.append({"name": name, **report})
     print(render_reports(reports))
     print(f"\nworkloads written to {out}")

@@ -54,6 +54,23 @@ def test_malformed_line_is_reported_and_skipped(tmp_path: Path,
     assert f"{log}:6:" in report["malformed_lines"][0]
 
 
+def test_malformed_lines_are_counted_on_screen(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """Without --json the skipped lines are still reported: how many, and where the first was."""
+    log = _small_log(tmp_path, bad_line='{"messages": "oops"')
+    with log.open("a", encoding="utf-8") as f:
+        f.write("not json\n")
+    assert main(["-q", "analyze", str(log)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 2 malformed lines" in err
+    assert f"first: {log}:6:" in err
+
+
+def test_clean_log_warns_of_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["-q", "analyze", str(_small_log(tmp_path))]) == 0
+    assert "malformed" not in capsys.readouterr().err
+
+
 def test_strict_fails_with_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     log = _small_log(tmp_path, bad_line="[1, 2]")
     assert main(["-q", "analyze", "--strict", str(log)]) == 2
