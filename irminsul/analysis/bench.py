@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ..config import MODES, EngineConfig
 from ..engine import Engine
@@ -23,12 +24,22 @@ from .consistency import kl_per_step
 
 
 def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
-          modes: Iterable[str] = MODES) -> dict:
-    """Serve every prompt in each mode; returns {mode: figures} plus the request count."""
-    prompts = list(prompts)
-    full = [model.logits(torch.from_numpy(p.tokens.astype(np.int64)))[-1] for p in prompts]
+          modes: Iterable[str] = MODES, progress: bool = False) -> dict:
+    """Serve every prompt in each mode; returns {mode: figures} plus the request count.
+
+    ``progress`` shows a bar on stderr over every pass of every request: the full-recomputation
+    reference first, then each mode.
+    """
+    prompts, modes = list(prompts), list(modes)
+    bar = tqdm(total=len(prompts) * (1 + len(modes)), desc="bench: reference", unit=" req",
+               disable=not progress, leave=False)
+    full = []
+    for p in prompts:
+        full.append(model.logits(torch.from_numpy(p.tokens.astype(np.int64)))[-1])
+        bar.update()
     result: dict = {"requests": len(prompts), "prompt_tokens": sum(p.size for p in prompts)}
     for mode in modes:
+        bar.set_description(f"bench: {mode}")
         engine = Engine(model, EngineConfig(slots=num_slots, mode=mode))
         counts = np.zeros(3, dtype=np.int64)  # prefix, pic (served or would-be), prompt
         ttft, kl = [], []
@@ -40,6 +51,7 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
             s = seq.stats
             counts += (s.prefix_tokens, s.pic_tokens + s.would_be_pic_tokens, s.prompt_tokens)
             kl.append(float(kl_per_step(reference[None], logits[None])[0]))
+            bar.update()  # after the clock stopped: drawing the bar is no part of the TTFT
         engine.check()
         prefix, pic, total = counts.tolist()
         result[mode] = {
@@ -49,4 +61,5 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
             "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
             "kl_first_token": float(np.mean(kl)),
         }
+    bar.close()
     return result
