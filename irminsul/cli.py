@@ -125,7 +125,8 @@ def _model_dir(args: argparse.Namespace) -> Path:
     # The model package (and torch with it) is imported only by the commands that run a model.
     from .model import default_model_dir
 
-    return Path(args.model) if args.model else default_model_dir()
+    model = getattr(args, "model", None)  # serve leaves it out of --help's defaults
+    return Path(model) if model else default_model_dir()
 
 
 @contextlib.contextmanager
@@ -237,7 +238,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           graphs=False if args.no_graphs else ENGINE.graphs)
     serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
                                          model_name=args.served_model_name, dtype=args.dtype,
-                                         device=args.device, engine=engine))
+                                         device=args.device, engine=engine,
+                                         max_request_bytes=args.max_request_bytes,
+                                         max_waiting=args.max_waiting))
 
 
 TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with a chat template "
@@ -323,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API",
                      tokenizer=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", metavar="DIR",
+    serve.add_argument("--model", metavar="DIR", default=argparse.SUPPRESS,
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
                             "tokenizer.json and a chat template; default: the embedded default "
                             "model)")
@@ -356,6 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-graphs", action="store_true",
                        help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
                             "batches of short spans, bfloat16 models)")
+    serve.add_argument("--max-request-bytes", type=int, default=SERVER.max_request_bytes,
+                       metavar="N", help="refuse larger request bodies (413) before reading "
+                                         "them whole (None: 1 MiB + 32 bytes per token of "
+                                         "context)")
+    serve.add_argument("--max-waiting", type=int, default=SERVER.max_waiting, metavar="N",
+                       help="requests waiting for their first token beyond --max-running; "
+                            "more get 429 with Retry-After")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -83,10 +83,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown cache mode {self.mode!r}; choose from {', '.join(MODES)}")
-        if (self.slots is not None and self.slots < 1) or (self.kr_slots is not None
-                                                            and self.kr_slots < 1):
-            raise ValueError(f"a KV pool needs slots in both spaces, got {self.slots} c_KV and "
-                             f"{self.kr_slots} k_r")
+        for name in ("slots", "kr_slots"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (leave it out for the default), got "
+                                 f"{value}")
         if min(self.batch_tokens, self.chunk_tokens, self.max_running) < 1:
             raise ValueError(f"batch_tokens, chunk_tokens and max_running must be >= 1, got "
                              f"{self.batch_tokens}, {self.chunk_tokens}, {self.max_running}")
@@ -116,9 +117,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_waiting", "render_workers", "render_memo_bytes",
                      "default_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < (0 if name == "max_waiting" else 1):
-                raise ValueError(f"{name} must be positive, got {value}")
+            value, least = getattr(self, name), 0 if name == "max_waiting" else 1
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
 
     def request_bytes_for(self, context: int) -> int:
         """The body-size limit: ``max_request_bytes``, or by default 1 MiB plus 32 bytes per

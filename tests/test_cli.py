@@ -156,3 +156,15 @@ def test_analyze_takes_tokenizer_after_the_log(tmp_path: Path) -> None:
                  "--json", str(out)]) == 0
     name = json.loads(out.read_text())["tokenizer"]
     assert name == ChatRenderer.from_dir(tokenizer).name != ChatRenderer.default().name
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--slots", "0"], "slots must be >= 1"),
+    (["serve", "--kr-slots", "-1"], "kr_slots must be >= 1"),
+    (["serve", "--max-waiting", "-1"], "max_waiting must be >= 0"),
+    (["serve", "--max-request-bytes", "0"], "max_request_bytes must be >= 1"),
+])
+def test_serve_refuses_bad_sizes_before_loading(argv: list[str], needle: str, capsys) -> None:
+    """A size that cannot work is an error naming it (it used to mean 65,536 slots)."""
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
