@@ -1,0 +1,188 @@
+"""Decode steps against their memory floor: the serving path's step time at batch B, context C.
+
+B requests, each with its own C-token context (random ids, PIC off: nothing shared), all
+decoding; a step is one ``Scheduler.step`` (batching, the forward, sampling), timed with the
+device drained before and after, median over the timed steps. The contexts are not computed:
+their prefill forwards are replaced by a stub that returns zero logits (the KV rows stay zero,
+which costs attention exactly what real rows cost), so a 128 × 16K cell takes seconds.
+
+The floor is the bytes a step must read over the measured copy bandwidth: every weight but the
+routed experts and the embedding table, the routed experts the batch's tokens touch (counted per
+layer on one extra step by a hook on each router), one embedding row per token, and every
+request's KV rows (c_KV and k_r, every layer).
+
+    python benchmarks/gpu/decode.py --out docs/results/gpu-decode.json
+    python benchmarks/gpu/decode.py --batches 64 --contexts 4096 --profile 64 4096 --out F
+    python benchmarks/gpu/decode.py --device cpu --tiny --batches 1 2 --contexts 64 --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import numpy as np
+import roofline
+import torch
+from common import build_model, run_metadata, sync, timed
+
+from irminsul.config import EngineConfig
+from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.model import MLAModel
+
+
+def _element_bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def weight_bytes(model: MLAModel) -> tuple[int, int, int]:
+    """(bytes of the weights every step reads, bytes of one routed expert, embedding row bytes):
+    all parameters but the stacked routed experts and the embedding table."""
+    experts = always = 0
+    expert_bytes = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("w13", "w2")):
+            experts += _element_bytes(p)
+            expert_bytes += _element_bytes(p[0])
+        elif "embed_tokens" not in name:
+            always += _element_bytes(p)
+    embedding = model.config.hidden_size * next(model.parameters()).element_size()
+    # expert_bytes sums one expert of each MoE layer: per layer it is the same size.
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    return always, expert_bytes // max(1, moe_layers), embedding
+
+
+def kv_row_bytes(model: MLAModel) -> int:
+    """Bytes of one token's KV rows over all layers (c_KV and k_r)."""
+    cfg = model.config
+    element = next(model.parameters()).element_size()
+    return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+
+
+def _stub_forward(scheduler: Scheduler, vocab: int):
+    """Replace the runner's forward by zero logits (the prefill stub); returns the undo."""
+    runner = scheduler.engine.runner
+    device = scheduler.engine.pool.ckv.device
+
+    def zeros(batch, *, all_logits: bool = False) -> list[torch.Tensor]:
+        return [torch.zeros(len(at) if all_logits else 1, vocab, device=device)
+                for at in batch.positions]
+
+    runner.forward = zeros
+    return lambda: delattr(runner, "forward")
+
+
+def touched_experts(model: MLAModel, step) -> float:
+    """Distinct routed experts per MoE layer that one step's tokens touch (mean over layers)."""
+    counts: list[int] = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _inp, out: counts.append(int(out[1].unique().numel())))
+        for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return statistics.mean(counts) if counts else 0.0
+
+
+def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: int,
+                copy_gbps: float, profile: str | None = None) -> dict[str, Any]:
+    """One (batch, context) cell: median step time, tokens/s, floor and their ratio."""
+    device = str(next(model.parameters()).device)
+    vocab = model.config.vocab_size
+    total = warmup + steps + 8  # the touched-experts step and a profile's 5 steps too
+    config = EngineConfig(mode="off", slots=batch * (context + total) + 64,
+                          max_running=max(batch, EngineConfig.max_running))
+    scheduler = Scheduler(Engine(model, config), batch_tokens=8 * context + batch,
+                          chunk_tokens=context)
+    rng = np.random.default_rng(batch * 100_003 + context)
+    for _ in range(batch):
+        scheduler.add(rng.integers(0, vocab, context), SamplingParams(max_tokens=total))
+    undo = _stub_forward(scheduler, vocab)
+    try:
+        while scheduler.waiting or any(r.state == "prefill" for r in scheduler.running):
+            scheduler.step()
+    finally:
+        undo()
+    for _ in range(warmup):
+        scheduler.step()
+    touched = touched_experts(model, scheduler.step)
+    times = []
+    for _ in range(steps):
+        elapsed, outputs = timed(device, scheduler.step)
+        assert sum(len(o.new_tokens) for o in outputs) == batch, "a request left early"
+        times.append(elapsed)
+    profile_table = None
+    if profile:
+        profile_table = _profile(device, scheduler)
+    scheduler.engine.check()
+    always, expert, embedding = weight_bytes(model)
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    kv = batch * (context + warmup + steps) * kv_row_bytes(model)
+    floor_bytes = always + moe_layers * touched * expert + batch * embedding + kv
+    step = statistics.median(times)
+    floor = floor_bytes / (copy_gbps * 1e9)
+    out = {"batch": batch, "context": context, "step_ms": 1e3 * step,
+           "tokens_per_s": batch / step, "floor_ms": 1e3 * floor, "step_over_floor": step / floor,
+           "bytes": {"weights": always, "experts": int(moe_layers * touched * expert),
+                     "kv": kv, "embedding": batch * embedding},
+           "experts_touched_per_layer": touched, "steps": steps}
+    if profile_table is not None:
+        out["profile"] = profile_table
+    return out
+
+
+def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
+    """torch.profiler's table of the device kernels over a few steps, by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            scheduler.step()
+        sync(device)
+    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny float32 model (CPU smoke)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per cell")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps per cell first")
+    parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
+                        help="also profile this cell's steps (torch.profiler table)")
+    parser.add_argument("--out", required=True, help="results JSON")
+    args = parser.parse_args()
+    model = build_model(args.device, tiny=args.tiny)
+    copy_gbps = roofline.copy_bandwidth(args.device)
+    results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
+                               "cells": []}
+    for context in args.contexts:
+        for batch in args.batches:
+            profile = (f"{batch}x{context}" if args.profile
+                       and tuple(args.profile) == (batch, context) else None)
+            cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps,
+                               profile)
+            results["cells"].append(cell)
+            print(f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
+                  f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "
+                  f"step/floor {cell['step_over_floor']:5.2f}  experts/layer "
+                  f"{cell['experts_touched_per_layer']:.1f}", flush=True)
+            if "profile" in cell:
+                print(cell["profile"], flush=True)
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=1)
+            torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+
+
+if __name__ == "__main__":
+    main()
