@@ -9,8 +9,10 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
   whose logits are wanted;
 - the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
   to 8 tokens, mostly decode steps: 16 rows, one token's heads; larger ones, mostly prefill
-  spans: 64 rows, four tokens sharing each read of their keys), room for every block a batch of
-  the bucket's tokens can need (one partial block per request at most), a fixed number of key
+  spans: 64 rows, four tokens sharing each read of their keys; and, where heads are fewer than
+  64, a second graph of 16-row blocks per larger bucket for batches of one-token spans — decode
+  steps of many requests, whose tokens share no keys), room for every block a batch of the
+  bucket's tokens can need (one partial block per request at most), a fixed number of key
   splits per request sized for the bucket's blocks (the kernel divides each request's keys
   itself), key slot lists of any length up to ``max_keys``. Unused blocks name rows past their
   request's end and do nothing;
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels import PagedLayout
-from ..kernels.mla_attention import SM_TARGET
+from ..kernels.mla_attention import key_splits
 from ..model import MLAModel
 from ..model.paged import PagedKV
 from .staging import Staging
@@ -40,20 +42,31 @@ DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads pe
 T = TypeVar("T")
 
 
-def block_rows(bucket: int) -> int:
-    """Query rows per kernel block in a bucket's launch."""
-    return 16 if bucket <= DECODE_BUCKET else 64
+def block_rows(bucket: int, decode: bool = False) -> int:
+    """Query rows per kernel block in a bucket's launch (``decode``: its graph for batches of
+    one-token spans)."""
+    return 16 if bucket <= DECODE_BUCKET or decode else 64
 
 
-def whole_blocks(bucket: int, heads: int) -> int:
-    """Blocks holding a bucket's query rows back to back."""
-    return -(-bucket * heads // block_rows(bucket))
+def whole_blocks(bucket: int, heads: int, rows: int) -> int:
+    """Blocks of ``rows`` query rows holding a bucket's rows back to back."""
+    return -(-bucket * heads // rows)
 
 
-def block_room(bucket: int, heads: int) -> int:
-    """Blocks a batch of ``bucket`` tokens can need, padding request included: whole blocks of
-    all its rows, plus one partial block per request."""
-    return whole_blocks(bucket, heads) + (0 if heads % block_rows(bucket) == 0 else bucket + 1)
+def block_room(bucket: int, heads: int, rows: int) -> int:
+    """Blocks a batch of ``bucket`` tokens can need in blocks of ``rows``, padding request
+    included: whole blocks of all its rows, plus one partial block per request."""
+    return whole_blocks(bucket, heads, rows) + (0 if heads % rows == 0 else bucket + 1)
+
+
+def launches(buckets: tuple[int, ...], heads: int) -> list[tuple[int, int]]:
+    """(bucket, rows per block) of every graph: one per bucket, and for buckets above
+    DECODE_BUCKET a second of 16-row blocks for decode batches where one token's heads fill no
+    64-row block."""
+    variants = [(b, block_rows(b)) for b in buckets]
+    if heads < 64:
+        variants += [(b, 16) for b in buckets if block_rows(b) != 16]
+    return variants
 
 
 def capture(run: Callable[[], T], pool: tuple[int, int] | None = None
@@ -98,14 +111,18 @@ class CudaGraphs:
         self.cuda = device.type == "cuda"
         # Regions: ids, positions and new c_KV / k_r slots [4, bucket]; each request's last
         # row [bucket + 1]; blocks [2, room]; the request table [4, bucket + 1]; keys.
-        sizes = (4 * top, top + 1, 2 * block_room(top, heads), 4 * (top + 1), max_keys)
+        self.launches = launches(buckets, heads)
+        room = max(block_room(top, heads, rows) for _, rows in self.launches)
+        sizes = (4 * top, top + 1, 2 * room, 4 * (top + 1), max_keys)
         self._at = np.cumsum((0,) + sizes).tolist()  # region starts, then the k_r keys'
         self.inputs = Staging(device, self._at[-1] + max_keys)
-        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> replay
-        self.replays: Counter[int] = Counter()  # bucket -> forwards served through it
+        # (bucket, rows per block) -> replay
+        self.forwards: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        # (bucket, rows per block) -> forwards served through that graph
+        self.replays: Counter[tuple[int, int]] = Counter()
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        for bucket in reversed(buckets):  # largest first: the smaller reuse its memory
-            self.forwards[bucket] = self._capture(bucket)
+        for launch in sorted(self.launches, reverse=True):  # largest first: the smaller reuse
+            self.forwards[launch] = self._capture(*launch)  # its memory
 
     def fits(self, tokens: int, keys: int) -> bool:
         """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
@@ -120,24 +137,28 @@ class CudaGraphs:
         result lives in graph memory the buckets share: read it before the next call."""
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
+        decode = all(count == 1 for count, _, _ in spans)
+        launch = (bucket, block_rows(bucket, decode))
+        if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket
+            launch = (bucket, block_rows(bucket))
         last = np.zeros(0, dtype=np.int64) if last is None else last
-        self._fill(bucket, tokens, positions, new_ckv, new_kr, spans, last)
-        self.replays[bucket] += 1
-        wanted = self._views(self.inputs.buffer, bucket)[1][:len(last)] if len(last) else None
-        return self.forwards[bucket]()[:n], wanted
+        self._fill(*launch, tokens, positions, new_ckv, new_kr, spans, last)
+        self.replays[launch] += 1
+        wanted = self._views(self.inputs.buffer, *launch)[1][:len(last)] if len(last) else None
+        return self.forwards[launch]()[:n], wanted
 
-    def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int) -> tuple:
-        """A bucket's regions of the buffer (or of a host mirror): rows [4, bucket], last rows
+    def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int, rows: int) -> tuple:
+        """A launch's regions of the buffer (or of a host mirror): rows [4, bucket], last rows
         [bucket + 1], blocks [2, room], request table [4, bucket + 1], c_KV keys, k_r keys."""
-        at, room = self._at, block_room(bucket, self.heads)
+        at, room = self._at, block_room(bucket, self.heads, rows)
         return (buffer[:4 * bucket].reshape(4, bucket), buffer[at[1]:at[2]],
                 buffer[at[2]:at[2] + 2 * room].reshape(2, room),
                 buffer[at[3]:at[3] + 4 * (bucket + 1)].reshape(4, bucket + 1),
                 buffer[at[4]:at[5]], buffer[at[5]:])
 
-    def _fill(self, bucket: int, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
-              new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]],
-              last: np.ndarray) -> None:
+    def _fill(self, bucket: int, block_m: int, tokens: np.ndarray, positions: np.ndarray,
+              new_ckv: np.ndarray, new_kr: np.ndarray,
+              spans: list[tuple[int, np.ndarray, np.ndarray]], last: np.ndarray) -> None:
         """Write a batch, padded to ``bucket`` tokens, into the buffer (on a GPU through a
         pinned mirror, sent in two copies ordered after the replay that read it last)."""
         n = len(tokens)
@@ -146,13 +167,14 @@ class CudaGraphs:
         new = [count for count, _, _ in spans] + ([pad] if pad else [])
         ckv = [c for _, c, _ in spans] + ([np.full(pad, scratch_c)] if pad else [])
         kr = [r for _, _, r in spans] + ([np.full(pad, scratch_r)] if pad else [])
-        rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket)
+        rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket,
+                                                                  block_m)
         # Every value a replay reads is written: a mirror holds an older batch's values.
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = tokens, positions, new_ckv, new_kr
         rows[:, n:] = np.array([0, 0, scratch_c, scratch_r])[:, None]  # padding: token 0 at 0
         wanted[:len(last)] = last
         # Unused blocks: the last request, from a row past every request's rows.
-        used = PagedLayout.blocks(new, self.heads, block_rows(bucket))
+        used = PagedLayout.blocks(new, self.heads, block_m)
         blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
         table[:, :len(new)] = PagedLayout.request_table(new, [len(c) for c in ckv])
@@ -161,16 +183,16 @@ class CudaGraphs:
         np.concatenate(kr, out=keys_r[:keys])
         self.inputs.send((0, self._at[4] + keys), (self._at[5], self._at[5] + keys))
 
-    def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
-        """The bucket's forward over the buffer: on CUDA a graph's replay, captured after a run
+    def _capture(self, bucket: int, block_m: int) -> Callable[[], torch.Tensor]:
+        """A launch's forward over the buffer: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
-        # Key splits for two waves of the bucket's whole blocks whatever the lengths (the eager
-        # launch also caps them by the longest request; here the cap is fixed: 64 per request).
-        splits = max(1, min(64, -(-SM_TARGET // whole_blocks(bucket, self.heads))))
-        rows, _, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket)
+        # Key splits for the launch's whole blocks whatever the lengths (the eager launch also
+        # caps them by the longest request; here the cap is fixed: 64 per request).
+        splits = key_splits(whole_blocks(bucket, self.heads, block_m), block_m, self.ckv.device)
+        rows, _, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket, block_m)
         layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket, self.heads,
-                             block_rows(bucket), splits)
+                             block_m, splits)
         kv = PagedKV(self.ckv, self.kr, rows[2], rows[3], layout, None, [])
 
         def forward() -> torch.Tensor:
@@ -179,7 +201,7 @@ class CudaGraphs:
         if not self.cuda:
             return forward
         empty = np.zeros(0, dtype=np.int64)
-        self._fill(bucket, empty, empty, empty, empty, [], empty)
+        self._fill(bucket, block_m, empty, empty, empty, empty, [], empty)
         graph, out = capture(forward, self.pool)
 
         def replay() -> torch.Tensor:

@@ -26,6 +26,7 @@ from ..device import upload
 from .rotate import pair_layout
 
 SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
+SMS = SM_TARGET // 2  # where the device does not say (a CPU under Triton's interpreter)
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 
 
@@ -77,7 +78,10 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
         s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
         s += tl.dot(q_b, tl.trans(k_b), input_precision=PRECISION)
-        s = tl.where(keys[None, :] < visible[:, None], s * scale_log2, float("-inf"))
+        # A step may run past its split's end (block_n above the 64-key split alignment): keys
+        # there belong to the next split, visible or not.
+        seen = (keys[None, :] < visible[:, None]) & key_ok[None, :]
+        s = tl.where(seen, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -136,7 +140,7 @@ class PagedLayout:
             block_m = 16 if max(new) * heads <= 16 else 64
         block_req, block_row0 = cls.blocks(new, heads, block_m)
         if splits is None:
-            splits = max(1, min(-(-SM_TARGET // len(block_req)), -(-max(kv_len) // 256)))
+            splits = key_splits(len(block_req), block_m, device, max(kv_len))
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
             return upload(values, device, np.int32)
@@ -157,6 +161,34 @@ class PagedLayout:
         return np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
 
 
+def sm_count(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device (:data:`SMS` elsewhere)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def key_splits(blocks: int, block_m: int, device: torch.device | str,
+               max_keys: int | None = None) -> int:
+    """Key splits per request for a launch of ``blocks`` blocks of query rows.
+
+    16-row blocks (decode: one token's heads each) are read-bound, and one program streams its
+    keys at about half of an SM's share of the bandwidth whatever else runs there: one wave of
+    programs, blocks × splits ≈ the SMs, with splits a power of two, is fastest on an H200 at
+    batch 1 to 128 and 4K to 16K keys (benchmarks/gpu/decode_attention.py). 64-row blocks (prefill)
+    aim at two waves. Splits stay within 64 and, given the longest request's ``max_keys``, keep
+    at least 64 (16-row) or 256 (64-row) keys each."""
+    if block_m == 16:
+        splits = 1 << max(0, (sm_count(device) // max(1, blocks)).bit_length() - 1)
+        least = 64
+    else:
+        splits, least = -(-SM_TARGET // max(1, blocks)), 256
+    if max_keys is not None:
+        splits = min(splits, -(-max_keys // least))
+    return max(1, min(64, splits))
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Tile sizes of one launch: keys per step, value columns per program, warps, stages."""
@@ -169,12 +201,13 @@ class TileConfig:
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
         """Every block keeps the whole value width (recomputing q·k per value split costs more
-        than it saves); prefill blocks run 8 warps and one stage, the fastest of the shapes
-        benchmarks/gpu/kernels.py tries on an H200. float32 tiles are twice the bytes: half the keys
-        per step."""
+        than it saves). Decode blocks (16 rows) step 128 keys with 8 warps and two stages,
+        prefill blocks (64 rows) 32 keys with 8 warps and one stage: the fastest of the shapes
+        benchmarks/gpu/decode_attention.py and kernels.py try on an H200. float32 tiles are twice
+        the bytes: fewer keys per step."""
         wide = dtype == torch.float32
         if block_m == 16:
-            return cls(32 if wide else 64, rank, 4, 2)
+            return cls(32, rank, 4, 2) if wide else cls(128, rank, 8, 2)
         return cls(16 if wide else 32, rank, 8, 1)
 
 
@@ -185,7 +218,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
     dtype (the latent-space output, before W_UV). ``interleaved``: the rotary's pair layout of
     q_rope and k_r (:func:`~.rotate.pair_layout`). ``tiles`` overrides the default tile sizes
-    (split lengths are multiples of 64 keys, so block_n must divide 64)."""
+    (split lengths are multiples of 64 keys: a block_n above 64 masks the rest of its last step)."""
     tokens, heads, width = q.shape
     rank, rope = ckv.shape[1], kr.shape[1]
     if width != rank + rope or rank & (rank - 1) or rank < 16:

@@ -158,7 +158,7 @@ CASES = {  # new tokens and keys per request: decode steps (split keys), prefill
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dtype) -> None:
-    from irminsul.kernels import PagedLayout, paged_mla_attention
+    from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip(INTERPRETER_BF16)
@@ -177,10 +177,15 @@ def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dt
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     # The default launch, and a fixed one as a CUDA graph captures (16-row blocks, 13 splits
     # per request whatever its length, so some get no keys).
-    for layout in (PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE),
-                   PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16, splits=13)):
+    # And steps of 128 keys over splits aligned to 64, so a step runs into the next split (the
+    # bfloat16 decode tiles; a float32 tile of 128 keys × 512 dims outgrows a GPU's shared memory).
+    fixed = PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16, splits=13)
+    launches = [(PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE), None), (fixed, None)]
+    if dtype == torch.bfloat16 or DEVICE == "cpu":
+        launches.append((fixed, TileConfig(128, rank, 4, 2)))
+    for layout, tiles in launches:
         got = paged_mla_attention(q.to(DEVICE), ckv.to(DEVICE), kr.to(DEVICE), layout, scale,
-                                  rotary.interleaved)
+                                  rotary.interleaved, tiles)
         assert got.dtype == dtype
         assert (got.cpu().double() - want).abs().max() <= tol * want.abs().max()
 
@@ -224,9 +229,38 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
             chunk_tokens=24, max_tokens=4)
     replays = engines[True].runner.graphs.replays  # extend, the scheduler's short spans and steps
     assert replays.total() >= 5
-    assert max(replays) > DECODE_BUCKET  # a bucket of 64-row blocks too
+    assert max(bucket for bucket, _ in replays) > DECODE_BUCKET  # a bucket of 64-row blocks too
     assert served[False].pic_tokens >= 100  # doc A; doc B starts inside the first 32 positions
     assert_same(served[True], served[False], 1e-4)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
+                    "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
+def test_decode_graphs_of_many_requests_equal_eager_decode(tmp_path) -> None:
+    """Twelve requests decoding together replay the 16-token bucket's graph of 16-row blocks
+    (one token's heads each, not 64-row blocks a quarter full): their greedy tokens equal the
+    eager kernel path's."""
+    from irminsul.engine import Engine, SamplingParams, Scheduler
+
+    build("v2_lite_like", tmp_path, layers=2, heads=16)
+    model = load_model(tmp_path, device=DEVICE)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 97, int(rng.integers(20, 120))) for _ in range(12)]
+    tokens, replays = {}, None
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(slots=3000, mode="off", kernels=True, graphs=graphs))
+        scheduler = Scheduler(engine, batch_tokens=2000, chunk_tokens=200)
+        ids = [scheduler.add(p, SamplingParams(max_tokens=5)) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        while scheduler.has_work():
+            for step in scheduler.step():
+                out[step.request_id] += step.new_tokens
+        engine.check()
+        tokens[graphs] = list(out.values())
+        if graphs:
+            replays = engine.runner.graphs.replays
+    assert replays[16, 16] >= 4 and not replays[16, 64]  # every decode step: 16-row blocks
+    assert tokens[True] == tokens[False]
 
 
 def test_graphs_leave_the_whole_capacity_to_requests(tmp_path) -> None:
@@ -256,12 +290,14 @@ def test_graph_block_room_holds_every_batch_of_its_bucket(heads: int) -> None:
     """For random batches of every bucket (spans of any sizes, the padding request last), the
     blocks the kernel layout makes never exceed the room the bucket's graph keeps for them; a
     batch of one-token spans fills the room exactly where blocks hold one token's heads."""
-    from irminsul.engine.graphs import BUCKETS, block_room, block_rows
+    from irminsul.engine.graphs import BUCKETS, block_room, launches
     from irminsul.kernels import PagedLayout
 
     rng = np.random.default_rng(0)
-    for bucket in BUCKETS:
-        room, rows = block_room(bucket, heads), block_rows(bucket)
+    variants = launches(BUCKETS, heads)
+    assert len(variants) == (len(BUCKETS) if heads >= 64 else 2 * len(BUCKETS) - 4)
+    for bucket, rows in variants:
+        room = block_room(bucket, heads, rows)
         for _ in range(50):
             n = int(rng.integers(1, bucket + 1))
             cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(0, n)),
