@@ -3,8 +3,8 @@
 B requests, each with its own C-token context (random ids, PIC off: nothing shared), all
 decoding; a step is one ``Scheduler.step`` (batching, the forward, sampling), timed with the
 device drained before and after, median over the timed steps. The contexts are not computed:
-their prefill forwards are replaced by a stub that returns zero logits (the KV rows stay zero,
-which costs attention exactly what real rows cost), so a 128 × 16K cell takes seconds.
+their prefill forwards are replaced by a stub that returns random logits and the KV rows are
+filled with noise (attention costs the same over any rows), so a 128 × 16K cell takes seconds.
 
 The floor is the bytes a step must read over the measured copy bandwidth: every weight but the
 routed experts and the embedding table, the routed experts the batch's tokens touch (counted per
@@ -62,30 +62,42 @@ def kv_row_bytes(model: MLAModel) -> int:
 
 
 def _stub_forward(scheduler: Scheduler, vocab: int):
-    """Replace the runner's forward by zero logits (the prefill stub); returns the undo."""
+    """Replace the runner's forward by random logits (the prefill stub); returns the undo."""
     runner = scheduler.engine.runner
     device = scheduler.engine.pool.ckv.device
 
-    def zeros(batch, *, all_logits: bool = False) -> list[torch.Tensor]:
-        return [torch.zeros(len(at) if all_logits else 1, vocab, device=device)
+    def noise(batch, *, all_logits: bool = False) -> list[torch.Tensor]:
+        # Random logits: each request's first token differs, as its route through the experts.
+        return [torch.randn(len(at) if all_logits else 1, vocab, device=device)
                 for at in batch.positions]
 
-    runner.forward = zeros
+    runner.forward = noise
     return lambda: delattr(runner, "forward")
 
 
-def touched_experts(model: MLAModel, step) -> float:
-    """Distinct routed experts per MoE layer that one step's tokens touch (mean over layers)."""
+def touched_experts(scheduler: Scheduler) -> float:
+    """Distinct routed experts per MoE layer that one step's tokens touch (mean over layers),
+    counted by hooks on the routers during one eager step (a replayed graph runs no hooks)."""
+    model, runner = scheduler.engine.model, scheduler.engine.runner
     counts: list[int] = []
     hooks = [layer.mlp.gate.register_forward_hook(
         lambda _m, _inp, out: counts.append(int(out[1].unique().numel())))
         for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    graphs, runner.graphs = runner.graphs, None
     try:
-        step()
+        _check(scheduler.step(), len(scheduler.running))
     finally:
+        runner.graphs = graphs
         for hook in hooks:
             hook.remove()
     return statistics.mean(counts) if counts else 0.0
+
+
+def _check(outputs: list, batch: int) -> None:
+    errors = [o.error for o in outputs if o.error]
+    if errors or sum(len(o.new_tokens) for o in outputs) != batch:
+        raise RuntimeError(f"{batch} requests, {sum(len(o.new_tokens) for o in outputs)} "
+                           f"tokens; errors: {errors[:2]}")
 
 
 def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: int,
@@ -93,7 +105,9 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
     """One (batch, context) cell: median step time, tokens/s, floor and their ratio."""
     device = str(next(model.parameters()).device)
     vocab = model.config.vocab_size
-    total = warmup + steps + 8  # the touched-experts step and a profile's 5 steps too
+    # Room for the touched-experts step, a profile's 5 steps, and the tokens the requests whose
+    # prefill completed first decode while the others still prefill.
+    total = warmup + steps + 8 + batch
     config = EngineConfig(mode="off", slots=batch * (context + total) + 64,
                           max_running=max(batch, EngineConfig.max_running))
     scheduler = Scheduler(Engine(model, config), batch_tokens=8 * context + batch,
@@ -107,13 +121,16 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
             scheduler.step()
     finally:
         undo()
+    with torch.no_grad():  # rows that differ per request, so their hidden states do too
+        scheduler.engine.pool.ckv.normal_()
+        scheduler.engine.pool.kr.normal_()
     for _ in range(warmup):
-        scheduler.step()
-    touched = touched_experts(model, scheduler.step)
+        _check(scheduler.step(), batch)
+    touched = touched_experts(scheduler)
     times = []
     for _ in range(steps):
         elapsed, outputs = timed(device, scheduler.step)
-        assert sum(len(o.new_tokens) for o in outputs) == batch, "a request left early"
+        _check(outputs, batch)
         times.append(elapsed)
     profile_table = None
     if profile:
