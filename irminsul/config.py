@@ -75,7 +75,9 @@ class EngineConfig:
     kr_slots: int | None = None  # k_r slots (None: as many as c_KV); 1/9 of a c_KV row each
     batch_tokens: int = 2048  # tokens per forward: decode tokens first, then prefill spans
     chunk_tokens: int = 512  # prompt tokens one request prefills per forward
-    max_running: int = 64  # requests admitted at once
+    # Requests admitted at once (None: no cap but the pool's room and batch_tokens, since every
+    # running request decodes a token in every step)
+    max_running: int | None = None
     kernels: bool | None = None  # Triton kernels (None: on CUDA when triton is installed)
     graphs: bool | None = None  # CUDA graphs for short spans (None: with kernels, bf16 models)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -88,7 +90,7 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (leave it out for the default), got "
                                  f"{value}")
-        if min(self.batch_tokens, self.chunk_tokens, self.max_running) < 1:
+        if min(self.batch_tokens, self.chunk_tokens, self.max_running or 1) < 1:
             raise ValueError(f"batch_tokens, chunk_tokens and max_running must be >= 1, got "
                              f"{self.batch_tokens}, {self.chunk_tokens}, {self.max_running}")
         if self.graphs and self.kernels is False:

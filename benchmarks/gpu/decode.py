@@ -109,7 +109,7 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
     # prefill completed first decode while the others still prefill.
     total = warmup + steps + 8 + batch
     config = EngineConfig(mode="off", slots=batch * (context + total) + 64,
-                          max_running=max(batch, EngineConfig.max_running))
+                          max_running=batch)
     scheduler = Scheduler(Engine(model, config), batch_tokens=8 * context + batch,
                           chunk_tokens=context)
     rng = np.random.default_rng(batch * 100_003 + context)

@@ -108,7 +108,10 @@ class Scheduler:
         config = engine.config
         self.batch_tokens = batch_tokens or config.batch_tokens
         self.chunk_tokens = chunk_tokens or config.chunk_tokens
-        self.max_running = max_running or config.max_running
+        # No cap of its own: the pool decides admission; every running request decodes a token
+        # in every step, so at most batch_tokens run.
+        self.max_running = min(max_running or config.max_running or self.batch_tokens,
+                               self.batch_tokens)
         model = engine.model.config
         self.limits = Limits(model.max_position_embeddings, engine.pool.capacity,
                              model.vocab_size)
@@ -250,6 +253,7 @@ class Scheduler:
                     budget -= len(span[0])
         if not work:
             return outputs
+        ready: list[tuple[Request, torch.Tensor]] = []  # requests to sample, and their logits
         for (request, tokens, _), out in zip(work, self._forward(work, outputs)):
             if out is None:
                 continue  # failed in the forward
@@ -264,12 +268,35 @@ class Scheduler:
                     finally:  # the plan is released either way: the sequence is what is left
                         request.state = "decode"
                     request.first_token_time = time.perf_counter()
-                token = sample(out[-1], request.params, request.generator)
             except Exception as err:
-                outputs.append(self._fail(request, err, "sampling"))
+                outputs.append(self._fail(request, err, "completing its prefill"))
                 continue
+            ready.append((request, out[-1]))
+        for request, token in self._sample(ready, outputs):
             outputs.append(self._emit(request, token))
         return outputs
+
+    def _sample(self, ready: list[tuple[Request, torch.Tensor]], outputs: list[StepOutput]
+                ) -> list[tuple[Request, int]]:
+        """Each request's next token. Greedy requests take one argmax over all their logits
+        and one read back to the host, not one of each per request; sampled ones draw from
+        their own seeded generators. A request whose sampling fails is failed alone."""
+        tokens: list[tuple[Request, int]] = []
+        greedy = [(r, logits) for r, logits in ready if r.params.greedy]
+        alone = [(r, logits) for r, logits in ready if not r.params.greedy]
+        if greedy:
+            try:
+                ids = torch.stack([logits for _, logits in greedy]).argmax(-1).tolist()
+            except Exception:
+                alone = greedy + alone  # find the one at fault: each on its own
+            else:
+                tokens += [(r, token) for (r, _), token in zip(greedy, ids)]
+        for request, logits in alone:
+            try:
+                tokens.append((request, sample(logits, request.params, request.generator)))
+            except Exception as err:
+                outputs.append(self._fail(request, err, "sampling"))
+        return tokens
 
     def _forward(self, work: list[tuple[Request, np.ndarray, np.ndarray]],
                  outputs: list[StepOutput]) -> list[torch.Tensor | None]:

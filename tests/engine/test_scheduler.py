@@ -187,3 +187,21 @@ def test_requests_sharing_a_document_are_admitted_by_their_plans(model) -> None:
             outs[out.request_id] += out.new_tokens
         assert all(len(out) == tokens for out in outs.values())
     assert admitted == {"split": 3, "equal": 1}
+
+
+def test_no_fixed_cap_on_running_requests(model) -> None:
+    """Without max_running, the pool decides: 100 short requests all run at once when it holds
+    them (the old cap was 64); in a pool for 40 of them, 40 run and the rest wait."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 97, 20) for _ in range(100)]
+    for slots, expect in ((100 * 24, 100), (40 * 24, 40)):
+        scheduler = Scheduler(Engine(model, EngineConfig(slots=slots)), batch_tokens=4096)
+        ids = [scheduler.add(p, SamplingParams(max_tokens=4)) for p in prompts]
+        first = scheduler.step()
+        assert len(scheduler.running) == expect and len(scheduler.waiting) == 100 - expect
+        outs = _drain(scheduler, ids)
+        for out in first:
+            outs[out.request_id] = out.new_tokens + outs[out.request_id]
+        assert all(len(tokens) == 4 for tokens in outs.values())
+    # Every running request decodes a token per step: batch_tokens bounds them.
+    assert Scheduler(Engine(model, EngineConfig(slots=100)), batch_tokens=32).max_running == 32
