@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunk-tokens", type=int, default=ENGINE.chunk_tokens,
                        help="prompt tokens one request prefills per forward")
     serve.add_argument("--max-running", type=int, default=ENGINE.max_running,
-                       help="requests admitted at once")
+                       help="requests admitted at once (None: no cap but the KV pool's room "
+                            "and --batch-tokens)")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default=SERVER.dtype,
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")
