@@ -488,6 +488,59 @@ UNSTORED = [
 
 # The whole report -----------------------------------------------------------------------------
 
+def decode(r: dict[str, Any], name: str) -> list[str]:
+    """The decode steps at batch × context against their floor, before and after a change."""
+    after, before = r["after"], r.get("before")
+    meta = after["meta"]
+    lines = ["## GPU decode steps against their floor", "",
+             f"`docs/results/{name}`. " + _run_line(meta, **{
+                 "Copy bandwidth": f"{after['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+             r.get("about", ""), "",
+             "```bash", f"python benchmarks/gpu/decode.py --out F.json  # one run: {name} keeps "
+             "two, before and after", "```", "",
+             "A step is one `Scheduler.step` (batch, forward, sampling) with every request "
+             "decoding; floor = bytes the step must read (weights but the routed experts, the "
+             "experts its tokens touch, every request's KV rows) over the copy bandwidth.", ""]
+    old = {(c["context"], c["batch"]): c for c in before["cells"]} if before else {}
+    rows = []
+    for c in after["cells"]:
+        b = old.get((c["context"], c["batch"]))
+        rows.append([_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
+                     f"{b['step_ms']:.1f}" if b else "", f"{c['step_ms']:.1f}",
+                     f"{b['tokens_per_s']:,.0f}" if b else "", f"{c['tokens_per_s']:,.0f}",
+                     f"{b['step_over_floor']:.2f}" if b else "", f"{c['step_over_floor']:.2f}",
+                     f"{c['experts_touched_per_layer']:.1f}"])
+    lines += _table(("context", "batch", "floor (ms)", "step before (ms)", "step after (ms)",
+                     "tok/s before", "tok/s after", "step/floor before", "step/floor after",
+                     "experts touched per layer"), rows)
+    return lines
+
+
+def decode_attention(r: dict[str, Any], name: str) -> list[str]:
+    """The attention kernel alone on decode batches: the engine's launches against the floor."""
+    title = ("launch sweep" if "sweep" in name else "the engine's launches")
+    lines = [f"## GPU decode attention: {title}", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
+                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+             "```bash", f"python benchmarks/gpu/decode_attention.py --out docs/results/{name}"
+             + (" --no-sweep" if "sweep" not in name else ""), "```", "",
+             "One layer, B requests × 1 token over C keys each; floor = every key's c_KV and k_r "
+             "row and its two slot ids over the copy bandwidth. Device time per call. "
+             + r.get("about", ""), ""]
+    rows = []
+    for c in r["cells"]:
+        timed = {k: v for k, v in c.items() if isinstance(v, dict)}
+        graph = next(k for k in timed if k.startswith("graph"))
+        best = timed[c["best"]]
+        rows.append([c["batch"], _k(c["context"]), f"{c['floor_ms']:.3f}",
+                     f"{timed['eager default']['ms']:.3f}", f"{graph.removeprefix('graph launch ')}",
+                     f"{timed[graph]['ms']:.3f}", c["best"], f"{best['ms']:.3f}",
+                     f"{best['share_of_copy_bw']:.0%}"])
+    lines += _table(("batch", "context", "floor (ms)", "eager (ms)", "graph launch",
+                     "graph (ms)", "fastest", "fastest (ms)", "fastest / copy bw"), rows)
+    return lines
+
+
 def _anchor(title: str) -> str:
     """The link target GitHub gives a heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -506,6 +559,8 @@ def performance(results: Path = RESULTS) -> str:
     renderers: list[tuple[str, Callable[[Path], list[str]]]] = [
         ("gpu-suite.json", lambda p: gpu_suite(_load(p), p.name)),
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
+        ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
+        ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
     ]
