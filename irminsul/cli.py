@@ -232,6 +232,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "template; --tokenizer does not apply to it")
     from .server import serve  # torch, the model runtime and the web stack load only here
 
+    random_weights = getattr(args, "random_weights", None)
+    if random_weights and getattr(args, "model", None):
+        raise ValueError("--random-weights serves random weights with the embedded model's "
+                         "tokenizer; it does not take --model")
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running,
@@ -240,7 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          model_name=args.served_model_name, dtype=args.dtype,
                                          device=args.device, engine=engine,
                                          max_request_bytes=args.max_request_bytes,
-                                         max_waiting=args.max_waiting))
+                                         max_waiting=args.max_waiting),
+          random_weights=random_weights)
 
 
 TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with a chat template "
@@ -330,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
                             "tokenizer.json and a chat template; default: the embedded default "
                             "model)")
+    serve.add_argument("--random-weights", metavar="CONFIG_JSON", default=argparse.SUPPRESS,
+                       help="benchmark-only, instead of --model: random weights of this "
+                            "config.json's shapes made on the device, with the embedded model's "
+                            "tokenizer and chat template (its 8,192 ids must fit the config's "
+                            "vocab_size; output rows past them are zero, so greedy decoding "
+                            "stays within them); the text is noise, the timing is real")
     serve.add_argument("--host", default=SERVER.host, help="address to listen on")
     serve.add_argument("--port", type=int, default=SERVER.port, help="port to listen on")
     serve.add_argument("--pic", choices=MODES, default=ENGINE.mode,

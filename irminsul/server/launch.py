@@ -1,4 +1,10 @@
-"""Build a server from a model directory, and run it with uvicorn (``irminsul serve``)."""
+"""Build a server from a model directory, and run it with uvicorn (``irminsul serve``).
+
+Benchmark-only: ``random_weights`` (a config.json) serves that config's shapes with random weights
+made on the device, rendering with the model directory's tokenizer and chat template (the
+embedded default model's, whose 8,192 ids fit any DeepSeek config's vocabulary). What it
+generates is noise; how long it takes is what a checkpoint of those shapes takes.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from fastapi import FastAPI
 from .. import __version__
 from ..config import ServerConfig
 from ..engine import Engine, Scheduler
-from ..model import load_model
+from ..model import MLAModel, load_config, load_model
 from ..traffic.render import ChatRenderer
 from .app import create_app
 from .async_engine import AsyncEngine
@@ -30,29 +36,74 @@ def resolve_device(config: ServerConfig) -> tuple[str, torch.dtype]:
     return device, getattr(torch, dtype)
 
 
-def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None
+def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
+                 dtype: torch.dtype) -> MLAModel:
+    """Benchmark-only: the shapes of ``config_json`` with random weights made on the device
+    (normal, std 0.02; norms 1; routers float32, as the loader keeps them). Output-embedding rows
+    past the tokenizer's ``vocab`` ids are zero, so greedy decoding picks only ids it decodes
+    (the rest score 0 against the max of thousands of random scores). ValueError if the
+    tokenizer has more ids than the config's vocabulary."""
+    config = load_config(config_json)
+    if vocab > config.vocab_size:
+        raise ValueError(f"{config_json}: vocab_size {config.vocab_size} is smaller than the "
+                         f"tokenizer's {vocab} ids; prompt ids would fall outside the embedding")
+    torch.set_default_dtype(dtype)  # build the parameters in their dtype, not float32 first
+    try:
+        with torch.device("meta"):
+            model = MLAModel(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+        model.lm_head.weight[vocab:].zero_()
+    for name, p in model.named_parameters():
+        if ".mlp.gate." in name:
+            p.data = p.data.float()
+    model.fuse_experts()
+    return model.eval()
+
+
+def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
+                 random_weights: str | os.PathLike | None = None
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
-    its engine (started and stopped by the app's lifespan)."""
+    its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
+    config.json; benchmark-only) the model is :func:`random_model` of it and ``model_dir``
+    gives only the tokenizer, chat template and stop tokens."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
     renderer = ChatRenderer.from_dir(path, memo_bytes=config.render_memo_bytes)
     device, dtype = resolve_device(config)
-    model = load_model(path, dtype=dtype, device=device)
+    if random_weights is None:
+        model = load_model(path, dtype=dtype, device=device)
+        name, shown = config.model_name or path.resolve().name, str(path)
+    else:
+        source = Path(random_weights)
+        model = random_model(source, vocab=renderer.tokenizer.get_vocab_size(True),
+                             device=device, dtype=dtype)
+        # "config.json" says nothing: name the model after its directory
+        label = source.resolve().parent.name if source.name == "config.json" else source.stem
+        name = config.model_name or f"random-{label}"
+        shown = f"random weights of {source} (tokenizer and template of {path})"
     scheduler = Scheduler(Engine(model, config.engine))
     engine = AsyncEngine(scheduler)
-    name = config.model_name or path.resolve().name
     stops = stop_token_ids(path, renderer)
     if not stops:
         log.warning("%s: no eos_token_id or eos_token found; generation stops only at "
                     "max_tokens or a stop string", path)
-    log.info("%s", startup_line(name, path, config, scheduler, device, dtype))
+    log.info("%s", startup_line(name, shown, config, scheduler, device, dtype))
     return create_app(engine, renderer, name, stop_token_ids=stops, config=config), engine
 
 
-def startup_line(name: str, path: Path, config: ServerConfig, scheduler: Scheduler, device: str,
-                 dtype: torch.dtype) -> str:
+def startup_line(name: str, path: Path | str, config: ServerConfig, scheduler: Scheduler,
+                 device: str, dtype: torch.dtype) -> str:
     """What an operator wants to see once at start: what runs, with what memory, and the
     model id clients must send."""
     engine = scheduler.engine
@@ -68,13 +119,14 @@ def startup_line(name: str, path: Path, config: ServerConfig, scheduler: Schedul
             f"bodies up to {config.request_bytes_for(context)} bytes")
 
 
-def serve(model_dir: str | os.PathLike, config: ServerConfig | None = None) -> None:
-    """Build the server and run it until interrupted."""
+def serve(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
+          random_weights: str | os.PathLike | None = None) -> None:
+    """Build the server (see :func:`build_server`) and run it until interrupted."""
     import uvicorn
 
     config = config or ServerConfig()
     logging.getLogger("irminsul").setLevel(logging.INFO)  # the startup line, at least
-    app, _ = build_server(model_dir, config)
+    app, _ = build_server(model_dir, config, random_weights=random_weights)
     uvicorn.run(app, host=config.host, port=config.port, log_level="info")
 
 
