@@ -1,0 +1,131 @@
+"""One chat call over HTTP, streamed, timed as it arrives.
+
+The body is the logged request (messages, tools) with ``max_tokens`` the reply's length,
+temperature 0, ``stream`` and ``stream_options.include_usage``; it is encoded before the clock
+starts. Times, from the moment the request is handed to the connection:
+
+    TTFT   until the first chunk with non-empty content (a reply with none, one that stopped
+           at once, until the chunk that carries ``finish_reason``)
+    E2E    until the stream ends ([DONE])
+    TPOT   (last token - first token) / (completion tokens - 1), the last token's time being
+           that of the chunk that carries ``finish_reason`` (sent as soon as the last token is
+           out, also when that token adds no text, as an end-of-turn token does)
+
+Prompt and completion tokens and where the prompt came from are the server's ``usage``:
+``prompt_tokens_details.cached_tokens`` and Irminsul's ``usage.irminsul`` split of it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from .sessions import Call
+
+
+@dataclass
+class CallRecord:
+    """What one call took and got; times in ms from its own send, ``sent_s`` from the run's
+    start. Figures a failed call never reached stay None."""
+
+    session: str
+    session_index: int
+    call_index: int
+    log_call: int  # the log's "call" field
+    max_tokens: int
+    logged_reply: bool
+    sent_s: float = 0.0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefix_cached_tokens: int | None = None  # usage.irminsul; None from other servers
+    pic_cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def request_body(call: Call, model: str, cache_salt: str | None = None) -> bytes:
+    """The JSON body of a call's streamed, greedy chat completion."""
+    body: dict = {"model": model, "messages": call.request.messages,
+                  "max_tokens": call.max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if call.request.tools:
+        body["tools"] = call.request.tools
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call, *,
+                    origin: float, cache_salt: str | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> CallRecord:
+    """Stream one call to ``url``/v1/chat/completions; ``origin`` is the run's start on
+    ``clock`` (seconds). A failure (HTTP status, error event, broken stream) is recorded in
+    ``error``, never raised."""
+    record = CallRecord(call.request.session, call.session, call.index, call.request.call,
+                        call.max_tokens, call.logged_reply)
+    content = request_body(call, model, cache_salt)
+    first = last = None
+    usage: dict | None = None
+    sent = clock()
+    record.sent_s = sent - origin
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", content=content,
+                                 headers={"Content-Type": "application/json"}) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status_code}: {text[:300]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                now = clock()
+                if "error" in event:
+                    record.error = f"error event: {event['error'].get('message')}"
+                    return record
+                for choice in event.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        first = first or now
+                    if choice.get("finish_reason") is not None:
+                        record.finish_reason, last = choice["finish_reason"], now
+                usage = event.get("usage") or usage
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        record.error = f"{type(err).__name__}: {err}"
+        return record
+    done = clock()
+    record.e2e_ms = 1e3 * (done - sent)
+    if usage is None:
+        record.error = "no usage in the stream (the server ignored stream_options.include_usage)"
+        return record
+    _read_usage(record, usage)
+    first = first or last
+    if first is not None:
+        record.ttft_ms = 1e3 * (first - sent)
+        n = record.completion_tokens or 0
+        if n > 1:
+            record.tpot_ms = 1e3 * ((last or first) - first) / (n - 1)
+    return record
+
+
+def _read_usage(record: CallRecord, usage: dict) -> None:
+    record.prompt_tokens = usage.get("prompt_tokens")
+    record.completion_tokens = usage.get("completion_tokens")
+    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    split = usage.get("irminsul")
+    if isinstance(split, dict):
+        record.prefix_cached_tokens = split.get("prefix_cached_tokens")
+        record.pic_cached_tokens = split.get("pic_cached_tokens")
