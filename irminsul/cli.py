@@ -36,6 +36,20 @@ def _capacity(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _count(text: str) -> int | None:
+    """A positive count, or ``all`` (None)."""
+    if text == "all":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or 'all', got {text}")
+    return value
+
+
 def _write_json(path: str | None, reports: list[dict]) -> None:
     if path:
         payload = reports[0] if len(reports) == 1 else {"logs": reports}
@@ -223,6 +237,78 @@ def cmd_bench(args: argparse.Namespace) -> None:
     _write_json(args.json, reports)
 
 
+SERVER_START_OPTIONS = ("model", "random_weights", "device", "dtype", "slots", "server_args")
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """The irminsul serve options of the servers bench serve starts (it adds --pic, --host and
+    --port itself)."""
+    import shlex
+
+    if args.model and args.random_weights:
+        raise ValueError("--random-weights serves the embedded model's tokenizer; it does not "
+                         "take --model")
+    serve_args = (["--model", args.model] if args.model else
+                  ["--random-weights", args.random_weights] if args.random_weights else [])
+    for name in ("device", "dtype", "slots"):
+        if getattr(args, name) is not None:
+            serve_args += [f"--{name}", str(getattr(args, name))]
+    extra = shlex.split(args.server_args or "")
+    taken = sorted({a.split("=")[0] for a in extra} & {"--pic", "--host", "--port"})
+    if taken:
+        raise ValueError(f"--server-args: bench serve sets {', '.join(taken)} itself")
+    return serve_args + extra
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    """Replay agent sessions over HTTP against irminsul serve per PIC mode, or a running server."""
+    from .loadgen import Load, ServerError, bench_serve, build_sessions, load_workload, render
+    from .model import default_model_dir
+
+    if args.url:
+        given = [f"--{name.replace('_', '-')}" for name in SERVER_START_OPTIONS
+                 if getattr(args, name)]
+        if given:
+            raise ValueError(f"--url replays against a running server; {', '.join(given)} "
+                             "start one (leave out --url for that)")
+    if args.reply_tokens < 1 or (args.max_reply_tokens or 1) < 1 or args.warmup < 0:
+        raise ValueError("--reply-tokens and --max-reply-tokens must be >= 1, --warmup >= 0")
+    serve_args = None if args.url else _serve_args(args)
+    # Reply lengths count the served model's tokens: its own tokenizer, or the embedded model's
+    # (what --random-weights serves with, and what a --url server is taken to use).
+    renderer = ChatRenderer.from_dir(args.tokenizer or args.model or default_model_dir())
+    load = Load(concurrency=args.concurrency if args.concurrency or args.session_rate else 4,
+                rate=args.session_rate, seed=args.seed, warmup=args.warmup)
+    reports = []
+    for name in args.workload:
+        sessions = build_sessions(load_workload(name, renderer, sessions=args.sessions,
+                                                seed=args.seed),
+                                  renderer, sessions=args.sessions, calls=args.calls,
+                                  default_reply=args.reply_tokens,
+                                  max_reply=args.max_reply_tokens)
+        calls = [c for s in sessions for c in s.calls]
+        where = (f"against {args.url}" if args.url else
+                 f"a fresh irminsul serve per mode ({', '.join(args.modes)})")
+        print(f"{name}: {_plural(len(sessions), 'session')}, {_plural(len(calls), 'call')} "
+              f"({sum(c.logged_reply for c in calls)} with the logged reply's length, "
+              f"{sum(c.max_tokens for c in calls):,} tokens asked for in all), "
+              f"{load.describe()}, {where}")
+        try:
+            report = bench_serve(name, sessions, load, modes=args.modes, serve_args=serve_args,
+                                 url=args.url, progress=not args.quiet)
+        except ServerError as err:
+            raise ValueError(str(err)) from err
+        report["replay"] = {"sessions": args.sessions, "calls": args.calls,
+                            "reply_tokens": args.reply_tokens,
+                            "max_reply_tokens": args.max_reply_tokens,
+                            "tokenizer": renderer.name}
+        reports.append(report)
+    print(render(reports))
+    if args.json:
+        payload = reports[0] if len(reports) == 1 else {"workloads": reports}
+        Path(args.json).write_text(json.dumps(payload, indent=1), encoding="utf-8")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve the model over an OpenAI-compatible HTTP API until interrupted."""
     if args.tokenizer:
@@ -325,9 +411,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continuation tokens per request (default 16)")
     check.set_defaults(func=cmd_consistency)
 
-    bench_p = _command(sub, "bench", "replay workloads against the engine per cache mode")
+    bench_p = _command(sub, "bench", "replay workloads against the engine per cache mode; "
+                                     "bench serve: against a server over HTTP")
     _model_workload_options(bench_p, many=True)
     bench_p.set_defaults(func=cmd_bench)
+    targets = bench_p.add_subparsers(dest="target", metavar="TARGET",
+                                     help="serve: replay agent sessions against irminsul serve "
+                                          "over HTTP (irminsul bench serve --help); without it, "
+                                          "bench replays against the engine in-process")
+    _bench_serve_options(_command(targets, "serve", "replay agent sessions over HTTP against "
+                                  "irminsul serve per PIC mode (off, live) or a running server: "
+                                  "TTFT, TPOT, latency, session time, throughput, cache shares"))
 
     serve = _command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API",
                      tokenizer=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -402,6 +496,62 @@ def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> N
                         help="torch device to run the model on (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and KV (default float32)")
+
+
+def _bench_serve_options(parser: argparse.ArgumentParser) -> None:
+    """Options of bench serve."""
+    from .traffic.workloads import PATTERNS
+
+    parser.add_argument("--url", metavar="URL",
+                        help="replay against this running server (its one mode; what it has "
+                             "cached is not reused: the run sends its own cache_salt) instead "
+                             "of starting irminsul serve per mode")
+    parser.add_argument("--model", metavar="DIR",
+                        help="checkpoint directory the started servers serve (default: the "
+                             "embedded default model)")
+    parser.add_argument("--random-weights", metavar="CONFIG_JSON",
+                        help="the started servers serve random weights of this config.json's "
+                             "shapes (benchmark-only; see irminsul serve --help)")
+    parser.add_argument("--workload", nargs="+", default=["agent_meta"], metavar="NAME|LOG",
+                        help=f"what to replay, one or more: {', '.join(PATTERNS)} (built from "
+                             "the shipped tau-bench sample), append_only (the shipped "
+                             "mini-swe-agent sample: PIC has nothing to add), or a JSON Lines "
+                             "log (default: agent_meta)")
+    parser.add_argument("--sessions", type=_count, default=4, metavar="N|all",
+                        help="first N sessions of each workload (default 4)")
+    parser.add_argument("--calls", type=_count, default=4, metavar="N|all",
+                        help="first N calls of each session (default 4: a quick run on a CPU)")
+    parser.add_argument("--reply-tokens", type=int, default=256, metavar="N",
+                        help="max_tokens of a call the log has no reply for (default 256); "
+                             "the others ask for the logged reply's length")
+    parser.add_argument("--max-reply-tokens", type=int, default=None, metavar="N",
+                        help="cap every call's max_tokens (default: no cap)")
+    parser.add_argument("--concurrency", type=int, default=None, metavar="N",
+                        help="sessions at once (default 4; with --session-rate: a cap, none "
+                             "by default)")
+    parser.add_argument("--session-rate", type=float, default=None, metavar="R",
+                        help="sessions arrive as a Poisson process of R per second instead")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the arrivals and the workload's variations (default 0)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="unmeasured first calls of N sessions before each replay, under a "
+                             "cache salt of their own (default 2)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["off", "live"],
+                        help="PIC modes to start a server in, one after another "
+                             "(default: off live)")
+    parser.add_argument("--device", default=None,
+                        help="the started servers' torch device (default: cuda when "
+                             "available, else cpu)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        default=None, help="the started servers' weights and KV (default auto)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="the started servers' KV pool in tokens (default: serve's)")
+    parser.add_argument("--server-args", metavar="ARGS",
+                        help="more irminsul serve options for the started servers, one string "
+                             "(e.g. '--max-running 8 --no-graphs')")
+    parser.add_argument("--json", metavar="OUT",
+                        help="write every figure and every call's record as JSON")
+    parser.set_defaults(func=cmd_bench_serve)
 
 
 def _capacity_option(parser: argparse.ArgumentParser) -> None:

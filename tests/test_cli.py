@@ -121,24 +121,24 @@ def test_every_option_has_help() -> None:
     missing = [f"{prog} {'/'.join(action.option_strings) or action.dest}"
                for prog, p in _parsers(parser) for action in p._actions
                if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
-    assert len(list(_parsers(parser))) == 7  # irminsul and its six commands
+    assert len(list(_parsers(parser))) == 8  # irminsul, its six commands and bench serve
     assert missing == []
 
 
 COMMANDS = {"analyze": ["LOG"], "workload": ["rerank", "--out", "W"], "demo": [],
-            "consistency": [], "bench": []}
+            "consistency": [], "bench": [], "bench serve": []}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_global_options_before_or_after_the_command(command: str) -> None:
     """--tokenizer and -q mean the same before and after the command; after wins."""
-    parse, rest = build_parser().parse_args, COMMANDS[command]
-    for argv in (["--tokenizer", "DIR", "-q", command, *rest],
-                 [command, *rest, "--tokenizer", "DIR", "-q"],
-                 ["--tokenizer", "OTHER", command, *rest, "--quiet", "--tokenizer", "DIR"]):
+    parse, rest, command = build_parser().parse_args, COMMANDS[command], command.split()
+    for argv in (["--tokenizer", "DIR", "-q", *command, *rest],
+                 [*command, *rest, "--tokenizer", "DIR", "-q"],
+                 ["--tokenizer", "OTHER", *command, *rest, "--quiet", "--tokenizer", "DIR"]):
         args = parse(argv)
         assert (args.tokenizer, args.quiet) == ("DIR", True), argv
-    args = parse([command, *rest])
+    args = parse([*command, *rest])
     assert (args.tokenizer, args.quiet) == (None, False)
     assert "model_tokenizer" not in vars(args)  # bench and consistency's own copy is gone
 
