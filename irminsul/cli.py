@@ -433,8 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="benchmark-only, instead of --model: random weights of this "
                             "config.json's shapes made on the device, with the embedded model's "
                             "tokenizer and chat template (its 8,192 ids must fit the config's "
-                            "vocab_size; output rows past them are zero, so greedy decoding "
-                            "stays within them); the text is noise, the timing is real")
+                            "vocab_size); the output rows past them and of the stop tokens are "
+                            "zero, so greedy replies are decodable noise that runs to "
+                            "max_tokens; the timing is real")
     serve.add_argument("--host", default=SERVER.host, help="address to listen on")
     serve.add_argument("--port", type=int, default=SERVER.port, help="port to listen on")
     serve.add_argument("--pic", choices=MODES, default=ENGINE.mode,

@@ -3,13 +3,15 @@
 Benchmark-only: ``random_weights`` (a config.json) serves that config's shapes with random weights
 made on the device, rendering with the model directory's tokenizer and chat template (the
 embedded default model's, whose 8,192 ids fit any DeepSeek config's vocabulary). What it
-generates is noise; how long it takes is what a checkpoint of those shapes takes.
+generates is noise, and greedily never a stop token (every reply runs to ``max_tokens``); how
+long it takes is what a checkpoint of those shapes takes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,12 +39,13 @@ def resolve_device(config: ServerConfig) -> tuple[str, torch.dtype]:
 
 
 def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
-                 dtype: torch.dtype) -> MLAModel:
+                 dtype: torch.dtype, never: Sequence[int] = ()) -> MLAModel:
     """Benchmark-only: the shapes of ``config_json`` with random weights made on the device
-    (normal, std 0.02; norms 1; routers float32, as the loader keeps them). Output-embedding rows
-    past the tokenizer's ``vocab`` ids are zero, so greedy decoding picks only ids it decodes
-    (the rest score 0 against the max of thousands of random scores). ValueError if the
-    tokenizer has more ids than the config's vocabulary."""
+    (normal, std 0.02; norms 1; routers float32, as the loader keeps them). The output-embedding
+    rows of the ids ``never`` (the stop tokens) and of those past the tokenizer's ``vocab`` are
+    zero, so greedy decoding never picks them (a score of 0 against the max of thousands of
+    random ones): it generates text the tokenizer decodes, and exactly ``max_tokens`` of it.
+    ValueError if the tokenizer has more ids than the config's vocabulary."""
     config = load_config(config_json)
     if vocab > config.vocab_size:
         raise ValueError(f"{config_json}: vocab_size {config.vocab_size} is smaller than the "
@@ -62,6 +65,7 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
             else:
                 p.normal_(0.0, 0.02, generator=generator)
         model.lm_head.weight[vocab:].zero_()
+        model.lm_head.weight[list(never)] = 0.0
     for name, p in model.named_parameters():
         if ".mlp.gate." in name:
             p.data = p.data.float()
@@ -81,20 +85,20 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     # fails fast without tokenizer.json / a template
     renderer = ChatRenderer.from_dir(path, memo_bytes=config.render_memo_bytes)
     device, dtype = resolve_device(config)
+    stops = stop_token_ids(path, renderer)
     if random_weights is None:
         model = load_model(path, dtype=dtype, device=device)
         name, shown = config.model_name or path.resolve().name, str(path)
     else:
         source = Path(random_weights)
         model = random_model(source, vocab=renderer.tokenizer.get_vocab_size(True),
-                             device=device, dtype=dtype)
+                             device=device, dtype=dtype, never=stops)
         # "config.json" says nothing: name the model after its directory
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"
         shown = f"random weights of {source} (tokenizer and template of {path})"
     scheduler = Scheduler(Engine(model, config.engine))
     engine = AsyncEngine(scheduler)
-    stops = stop_token_ids(path, renderer)
     if not stops:
         log.warning("%s: no eos_token_id or eos_token found; generation stops only at "
                     "max_tokens or a stop string", path)

@@ -26,16 +26,19 @@ def config(tmp_path: Path, name: str = "config.json", **changes: object) -> Path
 
 
 def test_random_weights_of_a_configs_shapes(tmp_path: Path) -> None:
-    model = random_model(config(tmp_path), vocab=VOCAB, device="cpu", dtype=torch.float32)
+    model = random_model(config(tmp_path), vocab=VOCAB, device="cpu", dtype=torch.float32,
+                         never=[1, 2])
     params = dict(model.named_parameters())
     assert model.lm_head.weight.shape[0] == VOCAB + 1000
     assert model.lm_head.weight[VOCAB:].abs().sum() == 0  # never the greedy pick
+    assert model.lm_head.weight[1:3].abs().sum() == 0  # nor are the stop tokens
     assert 0.015 < model.lm_head.weight[:VOCAB].std() < 0.025
     assert all((p == 1).all() for name, p in params.items() if name.endswith("norm.weight"))
     assert all(p.dtype == torch.float32 for name, p in params.items() if ".mlp.gate." in name)
     ids = torch.arange(40) * 200  # ids across the tokenizer's range
     assert int(model.logits(ids)[-1].argmax()) < VOCAB
-    again = random_model(config(tmp_path), vocab=VOCAB, device="cpu", dtype=torch.float32)
+    again = random_model(config(tmp_path), vocab=VOCAB, device="cpu", dtype=torch.float32,
+                         never=[1, 2])
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # seeded
 
 
@@ -50,7 +53,9 @@ def test_served_under_a_name_of_its_own(tmp_path: Path) -> None:
     (tmp_path / "DeepSeek-X").mkdir()
     _, engine = build_server(default_model_dir(), ServerConfig(device="cpu"),
                              random_weights=config(tmp_path / "DeepSeek-X"))
-    assert engine.scheduler.engine.model.config.vocab_size == VOCAB + 1000
+    model = engine.scheduler.engine.model
+    assert model.config.vocab_size == VOCAB + 1000
+    assert model.lm_head.weight[[1, 2]].abs().sum() == 0  # the default model's stop tokens
     app, _ = build_server(default_model_dir(), ServerConfig(device="cpu"),
                           random_weights=config(tmp_path, "v2-lite.json"))
     assert app.state.server.model_name == "random-v2-lite"
