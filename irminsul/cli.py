@@ -260,6 +260,20 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
     return serve_args + extra
 
 
+def _warn_failed_calls(report: dict) -> None:
+    """Say on stderr how many calls of each replay failed and why the first did; a replay
+    where none succeeded is an error."""
+    for mode, run in report["modes"].items():
+        failed = [c for c in run["calls"] if c["error"]]
+        if len(failed) == len(run["calls"]):
+            raise ValueError(f"{report['workload']}, {mode}: every call failed; the first: "
+                             f"{failed[0]['error']}")
+        if failed:
+            print(f"irminsul: warning: {report['workload']}, {mode}: "
+                  f"{_plural(len(failed), 'call')} failed (counted in no figure but "
+                  f"'calls (failed)'); the first: {failed[0]['error']}", file=sys.stderr)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     """Replay agent sessions over HTTP against irminsul serve per PIC mode, or a running server."""
     from .loadgen import Load, ServerError, bench_serve, build_sessions, load_workload, render
@@ -298,6 +312,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
                                  url=args.url, progress=not args.quiet)
         except ServerError as err:
             raise ValueError(str(err)) from err
+        _warn_failed_calls(report)
         report["replay"] = {"sessions": args.sessions, "calls": args.calls,
                             "reply_tokens": args.reply_tokens,
                             "max_reply_tokens": args.max_reply_tokens,

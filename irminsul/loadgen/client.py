@@ -95,11 +95,13 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
                 event = json.loads(data)
                 now = clock()
                 if "error" in event:
-                    record.error = f"error event: {event['error'].get('message')}"
+                    error = event["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    record.error = f"error event: {message}"
                     return record
                 for choice in event.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        first = first or now
+                    if first is None and (choice.get("delta") or {}).get("content"):
+                        first = now
                     if choice.get("finish_reason") is not None:
                         record.finish_reason, last = choice["finish_reason"], now
                 usage = event.get("usage") or usage
@@ -112,12 +114,13 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
         record.error = "no usage in the stream (the server ignored stream_options.include_usage)"
         return record
     _read_usage(record, usage)
-    first = first or last
+    if first is None:
+        first = last
     if first is not None:
         record.ttft_ms = 1e3 * (first - sent)
         n = record.completion_tokens or 0
         if n > 1:
-            record.tpot_ms = 1e3 * ((last or first) - first) / (n - 1)
+            record.tpot_ms = 1e3 * ((first if last is None else last) - first) / (n - 1)
     return record
 
 

@@ -128,3 +128,14 @@ def test_plain_bench_is_still_the_engine_replay() -> None:
     assert parse(["bench"]).func is cmd_bench
     assert parse(["bench", "--requests", "2", "-q"]).func is cmd_bench
     assert parse(["bench", "serve"]).func is cmd_bench_serve
+
+
+def test_failed_calls_are_said_and_a_replay_without_any_answer_is_an_error(
+        capsys: pytest.CaptureFixture) -> None:
+    from irminsul.cli import _warn_failed_calls
+
+    calls = [{"error": None}, {"error": "HTTP 429: too many"}, {"error": "HTTP 500: boom"}]
+    _warn_failed_calls({"workload": "w", "modes": {"live": {"calls": calls}}})
+    assert "w, live: 2 calls failed" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="every call failed; the first: HTTP 429"):
+        _warn_failed_calls({"workload": "w", "modes": {"off": {"calls": calls[1:]}}})
