@@ -333,7 +333,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "template; --tokenizer does not apply to it")
     from .server import serve  # torch, the model runtime and the web stack load only here
 
-    random_weights = getattr(args, "random_weights", None)
+    # benchmark-only, and then only: the plain path calls serve as it always has
+    random_weights = {"random_weights": args.random_weights} if "random_weights" in args else {}
     if random_weights and getattr(args, "model", None):
         raise ValueError("--random-weights serves random weights with the embedded model's "
                          "tokenizer; it does not take --model")
@@ -346,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          device=args.device, engine=engine,
                                          max_request_bytes=args.max_request_bytes,
                                          max_waiting=args.max_waiting),
-          random_weights=random_weights)
+          **random_weights)
 
 
 TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with a chat template "
