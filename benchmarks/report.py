@@ -502,17 +502,60 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
              "decoding; floor = bytes the step must read (weights but the routed experts, the "
              "experts its tokens touch, every request's KV rows) over the copy bandwidth.", ""]
     old = {(c["context"], c["batch"]): c for c in before["cells"]} if before else {}
+    third = r.get("after_batched_sampling")
+    late = {(c["context"], c["batch"]): c for c in third["cells"]} if third else {}
+
+    def cell(c: dict | None, key: str, fmt: str) -> str:
+        return format(c[key], fmt) if c else ""
+
     rows = []
     for c in after["cells"]:
-        b = old.get((c["context"], c["batch"]))
+        b, t = old.get((c["context"], c["batch"])), late.get((c["context"], c["batch"]))
         rows.append([_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
-                     f"{b['step_ms']:.1f}" if b else "", f"{c['step_ms']:.1f}",
-                     f"{b['tokens_per_s']:,.0f}" if b else "", f"{c['tokens_per_s']:,.0f}",
-                     f"{b['step_over_floor']:.2f}" if b else "", f"{c['step_over_floor']:.2f}",
+                     cell(b, "step_ms", ".1f"), f"{c['step_ms']:.1f}", cell(t, "step_ms", ".1f"),
+                     cell(b, "tokens_per_s", ",.0f"), f"{c['tokens_per_s']:,.0f}",
+                     cell(t, "tokens_per_s", ",.0f"), cell(b, "step_over_floor", ".2f"),
+                     f"{c['step_over_floor']:.2f}", cell(t, "step_over_floor", ".2f"),
                      f"{c['experts_touched_per_layer']:.1f}"])
     lines += _table(("context", "batch", "floor (ms)", "step before (ms)", "step after (ms)",
-                     "tok/s before", "tok/s after", "step/floor before", "step/floor after",
-                     "experts touched per layer"), rows)
+                     "step + batched sampling (ms)", "tok/s before", "tok/s after",
+                     "tok/s + batched sampling", "step/floor before", "step/floor after",
+                     "step/floor + batched sampling", "experts touched per layer"), rows)
+    return lines
+
+
+def serve(r: dict[str, Any], name: str) -> list[str]:
+    """A `bench serve` run: the client's figures per PIC mode, and live against off."""
+    meta = r.get("meta", {})
+    lines = [f"## GPU serving load: {r['workload']}", "",
+             f"`docs/results/{name}`. " + _run_line(meta), "", meta.get("about", ""), "",
+             "```bash", meta.get("command", "irminsul bench serve --json F"), "```", "",
+             f"{r['sessions']} sessions, {r['calls']} calls, {r['load']}; each call sent when "
+             "its session's previous reply is complete (docs/serving-benchmark.md).", ""]
+    modes = list(r["modes"])
+    summaries = {m: r["modes"][m]["summary"] for m in modes}
+    rows = []
+    for label, key, unit in (("TTFT", "ttft_ms", "ms"), ("TPOT", "tpot_ms", "ms"),
+                             ("end-to-end", "e2e_ms", "ms"), ("session wall", "session_s", "s")):
+        for q in ("p50", "p90", "p99"):
+            rows.append([f"{label} {q} ({unit})",
+                         *[f"{summaries[m][key][q]:,.{1 if unit == 'ms' else 2}f}" for m in modes]])
+    rows += [["request throughput (req/s)",
+              *[f"{summaries[m]['request_throughput_rps']:.2f}" for m in modes]],
+             ["output throughput (tok/s)",
+              *[f"{summaries[m]['output_throughput_tps']:.1f}" for m in modes]],
+             ["prompt tokens by exact prefix / PIC / computed (%)",
+              *[f"{100 * summaries[m]['prefix_share']:.1f} / {100 * summaries[m]['pic_share']:.1f}"
+                f" / {100 * summaries[m]['computed_share']:.1f}" for m in modes]]]
+    lines += _table(("figure", *modes), rows)
+    ratio = r.get("live_vs_off")
+    if ratio:
+        lines += _table(("session p50 speedup", "request throughput", "TTFT p50 speedup",
+                         "live TTFT p99 / off TTFT p50"),
+                        [[f"{ratio['session_p50_speedup']:.2f}×",
+                          f"{ratio['request_throughput_ratio']:.2f}×",
+                          f"{ratio['ttft_p50_speedup']:.2f}×",
+                          f"{ratio['live_ttft_p99_over_off_ttft_p50']:.2f}"]])
     return lines
 
 
@@ -561,6 +604,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
+        ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
     ]
