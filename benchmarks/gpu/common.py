@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from irminsul.model import MLAModel, load_model, parse_config
+from irminsul.model.random_weights import random_model as random_weights_model
 from irminsul.traffic.logs import sample_logs
 from irminsul.traffic.prompt import distinct_messages
 from irminsul.traffic.render import ChatRenderer
@@ -44,25 +45,7 @@ TINY = dict(V2_LITE, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_at
 
 def random_model(raw: dict[str, Any], device: str, dtype: torch.dtype = torch.bfloat16) -> MLAModel:
     """The config's shapes with random weights made on the device (norms 1, routers fp32)."""
-    torch.set_default_dtype(dtype)  # build V2-Lite's 15.7B parameters in bf16 directly
-    try:
-        with torch.device("meta"):
-            model = MLAModel(parse_config(raw))
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    for name, p in model.named_parameters():
-        if ".mlp.gate." in name:
-            p.data = p.data.float()  # routers stay float32, as the loader keeps them
-    model.fuse_experts()
-    return model.eval()
+    return random_weights_model(parse_config(raw), device, dtype)
 
 
 def build_model(device: str, *, tiny: bool = False, checkpoint: str | None = None) -> MLAModel:

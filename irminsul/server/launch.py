@@ -21,6 +21,7 @@ from .. import __version__
 from ..config import ServerConfig
 from ..engine import Engine, Scheduler
 from ..model import MLAModel, load_config, load_model
+from ..model.random_weights import random_model as random_weights_model
 from ..traffic.render import ChatRenderer
 from .app import create_app
 from .async_engine import AsyncEngine
@@ -50,27 +51,11 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
     if vocab > config.vocab_size:
         raise ValueError(f"{config_json}: vocab_size {config.vocab_size} is smaller than the "
                          f"tokenizer's {vocab} ids; prompt ids would fall outside the embedding")
-    torch.set_default_dtype(dtype)  # build the parameters in their dtype, not float32 first
-    try:
-        with torch.device("meta"):
-            model = MLAModel(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
+    model = random_weights_model(config, device, dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=generator)
         model.lm_head.weight[vocab:].zero_()
         model.lm_head.weight[list(never)] = 0.0
-    for name, p in model.named_parameters():
-        if ".mlp.gate." in name:
-            p.data = p.data.float()
-    model.fuse_experts()
-    return model.eval()
+    return model
 
 
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
