@@ -78,6 +78,9 @@ class EngineConfig:
     # Requests admitted at once (None: no cap but the pool's room and batch_tokens, since every
     # running request decodes a token in every step)
     max_running: int | None = None
+    # A request whose plan would compute at least this many tokens of chunks that prefills in
+    # flight are computing waits for them to register those chunks, then reuses them (0: never)
+    await_shared: int = 256
     kernels: bool | None = None  # Triton kernels (None: on CUDA when triton is installed)
     graphs: bool | None = None  # CUDA graphs for short spans (None: with kernels, bf16 models)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -90,6 +93,8 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (leave it out for the default), got "
                                  f"{value}")
+        if self.await_shared < 0:
+            raise ValueError(f"await_shared must be >= 0, got {self.await_shared}")
         if min(self.batch_tokens, self.chunk_tokens, self.max_running or 1) < 1:
             raise ValueError(f"batch_tokens, chunk_tokens and max_running must be >= 1, got "
                              f"{self.batch_tokens}, {self.chunk_tokens}, {self.max_running}")

@@ -18,7 +18,7 @@ accounting. Nothing here touches the device: the model runner moves the rows.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -42,6 +42,9 @@ class CacheManager:
         self.mode, self.pool, self.context = mode, pool, context
         self.planner = Planner(config, pic=mode != "off")
         self.sequences: list[Sequence] = []
+        # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
+        # register when they complete: how a new plan knows what it could wait for.
+        self._in_flight: Counter[tuple[int, int]] = Counter()
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -61,7 +64,11 @@ class CacheManager:
         seq.stats.prompt_tokens = int(prompt.size)
         seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
         self.sequences.append(seq)
-        return Prefill(seq, plan, prompt, self._stretches(plan))
+        misses = [(namespace, c.fingerprint, c.end - c.start) for c in plan.chunks
+                  if c.kind == "miss"]
+        awaited = sum(n for ns, fp, n in misses if self._in_flight[ns, fp])
+        self._in_flight.update((ns, fp) for ns, fp, _ in misses)
+        return Prefill(seq, plan, prompt, self._stretches(plan), awaited)
 
     def advance(self, prefill: Prefill, budget: int) -> tuple[Span | None, list[Reuse]]:
         """Serve the prefill's cached stretches and give its next ``budget`` tokens fresh slots.
@@ -121,12 +128,25 @@ class CacheManager:
             self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
         finally:
             self.planner.release(prefill.plan)
+            self._landed(prefill)
 
     def abort_prefill(self, prefill: Prefill) -> None:
         """Give up a prefill: drop its references, keep the indexes as they were."""
         self.settle(prefill.seq)  # while the plan's locks still hold what it is owed
         self.planner.release(prefill.plan)
+        self._landed(prefill)
         self.finish(prefill.seq, remember=False)
+
+    def _landed(self, prefill: Prefill) -> None:
+        """The prefill is no longer in flight: its missed chunks are registered or never
+        will be."""
+        namespace = prefill.seq.namespace
+        for chunk in prefill.plan.chunks:
+            if chunk.kind == "miss":
+                key = (namespace, chunk.fingerprint)
+                self._in_flight[key] -= 1
+                if self._in_flight[key] <= 0:
+                    del self._in_flight[key]
 
     def _stretches(self, plan: Plan) -> deque[Stretch]:
         """The plan as stretches. Adjacent computed segments fuse into one, so observer mode

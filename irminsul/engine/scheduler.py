@@ -8,6 +8,9 @@ k_r alone for every reused one — on top of what running requests' plans may st
 engine evicts index entries to make room, never anything a request holds), so an admitted request
 never runs out of slots mid-flight. Otherwise its plan is dropped and room is made as if it reused
 nothing, then it is planned again; if even that does not fit, it waits for a request to leave.
+A request whose plan would compute content that a prefill in flight is computing (agents sent
+together with the same tool schemas or documents) waits for that prefill to register it, and then
+reuses it, rather than computing it a second time beside it; requests behind it go ahead.
 
 One request never fails another: an error while planning, serving or sampling one request
 finishes that request alone (reason ``"error"``, its message in :attr:`StepOutput.error`). A
@@ -112,6 +115,7 @@ class Scheduler:
         # in every step, so at most batch_tokens run.
         self.max_running = min(max_running or config.max_running or self.batch_tokens,
                                self.batch_tokens)
+        self.await_shared = config.await_shared
         model = engine.model.config
         self.limits = Limits(model.max_position_embeddings, engine.pool.capacity,
                              model.vocab_size)
@@ -187,30 +191,39 @@ class Scheduler:
         return ckv, kr
 
     def _admit(self, outputs: list[StepOutput]) -> None:
-        while (self.waiting and len(self.running) < self.max_running
+        i = 0  # waiting requests before it are waiting for shared content to land
+        while (i < len(self.waiting) and len(self.running) < self.max_running
                and self._blocked_at != self._left):
-            request = self.waiting[0]
+            request = self.waiting[i]
             try:
                 prefill = self._fit(request)
             except Exception as err:  # planning this prompt failed: it alone is lost
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 outputs.append(self._fail(request, err, "planning"))
                 continue
             if prefill is None:
                 self._blocked_at = self._left  # wait for a running request to finish
                 return
-            self.waiting.pop(0)
+            if isinstance(prefill, str):  # "await"
+                i += 1
+                continue
+            self.waiting.pop(i)
             request.prefill, request.seq, request.state = prefill, prefill.seq, "prefill"
             self.running.append(request)
 
-    def _fit(self, request: Request) -> Prefill | None:
+    def _fit(self, request: Request) -> Prefill | Literal["await"] | None:
         """The request planned, with room made for what its plan will allocate on top of what
         running requests may; else room as if it reused nothing (evicting what the first plan
-        held, which can be all that stood in the way), planned again; else None."""
+        held, which can be all that stood in the way), planned again; else None. "await" when
+        the plan would compute at least ``await_shared`` tokens that prefills in flight are
+        computing (it is planned again next step, and hits them once they land)."""
         held_ckv, held_kr = self._reserved()
         decode = request.params.max_tokens
         prefill = self.cache.start_prefill(request.prompt, request.resets,
                                             namespace=request.namespace)
+        if self.await_shared and prefill.awaited >= self.await_shared:
+            self.cache.abort_prefill(prefill)
+            return "await"
         ckv, kr = prefill.slots_to_come()
         try:
             self.cache.make_room(held_ckv + ckv + decode, held_kr + kr + decode)

@@ -73,6 +73,9 @@ class Prefill:
     plan: Plan
     prompt: np.ndarray
     stretches: deque[Stretch]
+    # Tokens of chunks this plan missed that prefills already in flight are computing and will
+    # register: waiting for them would turn these into hits.
+    awaited: int = 0
 
     def slots_to_come(self) -> tuple[int, int]:
         """(c_KV, k_r) slots the rest of this prefill allocates: a computed token one of each,

@@ -205,3 +205,44 @@ def test_no_fixed_cap_on_running_requests(model) -> None:
         assert all(len(tokens) == 4 for tokens in outs.values())
     # Every running request decodes a token per step: batch_tokens bounds them.
     assert Scheduler(Engine(model, EngineConfig(slots=100)), batch_tokens=32).max_running == 32
+
+
+def _shared_body_requests(count: int) -> tuple[list[np.ndarray], list[list[int]]]:
+    """``count`` prompts: a header of their own, one shared 600-token body (a document, tool
+    schemas), a question of their own; resets at the body's edges, as message starts."""
+    rng = np.random.default_rng(9)
+    body = rng.integers(0, 97, 600)
+    prompts, resets = [], []
+    for _ in range(count):
+        header = rng.integers(0, 97, int(rng.integers(40, 60)))
+        question = rng.integers(0, 97, 12)
+        prompts.append(np.concatenate([header, body, question]))
+        resets.append([len(header), len(header) + len(body)])
+    return prompts, resets
+
+
+@pytest.mark.parametrize("await_shared", [0, 256])
+def test_requests_sent_together_compute_shared_content_once(model, await_shared: int) -> None:
+    """Eight requests sharing a 600-token body arrive together. Without waiting (0), each
+    computes the body beside the others: no PIC hits. With waiting, the first computes and
+    registers it while the others wait, then they reuse it (live PIC): most of the body is
+    served from the cache, and every request still gets its tokens."""
+    prompts, resets = _shared_body_requests(8)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=8000, mode="live",
+                                                     await_shared=await_shared)),
+                          batch_tokens=256, chunk_tokens=128)
+    ids = [scheduler.add(p, SamplingParams(max_tokens=3), resets=r)
+           for p, r in zip(prompts, resets)]
+    stats, tokens = {}, {i: [] for i in ids}
+    while scheduler.has_work():
+        for out in scheduler.step():
+            tokens[out.request_id] += out.new_tokens
+            if out.stats is not None:
+                stats[out.request_id] = out.stats
+        scheduler.engine.check()
+    assert all(len(t) == 3 for t in tokens.values())
+    pic = [stats[i].pic_tokens for i in ids]
+    if await_shared:
+        assert pic[0] == 0 and min(pic[1:]) >= 400
+    else:
+        assert sum(pic) == 0
