@@ -340,7 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "tokenizer; it does not take --model")
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
-                          max_running=args.max_running,
+                          max_running=args.max_running, await_shared=args.await_shared,
                           graphs=False if args.no_graphs else ENGINE.graphs)
     serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
                                          model_name=args.served_model_name, dtype=args.dtype,
@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=ENGINE.max_running,
                        help="requests admitted at once (None: no cap but the KV pool's room "
                             "and --batch-tokens)")
+    serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
+                       help="a request that would compute at least N tokens a prefill in flight "
+                            "is computing waits for it to land, then reuses them (0: never)")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default=SERVER.dtype,
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")
