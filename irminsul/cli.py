@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "bench serve: against a server over HTTP")
     _model_workload_options(bench_p, many=True)
     bench_p.set_defaults(func=cmd_bench)
-    targets = bench_p.add_subparsers(dest="target", metavar="TARGET",
+    targets = bench_p.add_subparsers(dest="target", metavar="[serve]",
                                      help="serve: replay agent sessions against irminsul serve "
                                           "over HTTP (irminsul bench serve --help); without it, "
                                           "bench replays against the engine in-process")
