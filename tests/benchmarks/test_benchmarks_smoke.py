@@ -145,3 +145,43 @@ def test_performance_page_is_generated_from_the_results() -> None:
     """docs/performance.md is what ``python benchmarks/report.py`` writes from docs/results/:
     rerun it after changing a result or the report."""
     assert (ROOT / "docs" / "performance.md").read_text(encoding="utf-8") == report.performance()
+
+
+def _script(name: str, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{name}.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / f"{name}.py"), "--device",
+                    "cpu", "--tiny", *args, "--out", str(out)], check=True, cwd=ROOT, timeout=180,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    return json.loads(out.read_text())
+
+
+def test_decode_steps_against_their_floor_run(tmp_path: Path) -> None:
+    """The decode benchmark on the tiny model: every cell timed, its floor counted from the
+    model's own parameter bytes (hand-checked: KV rows are layers × (rank + rope) × 4 bytes)."""
+    results = _script("decode", "--batches", "1", "4", "--contexts", "64", "--steps", "3",
+                      "--warmup", "1", tmp_path=tmp_path)
+    cells = results["cells"]
+    assert [(c["batch"], c["context"]) for c in cells] == [(1, 64), (4, 64)]
+    layers, rank, rope = (TINY["num_hidden_layers"], TINY["kv_lora_rank"],
+                          TINY["qk_rope_head_dim"])
+    for c in cells:
+        assert c["step_ms"] > 0 and c["floor_ms"] > 0
+        rows = c["batch"] * (c["context"] + 1 + c["steps"])  # contexts, warm-up and timed steps
+        assert c["bytes"]["kv"] == rows * layers * (rank + rope) * 4
+
+
+def test_break_even_run_and_rule(tmp_path: Path) -> None:
+    import break_even
+
+    results = _script("break_even", "--docs", "64", "512", "--header", "96", "--requests", "2",
+                      tmp_path=tmp_path)
+    assert [c["doc_tokens"] for c in results["cells"]] == [64, 512]
+    assert results["cells"][1]["live"]["pic_tokens"] == 512  # the document, reused whole
+    assert results["cells"][1]["off"]["pic_tokens"] == 0
+
+    def cells(*diffs: float) -> list[dict]:
+        return [{"doc_tokens": 16 << i, "live_minus_off_ms": d} for i, d in enumerate(diffs)]
+
+    assert break_even.break_even(cells(1.0, -0.5, -2.0, -9.0)) == 32
+    assert break_even.break_even(cells(-1.0, 2.0, -2.0)) == 64  # live must win from D on
+    assert break_even.break_even(cells(1.0, 2.0)) is None
