@@ -66,7 +66,9 @@ class CacheManager:
         self.sequences.append(seq)
         misses = [(namespace, c.fingerprint, c.end - c.start) for c in plan.chunks
                   if c.kind == "miss"]
-        awaited = sum(n for ns, fp, n in misses if self._in_flight[ns, fp])
+        # Only live mode reuses what it would wait for; observer computes its hits anyway.
+        awaited = (sum(n for ns, fp, n in misses if self._in_flight[ns, fp])
+                   if self.mode == "live" else 0)
         self._in_flight.update((ns, fp) for ns, fp, _ in misses)
         return Prefill(seq, plan, prompt, self._stretches(plan), awaited)
 

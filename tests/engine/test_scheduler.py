@@ -246,3 +246,15 @@ def test_requests_sent_together_compute_shared_content_once(model, await_shared:
         assert pic[0] == 0 and min(pic[1:]) >= 400
     else:
         assert sum(pic) == 0
+
+
+def test_observer_never_waits_for_shared_content(model) -> None:
+    """Observer computes its hits anyway: waiting would only delay a request, so all eight are
+    admitted at once."""
+    prompts, resets = _shared_body_requests(8)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=8000, mode="observer")),
+                          batch_tokens=256, chunk_tokens=128)
+    for p, r in zip(prompts, resets):
+        scheduler.add(p, SamplingParams(max_tokens=3), resets=r)
+    scheduler.step()
+    assert len(scheduler.running) == 8 and not scheduler.waiting
