@@ -213,7 +213,7 @@ class CacheManager:
                         raise ValueError(f"appended tokens must continue the sequence at "
                                          f"{len(seq.handles)}, got positions from {int(at[0])}")
                     appended.append(self.pool.alloc(len(at)))
-                    keys.append(np.concatenate([seq.handles, appended[-1]]))
+                    keys.append(seq.handles_with(appended[-1]))
                 else:
                     if at[-1] >= len(seq.handles):
                         raise ValueError("positions past the sequence's slots")
@@ -238,7 +238,7 @@ class CacheManager:
             return
         for (seq, _, _), handles in zip(work, appended):
             if handles is not None:
-                seq.handles = np.concatenate([seq.handles, handles])
+                seq.extend_handles(handles)
 
     def _release_appended(self, appended: list[np.ndarray | None]) -> None:
         for handles in appended:

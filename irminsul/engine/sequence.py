@@ -8,7 +8,7 @@ rotated by δ into slots of the request's own) or a computation (everything pref
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -28,25 +28,83 @@ class ServeStats:
     prefilled_tokens: int = 0
 
 
-@dataclass(eq=False)  # identity: two sequences with equal tokens are still two sequences
-class Sequence:
-    """A request's tokens and the pool handles of their KV rows (one reference each)."""
+class _Growable:
+    """An int64 array that grows at its end in amortised O(1) per element: a decode step
+    appends one token and one handle to sequences thousands long, which a concatenation would
+    copy whole every step. :meth:`view` is the array so far; views taken earlier keep their
+    length (nothing before the end is ever overwritten)."""
 
-    tokens: np.ndarray  # int64: the prompt, then every token appended
-    handles: np.ndarray
-    namespace: int
-    stats: ServeStats = field(default_factory=ServeStats)
-    finished: bool = False
-    # References the sequence holds that the pool has not counted yet: a prefill's cached
-    # stretches are served without counting them, so that their forward is issued sooner, and
-    # they are counted once it is (the plan's locks on the radix node and the registry entries
-    # hold those slots meanwhile). Handles (both slots); c_KV slots alone.
-    owed: list[np.ndarray] = field(default_factory=list)
-    owed_ckv: list[np.ndarray] = field(default_factory=list)
+    __slots__ = ("_data", "size")
+
+    def __init__(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.int64)
+        self._data = np.empty(max(16, 2 * values.size), dtype=np.int64)
+        self._data[:values.size] = values
+        self.size = int(values.size)
+
+    def view(self) -> np.ndarray:
+        return self._data[:self.size]
+
+    def extended(self, values: np.ndarray) -> np.ndarray:
+        """The array with ``values`` after it, written past the end but not kept (until
+        :meth:`extend`): a batch's keys before its forward is known to run."""
+        end = self.size + len(values)
+        if end > self._data.size:
+            grown = np.empty(2 * end, dtype=np.int64)
+            grown[:self.size] = self._data[:self.size]
+            self._data = grown
+        self._data[self.size:end] = values
+        return self._data[:end]
+
+    def extend(self, values: np.ndarray) -> None:
+        self.extended(values)
+        self.size += len(values)
+
+
+class Sequence:
+    """A request's tokens and the pool handles of their KV rows (one reference each); two
+    sequences with equal tokens are still two sequences (identity, not equality).
+
+    ``tokens`` and ``handles`` read as arrays (the tokens and handles so far); appending to
+    either is amortised O(1) per element (:meth:`append`, :meth:`extend_handles`)."""
+
+    def __init__(self, tokens: np.ndarray, handles: np.ndarray, namespace: int,
+                 stats: ServeStats | None = None, finished: bool = False) -> None:
+        self._tokens, self._handles = _Growable(tokens), _Growable(handles)
+        self.namespace, self.finished = namespace, finished
+        self.stats = stats if stats is not None else ServeStats()
+        # References the sequence holds that the pool has not counted yet: a prefill's cached
+        # stretches are served without counting them, so that their forward is issued sooner,
+        # and they are counted once it is (the plan's locks on the radix node and the registry
+        # entries hold those slots meanwhile). Handles (both slots); c_KV slots alone.
+        self.owed: list[np.ndarray] = []
+        self.owed_ckv: list[np.ndarray] = []
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64: the prompt, then every token appended."""
+        return self._tokens.view()
+
+    @property
+    def handles(self) -> np.ndarray:
+        """The pool handles of the rows computed or served so far, in position order."""
+        return self._handles.view()
+
+    @handles.setter
+    def handles(self, value: np.ndarray) -> None:
+        self._handles = _Growable(value)
 
     def append(self, tokens: np.ndarray) -> None:
         """Tokens whose rows were just computed (a decode step, a teacher-forced run)."""
-        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, dtype=np.int64)])
+        self._tokens.extend(np.asarray(tokens, dtype=np.int64))
+
+    def extend_handles(self, handles: np.ndarray) -> None:
+        """Handles of rows appended at the end (their tokens' slots)."""
+        self._handles.extend(handles)
+
+    def handles_with(self, handles: np.ndarray) -> np.ndarray:
+        """The handles so far followed by ``handles``, without keeping them yet."""
+        return self._handles.extended(handles)
 
     def owed_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """The (c_KV, k_r) slots whose references this sequence is owed."""
