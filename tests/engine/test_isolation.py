@@ -12,7 +12,7 @@ from fixtures.tiny_models import build
 
 import irminsul.engine.scheduler as scheduler_module
 from irminsul.config import EngineConfig
-from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.engine import CacheManager, Engine, SamplingParams, Scheduler
 from irminsul.engine.sampler import sample
 from irminsul.model import load_model
 
@@ -60,27 +60,39 @@ def _poisoned(seq) -> bool:
     return seq.namespace == POISON
 
 
-def test_a_sampling_fault_fails_its_request_alone(model, monkeypatch) -> None:
-    clean, errors, _ = _run(model, poison=False)
-    assert not errors and all(len(t) == 12 for t in clean.values())
+@pytest.fixture(scope="module")
+def clean(model) -> dict[str, list[int]]:
+    """The four innocent requests' tokens in a run without the poisoned one."""
+    tokens, errors, _ = _run(model, poison=False)
+    assert not errors and all(len(t) == 12 for t in tokens.values())
+    return tokens
 
+
+def _fails_alone(model, clean: dict[str, list[int]], message: str
+                 ) -> tuple[dict[str, list[int]], Scheduler]:
+    """Run with the poisoned request: it alone fails, with ``message`` in its error, and the
+    others' tokens are those of the clean run."""
+    got, errors, scheduler = _run(model, poison=True)
+    assert set(errors) == {"poison"} and message in errors["poison"]
+    assert {k: v for k, v in got.items() if k != "poison"} == clean
+    return got, scheduler
+
+
+def test_a_sampling_fault_fails_its_request_alone(model, clean, monkeypatch) -> None:
     def faulty(logits, params, generator):
         if params.seed == 9:
             raise RuntimeError("probability tensor contains either inf, nan")
         return sample(logits, params, generator)
 
     monkeypatch.setattr(scheduler_module, "sample", faulty)
-    got, errors, scheduler = _run(model, poison=True)
-    assert set(errors) == {"poison"} and "sampling failed" in errors["poison"]
-    assert {k: v for k, v in got.items() if k != "poison"} == clean
+    _, scheduler = _fails_alone(model, clean, "sampling failed")
     assert scheduler.load().failed == 1
 
 
-def test_a_forward_fault_fails_its_request_alone(model, monkeypatch) -> None:
+def test_a_forward_fault_fails_its_request_alone(model, clean, monkeypatch) -> None:
     """A batched forward that raises because of one request is run again request by request:
     the others' tokens are unchanged (every step of theirs ran once more, writing the same
     rows) and only the poisoned request fails."""
-    clean, _, _ = _run(model, poison=False)
     real = Engine.run_batch
 
     def faulty(self, work, **kw):
@@ -89,13 +101,10 @@ def test_a_forward_fault_fails_its_request_alone(model, monkeypatch) -> None:
         return real(self, work, **kw)
 
     monkeypatch.setattr(Engine, "run_batch", faulty)
-    got, errors, _ = _run(model, poison=True)
-    assert set(errors) == {"poison"} and "injected forward fault" in errors["poison"]
-    assert {k: v for k, v in got.items() if k != "poison"} == clean
+    _fails_alone(model, clean, "injected forward fault")
 
 
-def test_a_planning_fault_fails_its_request_alone(model, monkeypatch) -> None:
-    clean, _, _ = _run(model, poison=False)
+def test_a_planning_fault_fails_its_request_alone(model, clean, monkeypatch) -> None:
     engine_advance = Engine.advance
 
     def faulty_advance(self, prefill, budget):
@@ -104,24 +113,20 @@ def test_a_planning_fault_fails_its_request_alone(model, monkeypatch) -> None:
         return engine_advance(self, prefill, budget)
 
     monkeypatch.setattr(Engine, "advance", faulty_advance)
-    got, errors, _ = _run(model, poison=True)
-    assert set(errors) == {"poison"} and "injected planning fault" in errors["poison"]
-    assert {k: v for k, v in got.items() if k != "poison"} == clean
+    _fails_alone(model, clean, "injected planning fault")
 
 
-def test_admission_fault_fails_its_request_alone(model, monkeypatch) -> None:
-    clean, _, scheduler = _run(model, poison=False)
-    real = type(scheduler.cache).start_prefill
+def test_admission_fault_fails_its_request_alone(model, clean, monkeypatch) -> None:
+    real = CacheManager.start_prefill
 
     def faulty(self, tokens, resets=(), *, namespace=0):
         if namespace == POISON:
             raise RuntimeError("injected admission fault")
         return real(self, tokens, resets, namespace=namespace)
 
-    monkeypatch.setattr(type(scheduler.cache), "start_prefill", faulty)
-    got, errors, _ = _run(model, poison=True)
-    assert set(errors) == {"poison"} and "injected admission fault" in errors["poison"]
-    assert got["poison"] == [] and {k: v for k, v in got.items() if k != "poison"} == clean
+    monkeypatch.setattr(CacheManager, "start_prefill", faulty)
+    got, _ = _fails_alone(model, clean, "injected admission fault")
+    assert got["poison"] == []
 
 
 # -- sampling parameters that used to crash the shared step ----------------------------------

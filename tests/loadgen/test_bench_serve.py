@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
+from fixtures.served_app import served
 
 from irminsul.cli import main
 from irminsul.config import EngineConfig, ServerConfig
@@ -61,23 +58,10 @@ def test_both_modes_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) ->
         assert label in stdout
 
 
-@contextlib.contextmanager
-def running_server(pic: str) -> Iterator[str]:
+def running_server(pic: str) -> contextlib.AbstractContextManager[str]:
     """The default model served in-process on a free port."""
     app, _ = build_server(default_model_dir(), ServerConfig(device="cpu", engine=EngineConfig(mode=pic)))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return served(app)
 
 
 def test_a_running_server_by_url(tmp_path: Path) -> None:

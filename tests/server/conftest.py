@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
+from fixtures.served_app import served
 from fixtures.tiny_server_model import build
 from openai import OpenAI
 
@@ -58,31 +56,13 @@ class Server:
         return total
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running(model_dir: Path, config: ServerConfig) -> Iterator[Server]:
     """Serve ``model_dir`` on a free loopback port until the block ends."""
     app, engine = build_server(model_dir, config)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with served(app) as url:
         yield Server(url, engine, OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
                      config.model_name or model_dir.name, model_dir, app)
-    finally:
-        uv.should_exit = True
-        thread.join(10)
     assert not engine.alive  # the lifespan shut the engine thread down
 
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import SLOTS, Server, free_port
+from conftest import SLOTS, Server
 from fixtures.tiny_server_model import END, EOS, sentences
 from openai import OpenAI
 
 from irminsul.cache.markers import MARKER_TEXT
 from irminsul.config import EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.loadgen.server import free_port
 from irminsul.model import load_model
 from irminsul.server import AsyncEngine, EngineError
 from irminsul.server.detokenizer import IncrementalDetokenizer, StopStrings
