@@ -61,6 +61,9 @@ class Request:
     generator: torch.Generator = field(default_factory=torch.Generator)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    # Prefills landed when it last chose to await shared content (-1: never): it is planned
+    # again only once another lands, since until then what it awaits can only grow.
+    awaited_at: int = -1
 
     @property
     def ttft(self) -> float | None:
@@ -125,6 +128,7 @@ class Scheduler:
         # Requests that left (finished, aborted, dropped) so far, and that count when the head of
         # the queue last did not fit: it is planned again only once another has left.
         self._left, self._blocked_at = 0, -1
+        self._landed = 0  # admitted prefills completed or given up so far
         self.failed = 0
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
@@ -195,6 +199,9 @@ class Scheduler:
         while (i < len(self.waiting) and len(self.running) < self.max_running
                and self._blocked_at != self._left):
             request = self.waiting[i]
+            if request.awaited_at == self._landed:
+                i += 1
+                continue
             try:
                 prefill = self._fit(request)
             except Exception as err:  # planning this prompt failed: it alone is lost
@@ -205,6 +212,7 @@ class Scheduler:
                 self._blocked_at = self._left  # wait for a running request to finish
                 return
             if isinstance(prefill, str):  # "await"
+                request.awaited_at = self._landed
                 i += 1
                 continue
             self.waiting.pop(i)
@@ -280,6 +288,7 @@ class Scheduler:
                         self.cache.complete_prefill(request.prefill)
                     finally:  # the plan is released either way: the sequence is what is left
                         request.state = "decode"
+                        self._landed += 1
                     request.first_token_time = time.perf_counter()
             except Exception as err:
                 outputs.append(self._fail(request, err, "completing its prefill"))
@@ -355,6 +364,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, *, remember: bool = True) -> None:
         if request.state == "prefill":
             self.cache.abort_prefill(request.prefill)
+            self._landed += 1
         elif request.seq is not None:
             self.cache.finish(request.seq, remember=remember)
         request.state, request.finish_reason = "finished", reason

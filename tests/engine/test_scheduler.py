@@ -231,6 +231,9 @@ def test_requests_sent_together_compute_shared_content_once(model, await_shared:
     scheduler = Scheduler(Engine(model, EngineConfig(slots=8000, mode="live",
                                                      await_shared=await_shared)),
                           batch_tokens=256, chunk_tokens=128)
+    plans = []
+    start_prefill = scheduler.cache.start_prefill
+    scheduler.cache.start_prefill = lambda *a, **kw: plans.append(1) or start_prefill(*a, **kw)
     ids = [scheduler.add(p, SamplingParams(max_tokens=3), resets=r)
            for p, r in zip(prompts, resets)]
     stats, tokens = {}, {i: [] for i in ids}
@@ -244,8 +247,11 @@ def test_requests_sent_together_compute_shared_content_once(model, await_shared:
     pic = [stats[i].pic_tokens for i in ids]
     if await_shared:
         assert pic[0] == 0 and min(pic[1:]) >= 400
+        # A waiting request is planned again only when a prefill lands (here: the first's),
+        # not on every step of it: once to wait, once to be admitted.
+        assert len(plans) == 1 + 2 * 7
     else:
-        assert sum(pic) == 0
+        assert sum(pic) == 0 and len(plans) == 8
 
 
 def test_observer_never_waits_for_shared_content(model) -> None:
