@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.cdc import namespace_seed
 from ..config import ServerConfig
-from ..engine import PromptTooLong
+from ..engine import Limits, PromptTooLong
 from ..traffic.render import ChatRenderer
 from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
@@ -71,7 +71,7 @@ class _Server:
     unstarted: int = 0  # requests accepted that have not had their first token (event loop only)
 
     @property
-    def limits(self) -> Any:
+    def limits(self) -> Limits:
         return self.engine.limits
 
     def namespace(self, salt: str | None) -> int:
