@@ -24,7 +24,7 @@ from irminsul.engine.graphs import BUCKETS, block_rows, whole_blocks
 from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention
 from irminsul.kernels.mla_attention import key_splits
 from irminsul.model import parse_config
-from irminsul.model.rope import Rotary, softmax_scale
+from irminsul.model.rope import softmax_scale
 
 HEADS, RANK, ROPE = 16, 512, 64
 
@@ -32,7 +32,7 @@ HEADS, RANK, ROPE = 16, 512, 64
 def cells(batch: int, context: int, copy_gbps: float, repeats: int, sweep: bool) -> dict:
     device = "cuda"
     config = parse_config(V2_LITE)
-    interleaved, scale = Rotary(config).interleaved, softmax_scale(config)
+    scale = softmax_scale(config)
     slots = batch * context
     gen = torch.Generator(device=device).manual_seed(0)
     ckv = torch.randn(slots, RANK, device=device, generator=gen).bfloat16()
@@ -46,7 +46,7 @@ def cells(batch: int, context: int, copy_gbps: float, repeats: int, sweep: bool)
     row: dict = {"batch": batch, "context": context, "floor_ms": floor_ms}
 
     def run(label: str, layout: PagedLayout, tiles: TileConfig | None = None) -> None:
-        fn = lambda: paged_mla_attention(q, ckv, kr, layout, scale, interleaved, tiles)  # noqa: E731
+        fn = lambda: paged_mla_attention(q, ckv, kr, layout, scale, tiles)  # noqa: E731
         try:
             fn()
         except OutOfResources as err:
@@ -62,14 +62,16 @@ def cells(batch: int, context: int, copy_gbps: float, repeats: int, sweep: bool)
     graph_splits = key_splits(whole_blocks(bucket, HEADS, rows), rows, device)
     run(f"graph launch m{rows} s{graph_splits}",
         PagedLayout.build(new, keys, keys, HEADS, device, block_m=rows, splits=graph_splits))
-    for splits, (block_n, warps, stages) in itertools.product(
+    for splits, (block_n, warps, stages, swapped) in itertools.product(
             (1, 2, 4, 8, 16, 32, 64) if sweep else (),
-            ((64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2), (128, 8, 2), (32, 2, 3))):
+            ((64, 4, 2, False), (64, 8, 2, False), (128, 8, 2, False),
+             (64, 4, 2, True), (64, 4, 3, True), (64, 4, 4, True), (128, 4, 2, True),
+             (128, 8, 2, True), (64, 8, 3, True), (32, 4, 4, True))):
         if splits * 64 > context:
             continue
         layout = PagedLayout.build(new, keys, keys, HEADS, device, block_m=16, splits=splits)
-        run(f"m16 s{splits} n{block_n} w{warps} st{stages}", layout,
-            TileConfig(block_n, RANK, warps, stages))
+        run(f"m16 s{splits} n{block_n} w{warps} st{stages}{' swapped' if swapped else ''}",
+            layout, TileConfig(block_n, RANK, warps, stages, swapped))
     best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict))
     row["best"] = best[1]
     return row

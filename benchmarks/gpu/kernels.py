@@ -75,7 +75,7 @@ def measure(context: int, repeats: int) -> dict:
     scale = softmax_scale(parse_config(V2_LITE))
     batch, room = 8, 600  # requests, slots for each request's new tokens
     slots, device = context + batch * room + batch * (context + room), "cuda"
-    interleaved, rotary_args = rotary.interleaved, rotary.kernel_args(device)
+    rotary_args = rotary.kernel_args(device)
     gen = torch.Generator(device=device).manual_seed(0)
     ckv = torch.randn(slots, RANK, device=device, generator=gen).bfloat16()
     kr = torch.randn(1, slots, ROPE, device=device, generator=gen).bfloat16()
@@ -107,20 +107,19 @@ def measure(context: int, repeats: int) -> dict:
         cidx = [torch.from_numpy(c).to(device) for c in ckv_idx]
         ridx = [torch.from_numpy(r).to(device) for r in own]
         run(f"{phase} torch", partial(torch_attention, q, ckv, kr[0], cidx, ridx, new, scale))
-        run(f"{phase} kernel", partial(paged_mla_attention, q, ckv, kr[0], plain, scale,
-                                       interleaved))
+        run(f"{phase} kernel", partial(paged_mla_attention, q, ckv, kr[0], plain, scale))
         if phase == "prefill":  # the prefill tiles are the open question: try a few
             for block_m, tiles in PREFILL_TILES:
                 layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m)
                 run(f"prefill m{block_m} n{tiles.block_n} dv{tiles.dv} w{tiles.num_warps} "
                     f"s{tiles.num_stages}", partial(paged_mla_attention, q, ckv, kr[0], layout,
-                                                    scale, interleaved, tiles))
+                                                    scale, tiles))
         launches = {"spans": GRAPH_LAUNCHES, "line": LINE_LAUNCHES}.get(phase, [])
         for block_m, splits in launches:
             layout = PagedLayout.build(new, ckv_idx, own, HEADS, device, block_m=block_m,
                                        splits=splits)
             run(f"{phase} m{block_m} s{splits}", partial(paged_mla_attention, q, ckv, kr[0],
-                                                         layout, scale, interleaved))
+                                                         layout, scale))
         if phase == "line":
             splits, rows = LINE_LAUNCHES[0][1], sum(new) * HEADS
             partial_out = torch.randn(splits, rows, RANK, device=device, generator=gen)

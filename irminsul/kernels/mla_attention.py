@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from ..device import upload
-from .rotate import pair_layout
 
 SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
 SMS = SM_TARGET // 2  # where the device does not say (a CPU under Triton's interpreter)
@@ -34,8 +33,8 @@ _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
                 heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
-                RANK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-                PAIR_STEP: tl.constexpr, PAIR_SHIFT: tl.constexpr, SPLIT: tl.constexpr,
+                RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+                SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
                 PRECISION: tl.constexpr):
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -52,13 +51,14 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
     start = split * split_len
     end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
 
-    dims, pair = tl.arange(0, RANK), tl.arange(0, HALF_P2)
-    pair_ok = pair < HALF
+    # q_r·k_r is a plain dot product over the rope dims: the rotary's pair layout does not
+    # matter here (rows are stored rotated), so both are read whole and contiguous.
+    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
+    rope_ok = rdims < ROPE
     q_rows = Q + grow[:, None] * q_stride
     q_nope = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    qr_mask = row_ok[:, None] & pair_ok[None, :]
-    q_a = tl.load(q_rows + RANK + pair[None, :] * PAIR_STEP, mask=qr_mask, other=0.0)
-    q_b = tl.load(q_rows + RANK + pair[None, :] * PAIR_STEP + PAIR_SHIFT, mask=qr_mask, other=0.0)
+    q_r = tl.load(q_rows + RANK + rdims[None, :], mask=row_ok[:, None] & rope_ok[None, :],
+                  other=0.0)
 
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -71,13 +71,10 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
         r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
         c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
                     other=0.0)
-        kr_mask = key_ok[:, None] & pair_ok[None, :]
-        k_at = KR + r_slot[:, None] * r_stride + pair[None, :] * PAIR_STEP
-        k_a = tl.load(k_at, mask=kr_mask, other=0.0)
-        k_b = tl.load(k_at + PAIR_SHIFT, mask=kr_mask, other=0.0)
+        k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
+                      mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
         s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
-        s += tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
-        s += tl.dot(q_b, tl.trans(k_b), input_precision=PRECISION)
+        s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
         # A step may run past its split's end (block_n above the 64-key split alignment): keys
         # there belong to the next split, visible or not.
         seen = (keys[None, :] < visible[:, None]) & key_ok[None, :]
@@ -104,6 +101,72 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
     else:
         tl.store(OUT + grow[:, None] * RANK + vcols[None, :], out.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+@triton.jit
+def _mla_swapped_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
+                        BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
+                        heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
+                        RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """:func:`_mla_kernel` computed transposed, for blocks of few query rows (decode): scores
+    Sᵀ = K·Qᵀ [keys, rows] and outputs Oᵀ = Vᵀ·Pᵀ [rank, rows]. Both products then have the
+    keys' tile (or the value width) as their M dimension, which Hopper's warpgroup MMA needs to
+    be ≥ 64 and reads from shared memory in place; with the query rows as M (16) the tensor
+    cores run the older register-operand MMA and every key tile passes through registers twice.
+    The whole value width per program (the value is the c_KV tile already loaded)."""
+    blk, split = tl.program_id(0), tl.program_id(1)
+    req = tl.load(BLK_REQ + blk)
+    q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
+    kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req)
+    rows = tl.load(BLK_ROW0 + blk) + tl.arange(0, BLOCK_M)
+    row_ok = rows < nq * heads
+    grow = (q0 * heads + rows).to(tl.int64)
+    visible = kvlen - nq + rows // heads + 1
+    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    start = split * split_len
+    end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
+
+    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
+    rope_ok = rdims < ROPE
+    q_cols = Q + grow[None, :] * q_stride  # queries transposed: [dims, rows]
+    q_nope_t = tl.load(q_cols + dims[:, None], mask=row_ok[None, :], other=0.0)
+    q_r_t = tl.load(q_cols + RANK + rdims[:, None], mask=row_ok[None, :] & rope_ok[:, None],
+                    other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([RANK, BLOCK_M], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        keys = n + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
+        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
+        c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
+                    other=0.0)
+        k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
+                      mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
+        s = tl.dot(c, q_nope_t, input_precision=PRECISION)  # [keys, rows]
+        s += tl.dot(k_r, q_r_t, input_precision=PRECISION)
+        seen = (keys[:, None] < visible[None, :]) & key_ok[:, None]
+        s = tl.where(seen, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [rank, rows]
+    if SPLIT:
+        at = (split * out_rows + grow)
+        tl.store(OUT + at[None, :] * RANK + dims[:, None], out, mask=row_ok[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + at, lse, mask=row_ok)
+    else:
+        tl.store(OUT + grow[None, :] * RANK + dims[:, None], out.to(OUT.dtype.element_ty),
+                 mask=row_ok[None, :])
 
 
 @dataclass
@@ -191,12 +254,14 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes of one launch: keys per step, value columns per program, warps, stages."""
+    """Tile sizes of one launch: keys per step, value columns per program, warps, stages, and
+    whether to compute transposed (:func:`_mla_swapped_kernel`; whole value width only)."""
 
     block_n: int
     dv: int
     num_warps: int
     num_stages: int
+    swapped: bool = False
 
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
@@ -212,12 +277,12 @@ class TileConfig:
 
 
 def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
-                        layout: PagedLayout, scale: float, interleaved: bool,
+                        layout: PagedLayout, scale: float,
                         tiles: TileConfig | None = None) -> torch.Tensor:
     """Absorbed attention of queries q [T, H, rank + rope] (q̃_nope | q_rope) over the pool's
     rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
-    dtype (the latent-space output, before W_UV). ``interleaved``: the rotary's pair layout of
-    q_rope and k_r (:func:`~.rotate.pair_layout`). ``tiles`` overrides the default tile sizes
+    dtype (the latent-space output, before W_UV); q_rope and the k_r rows are rotated already, in the
+    same pair layout. ``tiles`` overrides the default tile sizes
     (split lengths are multiples of 64 keys: a block_n above 64 masks the rest of its last step)."""
     tokens, heads, width = q.shape
     rank, rope = ckv.shape[1], kr.shape[1]
@@ -229,8 +294,6 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     block_m = layout.block_m
     tiles = tiles or TileConfig.default(block_m, rank, q.dtype)
     dv = tiles.dv
-    half = rope // 2
-    step, shift = pair_layout(rope, interleaved)
     rows = tokens * heads
     if layout.splits > 1:
         out = torch.empty(layout.splits, rows, rank, dtype=torch.float32, device=q.device)
@@ -238,14 +301,28 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     else:
         out, lse = torch.empty(rows, rank, dtype=q.dtype, device=q.device), q
     req = layout.requests
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    rope_p2 = max(16, triton.next_power_of_2(rope))
+    if tiles.swapped:
+        if dv != rank:
+            raise ValueError("the transposed kernel keeps the whole value width")
+        _mla_swapped_kernel[(layout.block_req.numel(), layout.splits)](
+            q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
+            layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
+            heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0), kr.stride(0), rows,
+            RANK=rank, ROPE=rope, ROPE_P2=rope_p2, SPLIT=layout.splits > 1, BLOCK_M=block_m,
+            BLOCK_N=tiles.block_n, PRECISION=precision, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
+        return (merge_splits(out, lse, q.dtype) if layout.splits > 1 else out).view(
+            tokens, heads, rank)
     grid = (layout.block_req.numel(), layout.splits, rank // dv)
     _mla_kernel[grid](
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
         layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
         heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
-        kr.stride(0), rows, RANK=rank, HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)),
-        PAIR_STEP=step, PAIR_SHIFT=shift, SPLIT=layout.splits > 1, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, DV=dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        kr.stride(0), rows, RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
+        SPLIT=layout.splits > 1, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         out = merge_splits(out, lse, q.dtype)

@@ -131,7 +131,7 @@ class MLAttention(nn.Module):
             qn, qr = (q_nope, q_rope) if take is None else (q_nope[take], q_rope[take])
             q = torch.cat([self._absorb(qn, w_uk), qr], dim=-1)
             latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
-                                         self.scale, self.rotary.interleaved)
+                                         self.scale)
             attended = self._expand(latent.transpose(0, 1), w_uv)
             if take is None:
                 out = attended
