@@ -1,0 +1,311 @@
+"""Fused MoE for the routed experts: token–expert assignments sorted into per-expert blocks, then
+two grouped GEMMs that read their A rows in place.
+
+Three steps, all on the device with no host synchronisation (a CUDA graph captures them):
+
+1. :func:`align_blocks` sorts the T·k assignments by expert into blocks of ``block_m`` rows, each
+   expert's run padded to whole blocks with a sentinel (T·k), and gives every block its expert
+   (-1 past the last used block) and the number of used rows. Outputs have fixed sizes, sized
+   for the worst case (T·k + min(E, T·k)·(block_m − 1) rows), so the grid never depends on the
+   routing.
+2. gate/up: one program takes a block of assignments and ``block_n`` columns of the expert's
+   intermediate width, reads each assignment's token row of x in place (row = assignment // k,
+   no gathered copy), computes the gate and the up tile of the same columns and writes
+   silu(gate) · up, one row per assignment.
+3. down: the intermediate rows times the expert's down projection, scaled by the routing weight,
+   one row per assignment in the output dtype; a sum over k gives each token's output.
+
+Accumulation is float32 throughout. Programs past the used blocks return at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many assignments (T·k) one Triton program sorts them (two passes over chunks of
+# assignments, each a one-hot [chunk, experts] scan): one launch where a decode step's torch sort
+# would be ten small kernels. Above it the sort runs as torch ops (argsort, cumsum,
+# searchsorted), whose fixed costs are small next to a prefill's GEMMs and which scale where one
+# program's sequential chunks would not.
+ALIGN_KERNEL_MAX = 2048
+
+
+@triton.jit
+def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_P2)
+    # Pass 1: assignments per expert. Masked lanes carry E_P2, which matches no expert.
+    counts = tl.zeros([E_P2], tl.int32)
+    for start in range(0, n, CHUNK):
+        at = start + tl.arange(0, CHUNK)
+        e = tl.load(IDS + at, mask=at < n, other=E_P2)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    used = tl.sum(padded, 0)
+    tl.store(USED, used)
+    # Each expert's padding rows hold the sentinel n. They never overlap the assignments' rows,
+    # so no ordering between these stores and pass 2's is needed.
+    j = tl.arange(0, BLOCK_M)
+    tl.store(SORTED + (starts + counts)[:, None] + j[None, :], n,
+             mask=j[None, :] < (padded - counts)[:, None])
+    # The expert of each block: the number of experts whose run ends at or before its first row
+    # (empty experts before it count, empty ones after it end later). -1 past the used rows.
+    for b0 in range(0, blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        row = b * BLOCK_M
+        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), 1)
+        tl.store(BLOCK_EXPERT + b, tl.where(row < used, owner, -1), mask=b < blocks)
+    # Pass 2: each assignment's row = its expert's start + assignments of that expert before it
+    # (a stable sort: within an expert, assignment order).
+    cursor = starts
+    for start in range(0, n, CHUNK):
+        at = start + tl.arange(0, CHUNK)
+        e = tl.load(IDS + at, mask=at < n, other=E_P2)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, 0) - hit
+        row = tl.sum(hit * (before + cursor[None, :]), 1)
+        tl.store(SORTED + row, at, mask=at < n)
+        cursor += tl.sum(hit, 0)
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
+                    x_stride, w_stride_e, w_stride_n, h_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(USED):  # a block the worst case allowed for, unused here
+        return
+    expert = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    assign = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = assign < n
+    token = (assign // topk).to(tl.int64)  # x's row read in place: no gathered copy
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = X + token[:, None] * x_stride + ks[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of the expert's gate rows and of its up rows (inter rows later).
+    g_ptr = W13 + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]
+    u_ptr = g_ptr + inter * w_stride_n
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, tl.cdiv(dim, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
+            g = tl.load(g_ptr, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < dim - k * BLOCK_K
+            a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            u = tl.load(u_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 tiles wrongly: float32 there
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) · up, before one rounding
+    out = H + assign[:, None].to(tl.int64) * h_stride + cols[None, :]
+    tl.store(out, h.to(H.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
+                 h_stride, w_stride_e, w_stride_n, y_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(USED):
+        return
+    expert = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    assign = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = assign < n
+    rows = assign.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < dim
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = H + rows[:, None] * h_stride + ks[None, :]
+    b_ptr = W2 + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < inter - k * BLOCK_K
+            a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    weight = tl.load(WEIGHTS + rows, mask=valid, other=0.0)
+    out = Y + rows[:, None] * y_stride + cols[None, :]
+    tl.store(out, (acc * weight[:, None]).to(Y.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """Tile sizes of one fused-MoE call: assignment rows per block (also the sort's padding
+    unit), output columns per program (gate/up: intermediate columns, each program reading that
+    many gate and as many up rows), reduction step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def for_tokens(cls, tokens: int, topk: int, experts: int, dtype: torch.dtype) -> MoETiles:
+        """The table, by assignments per expert (T·k / E; DeepSeek-V2-Lite: k 6 of 64):
+
+        - ≤ 2 (decode up to ~16 tokens): 16-row blocks (tl.dot's least) and 32 columns: few
+          blocks, so narrow columns give the most programs to stream the experts' weights
+          (V2-Lite at T=1: 6 experts × 44 gate/up programs, two per SM); long K steps (128) and
+          four stages keep many loads in flight per program.
+        - ≤ 8 (decode up to ~64 tokens): 16-row blocks still hold an expert's rows (mostly one
+          block per expert: weights read once); 64 columns, as many programs as there are SMs
+          several times over.
+        - ≤ 16 (~128 tokens): 32-row blocks so an expert's rows rarely split over two blocks
+          (which read its weights twice).
+        - ≤ 64 (prefill up to ~512): 64-row blocks start to reuse each weight tile.
+        - above: 64-row blocks × 128 columns (with gate and up, a 64×256 product per step),
+          8 warps. Larger blocks waste more padding rows (up to block_m − 1 per expert) than
+          they save here.
+
+        float32 tiles (the exact path) take half the K step: twice the bytes per element."""
+        per_expert = tokens * topk / max(1, experts)
+        if per_expert <= 2:
+            tiles = cls(16, 32, 128, 4, 4)
+        elif per_expert <= 8:
+            tiles = cls(16, 64, 128, 4, 4)
+        elif per_expert <= 16:
+            tiles = cls(32, 64, 128, 4, 3)
+        elif per_expert <= 64:
+            tiles = cls(64, 64, 64, 4, 3)
+        else:
+            tiles = cls(64, 128, 64, 8, 3)
+        if dtype == torch.float32:
+            tiles = cls(tiles.block_m, tiles.block_n, tiles.block_k // 2, tiles.num_warps,
+                        min(tiles.num_stages, 3))
+        return tiles
+
+
+def max_rows(assignments: int, experts: int, block_m: int) -> int:
+    """Rows the sorted assignments can need: each expert that has any pads to whole blocks."""
+    return assignments + min(experts, assignments) * (block_m - 1)
+
+
+def align_blocks(ids: torch.Tensor, experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The assignments of ``ids`` [T, k] (expert per token and slot) sorted by expert, in blocks
+    of ``block_m`` rows: (rows, block_expert, used), int32 on ids' device.
+
+    ``rows`` [max_rows]: assignment index t·k + j, each expert's run padded to whole blocks with
+    the sentinel T·k, experts in order, assignments of one expert in index order (a stable sort);
+    entries from ``used`` on are unspecified. ``block_expert`` [max_rows / block_m]: each block's
+    expert, -1 past the used rows. ``used`` [1]: rows in use (whole blocks). Nothing is read back
+    to the host."""
+    n = ids.numel()
+    rows = max_rows(n, experts, block_m)
+    blocks = rows // block_m
+    flat = ids.reshape(-1)
+    if n > ALIGN_KERNEL_MAX:
+        return _align_torch(flat, experts, block_m, rows, blocks)
+    device = ids.device
+    sorted_rows = torch.empty(rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    e_p2 = triton.next_power_of_2(experts)
+    # Chunks of assignments such that the one-hot [chunk, experts] scan stays within 16K lanes
+    # (V2's 64 experts: 256; V3's 256: 64).
+    chunk = max(16, min(triton.next_power_of_2(max(1, n)), (1 << 14) // e_p2))
+    block_chunk = max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2))
+    _align_kernel[(1,)](flat, sorted_rows, block_expert, used, n, blocks, E_P2=e_p2,
+                        BLOCK_M=block_m, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=4)
+    return sorted_rows, block_expert, used
+
+
+def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, blocks: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_blocks` in torch ops (no host reads either), for many assignments."""
+    n, device = flat.numel(), flat.device
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    skip = (ends - padded) - (counts.cumsum(0) - counts)  # padded start − unpadded start
+    expert = flat[order].long()
+    sorted_rows = torch.full((rows,), n, dtype=torch.int32, device=device)
+    sorted_rows[torch.arange(n, device=device) + skip[expert]] = order.to(torch.int32)
+    first = torch.arange(blocks, device=device) * block_m
+    owner = torch.searchsorted(ends, first, right=True)
+    block_expert = torch.where(first < ends[-1], owner, -1).to(torch.int32)
+    return sorted_rows, block_expert, ends[-1:].to(torch.int32)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+    """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
+    with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
+    :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
+
+    ``x`` [T, D]; ``w13`` [E, 2I, D] (gate rows, then up rows); ``w2`` [E, D, I]; ``weights``
+    [T, k] (float32); ``ids`` [T, k] (distinct experts per token). ``tiles``: a launch shape
+    (default :meth:`MoETiles.for_tokens`). The intermediate rows and the per-assignment outputs
+    round once each to x's dtype; products and the sum over k accumulate in float32."""
+    tokens, dim = x.shape
+    experts, width, _ = w13.shape
+    inter = width // 2
+    topk = ids.shape[1]
+    if w13.shape[2] != dim or w2.shape != (experts, dim, inter) or weights.shape != ids.shape:
+        raise ValueError(f"shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 "
+                         f"{tuple(w2.shape)}, weights {tuple(weights.shape)}, ids "
+                         f"{tuple(ids.shape)} do not fit")
+    n = tokens * topk
+    if n == 0:
+        return x.new_zeros(x.shape)
+    tiles = tiles or MoETiles.for_tokens(tokens, topk, experts, x.dtype)
+    bm = tiles.block_m
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    sorted_rows, block_expert, used = align_blocks(ids, experts, bm)
+    grid_m = block_expert.numel()
+    upcast = _interpreted() and x.dtype != torch.float32
+    precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
+    meta = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast,
+                PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.block_n))](
+        x, w13, h, sorted_rows, block_expert, used, n, topk, dim, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        EVEN_K=dim % tiles.block_k == 0, **meta)
+    y = torch.empty(n, dim, dtype=x.dtype, device=x.device)
+    _down_kernel[(grid_m, triton.cdiv(dim, tiles.block_n))](
+        h, w2, y, sorted_rows, block_expert, used, weights.reshape(-1).float().contiguous(), n,
+        dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        EVEN_K=inter % tiles.block_k == 0, **meta)
+    if topk == 1:
+        return y
+    # Sum over k in one kernel: torch's reductions of bf16 accumulate in float32 (on both
+    # devices) and round once.
+    return y.view(tokens, topk, dim).sum(1)

@@ -1,0 +1,196 @@
+"""The fused MoE kernel against a naive per-token reference, its block sort's invariants, and MoE's
+switch between it and the torch path.
+
+Runs on CUDA, or on a CPU under Triton's interpreter (tests/conftest.py switches it on without CUDA;
+there bf16 tiles are multiplied in float32, as the interpreter's bf16 tl.dot is wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from irminsul.model import parse_config
+from irminsul.model.moe import MoE, grouped_experts, use_kernels
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run on the GPU machine)")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # of the output's largest magnitude
+
+
+def naive_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its k experts in float32, one at a time: [T, D] float32."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    x, w13, w2 = x.float().cpu(), w13.float().cpu(), w2.float().cpu()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = w13[e] @ x[t]
+            hidden = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(weights[t, j]) * (w2[e] @ hidden)
+    return out
+
+
+def routing(tokens: int, experts: int, k: int, gen: torch.Generator,
+            skew: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k of random logits (``skew`` added to the low experts' logits: uneven loads)."""
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits -= skew * torch.arange(experts) / experts
+    weights, ids = logits.softmax(-1).topk(k, dim=-1)
+    return weights, ids
+
+
+def problem(tokens: int, experts: int, k: int, dim: int, inter: int, dtype: torch.dtype,
+            seed: int = 0, skew: float = 0.0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, dim, generator=gen) / dim ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, dim, inter, generator=gen) / inter ** 0.5).to(dtype)
+    weights, ids = routing(tokens, experts, k, gen, skew)
+    return x, w13, w2, weights, ids
+
+
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == want.shape
+    err = (got.cpu().float() - want).abs().max()
+    assert err <= TOLERANCE[dtype] * want.abs().max(), float(err)
+
+
+CASES = {  # tokens, experts, k, dim, inter, skew, tiles (None: the table's)
+    "one_token": (1, 8, 2, 32, 32, 0.0, None),
+    "odd": (13, 8, 3, 48, 40, 0.0, (16, 16, 32, 4, 2)),  # K and the columns need masks
+    "blocks_per_expert": (40, 4, 2, 32, 32, 0.0, (16, 32, 16, 4, 2)),  # ~20 rows per expert
+    "empty_experts": (3, 32, 2, 32, 32, 0.0, (16, 32, 32, 4, 2)),  # 26+ experts get nothing
+    "uneven": (37, 16, 4, 32, 48, 6.0, (16, 16, 32, 4, 2)),  # low experts take most rows
+    "wide_blocks": (21, 8, 3, 64, 32, 3.0, (32, 32, 64, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_match_naive(case: str, dtype: torch.dtype) -> None:
+    from irminsul.kernels.fused_moe import MoETiles, fused_experts
+
+    tokens, experts, k, dim, inter, skew, tiles = CASES[case]
+    x, w13, w2, weights, ids = problem(tokens, experts, k, dim, inter, dtype, skew=skew)
+    want = naive_experts(x, w13, w2, weights, ids)
+    got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)),
+                        tiles=MoETiles(*tiles) if tiles else None)
+    check(got, want, dtype)
+
+
+def test_sort_in_torch_for_many_assignments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ALIGN_KERNEL_MAX assignments the block sort runs in torch ops: same results."""
+    from irminsul.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "ALIGN_KERNEL_MAX", 0)
+    x, w13, w2, weights, ids = problem(19, 8, 3, 32, 32, torch.float32, seed=1, skew=4.0)
+    got = fused_moe.fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)),
+                                  tiles=fused_moe.MoETiles(16, 32, 32, 4, 2))
+    check(got, naive_experts(x, w13, w2, weights, ids), torch.float32)
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 8, 2, 16), (13, 8, 3, 16),
+                                                      (40, 4, 2, 16), (3, 32, 2, 32),
+                                                      (100, 64, 6, 16), (37, 16, 4, 64)])
+def test_block_sort_invariants(tokens: int, experts: int, k: int, block_m: int) -> None:
+    """The kernel's sort and the torch sort agree, and both are a stable sort by expert into
+    whole blocks: every assignment once, in its expert's run, the rest of each run the sentinel,
+    each block labelled with its expert and unused blocks -1."""
+    from irminsul.kernels.fused_moe import _align_torch, align_blocks, max_rows
+
+    gen = torch.Generator().manual_seed(tokens)
+    _, ids = routing(tokens, experts, k, gen, skew=3.0)
+    n = ids.numel()
+    rows, blocks = max_rows(n, experts, block_m), max_rows(n, experts, block_m) // block_m
+    kernel = [t.cpu() for t in align_blocks(ids.to(DEVICE), experts, block_m)]
+    torch_sort = [t.cpu() for t in _align_torch(ids.reshape(-1).to(DEVICE), experts, block_m,
+                                                rows, blocks)]
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    used = int(padded.sum())
+    expected = torch.cat([torch.cat([torch.nonzero(flat == e).flatten(),
+                                     torch.full((int(padded[e] - counts[e]),), n)])
+                          for e in range(experts)])
+    owners = torch.repeat_interleave(torch.arange(experts), padded // block_m)
+    for sorted_rows, block_expert, used_rows in (kernel, torch_sort):
+        assert sorted_rows.shape == (rows,) and block_expert.shape == (blocks,)
+        assert int(used_rows) == used
+        assert torch.equal(sorted_rows[:used].long(), expected)
+        assert torch.equal(block_expert[:used // block_m].long(), owners)
+        assert (block_expert[used // block_m:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_kernel_switch(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE with kernels on gives the torch path's output (shared experts included); batches above
+    KERNEL_MAX_TOKENS stay on the torch path."""
+    from irminsul.kernels import fused_moe
+    from irminsul.model import moe as moe_module
+
+    config = parse_config(dict(
+        model_type="deepseek_v2", vocab_size=10, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1,
+        max_position_embeddings=512, rope_theta=10000))
+    torch.manual_seed(0)
+    moe = MoE(config).requires_grad_(False)
+    for p in moe.parameters():
+        p.normal_(0.0, 0.3)
+    moe.fuse()
+    moe = moe.to(DEVICE, dtype)
+    moe.gate.float()  # routers stay float32, as the loader keeps them
+    x = torch.randn(11, 32).to(DEVICE, dtype)
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        # torch's grouped GEMM takes bf16 only on CUDA: compare the routed part to the naive loop
+        weights, ids = moe.gate(x)
+        use_kernels(moe, True)
+        got = moe(x) - moe.shared_experts(x)
+        check(got, naive_experts(x, moe.w13, moe.w2, weights, ids), dtype)
+        return
+    want = moe(x)
+    use_kernels(moe, True)
+    assert moe.kernels
+    got = moe(x)
+    check(got, want.float().cpu(), dtype)
+    monkeypatch.setattr(moe_module, "KERNEL_MAX_TOKENS", 10)
+    monkeypatch.setattr(fused_moe, "fused_experts", lambda *_: pytest.fail("fused above the max"))
+    torch.testing.assert_close(moe(x), want)
+
+
+@ON_GPU
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 2048])
+def test_v2_lite_shapes_match_grouped_gemm(tokens: int) -> None:
+    """DeepSeek-V2-Lite's expert shapes in bf16 with the default tiles of each token count:
+    the fused kernel agrees with the grouped-GEMM path."""
+    from irminsul.kernels.fused_moe import fused_experts
+
+    x, w13, w2, weights, ids = (t.cuda() for t in problem(tokens, 64, 6, 2048, 1408,
+                                                         torch.bfloat16, seed=tokens))
+    want = grouped_experts(x, w13, w2, weights, ids).float()
+    got = fused_experts(x, w13, w2, weights, ids).float()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@ON_GPU
+def test_fused_experts_replay_in_a_cuda_graph() -> None:
+    """A captured call serves any routing of its token count: no host reads, fixed grid."""
+    from irminsul.kernels.fused_moe import fused_experts
+
+    x, w13, w2, weights, ids = (t.cuda() for t in problem(24, 16, 4, 64, 64, torch.bfloat16))
+    fused_experts(x, w13, w2, weights, ids)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    for seed, skew in ((5, 0.0), (6, 8.0)):
+        new_weights, new_ids = routing(24, 16, 4, torch.Generator().manual_seed(seed), skew)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        check(out, naive_experts(x, w13, w2, weights.cpu(), ids.cpu()), torch.bfloat16)
