@@ -1,6 +1,7 @@
 """Feed-forward blocks: SwiGLU MLPs, DeepSeek-V2 and V3-style routers, and the MoE, which sorts
 token-expert assignments by expert and runs all experts as two grouped GEMMs (no loop over tokens
-or experts, no host synchronisation)."""
+or experts, no host synchronisation) — in torch, or with kernels on in the fused Triton kernel
+(:mod:`irminsul.kernels.fused_moe`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MLAConfig
+
+# With kernels on, batches of up to this many tokens run the fused Triton kernel and larger ones
+# the torch grouped GEMMs. The fused kernel is built for decode-sized batches (and every CUDA
+# graph bucket: up to 256 tokens), where it reads the touched experts' weights once and skips
+# the gathered copy; at prefill sizes torch._grouped_mm (CUTLASS) is the known-good path until
+# benchmarks/gpu/moe.py shows where the kernel stops winning.
+KERNEL_MAX_TOKENS = 256
 
 
 class MLP(nn.Module):
@@ -88,6 +96,10 @@ class MoE(nn.Module):
     The experts load as a ModuleList in the checkpoint's layout (``experts.{e}.gate_proj`` ...);
     :meth:`fuse` then stacks them into ``w13`` [E, 2*I, D] (gate and up) and ``w2`` [E, D, I] for
     grouped GEMM, which the forward needs (``load_model`` fuses every MoE layer).
+
+    ``kernels`` (default off; :func:`use_kernels` sets it model-wide): batches of up to
+    :data:`KERNEL_MAX_TOKENS` tokens run the routed experts in the fused Triton kernel (needs
+    triton: CUDA, or a CPU under Triton's interpreter) instead of torch.
     """
 
     def __init__(self, config: MLAConfig) -> None:
@@ -101,6 +113,7 @@ class MoE(nn.Module):
                                if config.n_shared_experts else None)
         self.w13: nn.Parameter | None = None
         self.w2: nn.Parameter | None = None
+        self.kernels = False
 
     def fuse(self) -> None:
         """Stack the per-expert weights for grouped GEMM and drop the per-expert copies."""
@@ -116,19 +129,39 @@ class MoE(nn.Module):
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         weights, ids = self.gate(x)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        # Counts by scatter-add, not bincount: bincount reads the largest id back to the host,
-        # which would stall every MoE layer's launches behind the device.
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)
-        tokens = order // k
-        gate_up = torch._grouped_mm(x[tokens], self.w13.transpose(-2, -1), offs=ends)
-        g, u = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(g) * u, self.w2.transpose(-2, -1), offs=ends)
-        y = y.float() * weights.reshape(-1)[order, None]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
-        out = out.to(x.dtype)
+        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS:
+            from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
+
+            out = fused_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            out = grouped_experts(x, self.w13, self.w2, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output [T, D] in x's dtype, in torch: the assignments sorted by expert,
+    two grouped GEMMs over gathered copies of their rows, a float32 weighted sum. ``w13`` [E, 2I,
+    D] (gate rows, then up rows), ``w2`` [E, D, I], ``weights`` [T, k] float32, ``ids`` [T, k]."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    # Counts by scatter-add, not bincount: bincount reads the largest id back to the host,
+    # which would stall every MoE layer's launches behind the device.
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)
+    tokens = order // k
+    gate_up = torch._grouped_mm(x[tokens], w13.transpose(-2, -1), offs=ends)
+    g, u = gate_up.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=ends)
+    y = y.float() * weights.reshape(-1)[order, None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+def use_kernels(model: nn.Module, on: bool) -> None:
+    """Switch every MoE layer of ``model`` to the fused Triton kernel (``on``) or to torch."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.kernels = on
