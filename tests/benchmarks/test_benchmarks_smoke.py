@@ -185,3 +185,18 @@ def test_break_even_run_and_rule(tmp_path: Path) -> None:
     assert break_even.break_even(cells(1.0, -0.5, -2.0, -9.0)) == 32
     assert break_even.break_even(cells(-1.0, 2.0, -2.0)) == 64  # live must win from D on
     assert break_even.break_even(cells(1.0, 2.0)) is None
+
+
+def test_moe_kernel_against_its_floor_runs(tmp_path: Path) -> None:
+    """The MoE benchmark on the tiny experts (float32, the kernel under Triton's interpreter):
+    both paths and the sweep timed, the fused kernel agreeing with the grouped GEMMs, the floor
+    counted from the touched experts' bytes (each 3 × 24 × 64 float32 weights)."""
+    results = _script("moe", "--tokens", "1", "5", "--sweep", "--repeats", "1", "--calls", "1",
+                      tmp_path=tmp_path)
+    cells = results["cells"]
+    assert [c["tokens"] for c in cells] == [1, 5]
+    for c in cells:
+        assert c["weight_bytes"] == c["experts_touched"] * 3 * 24 * 64 * 4
+        assert c["max_rel_diff"] < 1e-5
+        assert all(c[k]["ms"] > 0 for k in ("grouped", "fused", "align"))
+        assert sum(k.startswith("fused m") for k in c) >= 4  # the sweep's shapes
