@@ -62,16 +62,14 @@ def cells(batch: int, context: int, copy_gbps: float, repeats: int, sweep: bool)
     graph_splits = key_splits(whole_blocks(bucket, HEADS, rows), rows, device)
     run(f"graph launch m{rows} s{graph_splits}",
         PagedLayout.build(new, keys, keys, HEADS, device, block_m=rows, splits=graph_splits))
-    for splits, (block_n, warps, stages, swapped) in itertools.product(
+    for splits, (block_n, warps, stages) in itertools.product(
             (1, 2, 4, 8, 16, 32, 64) if sweep else (),
-            ((64, 4, 2, False), (64, 8, 2, False), (128, 8, 2, False),
-             (64, 4, 2, True), (64, 4, 3, True), (64, 4, 4, True), (128, 4, 2, True),
-             (128, 8, 2, True), (64, 8, 3, True), (32, 4, 4, True))):
+            ((64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2), (128, 8, 2), (32, 2, 3))):
         if splits * 64 > context:
             continue
         layout = PagedLayout.build(new, keys, keys, HEADS, device, block_m=16, splits=splits)
-        run(f"m16 s{splits} n{block_n} w{warps} st{stages}{' swapped' if swapped else ''}",
-            layout, TileConfig(block_n, RANK, warps, stages, swapped))
+        run(f"m16 s{splits} n{block_n} w{warps} st{stages}", layout,
+            TileConfig(block_n, RANK, warps, stages))
     best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict))
     row["best"] = best[1]
     return row

@@ -21,6 +21,7 @@ import torch
 from ..device import upload
 from ..model import MLAModel
 from ..model.mla import naive_from
+from ..model.moe import use_kernels
 from ..model.paged import PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
@@ -68,6 +69,7 @@ class ModelRunner:
         the captured rotation (only live engines reuse rows); ``scratch``: a (c_KV, k_r) slot
         pair outside the cache's capacity that graphs write their padding rows to."""
         self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
+        use_kernels(model, kernels)  # the routed experts' fused kernel for small batches
         self._naive_from = naive_from(model.config)
         self._rotation: Rotation | None = None
         if kernels and rotation:

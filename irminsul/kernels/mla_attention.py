@@ -103,72 +103,6 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                  mask=row_ok[:, None])
 
 
-@triton.jit
-def _mla_swapped_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
-                        BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
-                        heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
-                        RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """:func:`_mla_kernel` computed transposed, for blocks of few query rows (decode): scores
-    Sᵀ = K·Qᵀ [keys, rows] and outputs Oᵀ = Vᵀ·Pᵀ [rank, rows]. Both products then have the
-    keys' tile (or the value width) as their M dimension, which Hopper's warpgroup MMA needs to
-    be ≥ 64 and reads from shared memory in place; with the query rows as M (16) the tensor
-    cores run the older register-operand MMA and every key tile passes through registers twice.
-    The whole value width per program (the value is the c_KV tile already loaded)."""
-    blk, split = tl.program_id(0), tl.program_id(1)
-    req = tl.load(BLK_REQ + blk)
-    q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
-    kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req)
-    rows = tl.load(BLK_ROW0 + blk) + tl.arange(0, BLOCK_M)
-    row_ok = rows < nq * heads
-    grow = (q0 * heads + rows).to(tl.int64)
-    visible = kvlen - nq + rows // heads + 1
-    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
-    start = split * split_len
-    end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
-
-    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
-    rope_ok = rdims < ROPE
-    q_cols = Q + grow[None, :] * q_stride  # queries transposed: [dims, rows]
-    q_nope_t = tl.load(q_cols + dims[:, None], mask=row_ok[None, :], other=0.0)
-    q_r_t = tl.load(q_cols + RANK + rdims[:, None], mask=row_ok[None, :] & rope_ok[:, None],
-                    other=0.0)
-
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([RANK, BLOCK_M], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        keys = n + tl.arange(0, BLOCK_N)
-        key_ok = keys < end
-        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
-        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
-        c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
-                    other=0.0)
-        k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
-                      mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
-        s = tl.dot(c, q_nope_t, input_precision=PRECISION)  # [keys, rows]
-        s += tl.dot(k_r, q_r_t, input_precision=PRECISION)
-        seen = (keys[:, None] < visible[None, :]) & key_ok[:, None]
-        s = tl.where(seen, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=PRECISION)
-        m_i = m_new
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [rank, rows]
-    if SPLIT:
-        at = (split * out_rows + grow)
-        tl.store(OUT + at[None, :] * RANK + dims[:, None], out, mask=row_ok[None, :])
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(LSE + at, lse, mask=row_ok)
-    else:
-        tl.store(OUT + grow[None, :] * RANK + dims[:, None], out.to(OUT.dtype.element_ty),
-                 mask=row_ok[None, :])
-
-
 @dataclass
 class PagedLayout:
     """Where a ragged batch's keys are: built once per batch on the host, used by every layer.
@@ -254,14 +188,12 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes of one launch: keys per step, value columns per program, warps, stages, and
-    whether to compute transposed (:func:`_mla_swapped_kernel`; whole value width only)."""
+    """Tile sizes of one launch: keys per step, value columns per program, warps, stages."""
 
     block_n: int
     dv: int
     num_warps: int
     num_stages: int
-    swapped: bool = False
 
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
@@ -303,18 +235,6 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     req = layout.requests
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     rope_p2 = max(16, triton.next_power_of_2(rope))
-    if tiles.swapped:
-        if dv != rank:
-            raise ValueError("the transposed kernel keeps the whole value width")
-        _mla_swapped_kernel[(layout.block_req.numel(), layout.splits)](
-            q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
-            layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
-            heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0), kr.stride(0), rows,
-            RANK=rank, ROPE=rope, ROPE_P2=rope_p2, SPLIT=layout.splits > 1, BLOCK_M=block_m,
-            BLOCK_N=tiles.block_n, PRECISION=precision, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
-        return (merge_splits(out, lse, q.dtype) if layout.splits > 1 else out).view(
-            tokens, heads, rank)
     grid = (layout.block_req.numel(), layout.splits, rank // dv)
     _mla_kernel[grid](
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,

@@ -28,6 +28,7 @@ from .norm import RMSNorm
 from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
+SDPA_ALIGN = 64  # CUDA: causal attention runs at lengths rounded up to this (see _attend)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
 
 
@@ -165,20 +166,29 @@ class MLAttention(nn.Module):
                 q.transpose(0, 1).reshape(1, 1, self.heads * n_new, -1), keys[None, None],
                 c[None, None], attn_mask=folded, scale=self.scale)  # [1, 1, H*T, L]
             return self._expand(out.view(self.heads, n_new, -1), w_uv)
-        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
-                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
-        v = torch.matmul(c, w_uv.transpose(1, 2))
-        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         # SDPA's fastest kernels (cuDNN, flash) take only the top-left causal mask, but with
         # context the mask is aligned to the last key. While the context is no longer than the
         # segment, that many zero queries in front square the problem (where both alignments
         # agree) for less extra work than the slower kernel a lower-right mask selects; past
         # that, the mask as a bias object, never dense (a 16K segment's would be 256M cells).
-        pad = n_ctx if n_ctx <= n_new else 0
-        if pad:
-            q = torch.cat([q.new_zeros(self.heads, pad, q.shape[-1]), q], dim=1)
-        square = q.shape[1] == keys.shape[0]
+        square = n_ctx <= n_new
+        pad = n_ctx if square else 0
+        # cuDNN's attention, SDPA's choice on Hopper for the square case, builds an execution
+        # plan for every sequence length it has not seen: ~0.8 ms of host time per layer, ~20 ms
+        # per prefill whose length is new, which in serving is nearly every one. Rows appended
+        # to a multiple of SDPA_ALIGN bound the plans; they come last, so no real row sees them.
+        extra = -keys.shape[0] % SDPA_ALIGN if square and keys.is_cuda else 0
+        if extra:
+            keys = F.pad(keys, (0, 0, 0, extra))
+            c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
+        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
+                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
+        v = torch.matmul(c, w_uv.transpose(1, 2))
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+        if pad or extra:
+            q = torch.cat([q.new_zeros(self.heads, pad, q.shape[-1]), q,
+                           q.new_zeros(self.heads, extra, q.shape[-1])], dim=1)
         bias = None if square or n_new == 1 else causal_lower_right(n_new, keys.shape[0])
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
                                              is_causal=square, scale=self.scale)
-        return out[0, :, pad:].transpose(0, 1)
+        return out[0, :, pad:pad + n_new].transpose(0, 1)

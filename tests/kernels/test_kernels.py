@@ -183,10 +183,8 @@ def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dt
     launches = [(PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE), None), (fixed, None)]
     if dtype == torch.bfloat16 or DEVICE == "cpu":
         launches.append((fixed, TileConfig(128, rank, 4, 2)))
-    # The transposed decode kernel, split and not.
-    launches += [(fixed, TileConfig(64, rank, 4, 2, swapped=True)),
-                 (PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16, splits=1),
-                  TileConfig(32, rank, 4, 2, swapped=True))]
+    launches.append((PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16,
+                                       splits=1), TileConfig(32, rank, 4, 2)))
     for layout, tiles in launches:
         got = paged_mla_attention(q.to(DEVICE), ckv.to(DEVICE), kr.to(DEVICE), layout, scale,
                                   tiles)
