@@ -287,6 +287,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
                              "start one (leave out --url for that)")
     if args.reply_tokens < 1 or (args.max_reply_tokens or 1) < 1 or args.warmup < 0:
         raise ValueError("--reply-tokens and --max-reply-tokens must be >= 1, --warmup >= 0")
+    if args.system_tokens < 0:
+        raise ValueError("--system-tokens must be >= 0")
     serve_args = None if args.url else _serve_args(args)
     # Reply lengths count the served model's tokens: its own tokenizer, or the embedded model's
     # (what --random-weights serves with, and what a --url server is taken to use).
@@ -296,6 +298,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     reports = []
     for name in args.workload:
         sessions = build_sessions(load_workload(name, renderer, sessions=args.sessions,
+                                                system_tokens=args.system_tokens,
                                                 seed=args.seed),
                                   renderer, sessions=args.sessions, calls=args.calls,
                                   default_reply=args.reply_tokens,
@@ -314,6 +317,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
             raise ValueError(str(err)) from err
         _warn_failed_calls(report)
         report["replay"] = {"sessions": args.sessions, "calls": args.calls,
+                            "system_tokens": args.system_tokens,
                             "reply_tokens": args.reply_tokens,
                             "max_reply_tokens": args.max_reply_tokens,
                             "tokenizer": renderer.name}
@@ -539,6 +543,10 @@ def _bench_serve_options(parser: argparse.ArgumentParser) -> None:
                              "log (default: agent_meta)")
     parser.add_argument("--sessions", type=_count, default=4, metavar="N|all",
                         help="first N sessions of each workload (default 4)")
+    parser.add_argument("--system-tokens", type=int, default=0, metavar="N",
+                        help="a built workload's system prompt also carries a shared reference "
+                             "block of N tokens of sample text, for agent-sized contexts "
+                             "(default 0: none)")
     parser.add_argument("--calls", type=_count, default=4, metavar="N|all",
                         help="first N calls of each session (default 4: a quick run on a CPU)")
     parser.add_argument("--reply-tokens", type=int, default=256, metavar="N",

@@ -37,9 +37,14 @@ def text_pool(renderer: ChatRenderer, sources: Iterable[Path]) -> TextPool:
 
 
 def load_workload(name: str, renderer: ChatRenderer, *, sessions: int | None = None,
-                  seed: int = 0) -> list[Request]:
-    """The requests of a named workload (NAMES) or of the log at path ``name``."""
+                  system_tokens: int = 0, seed: int = 0) -> list[Request]:
+    """The requests of a named workload (NAMES) or of the log at path ``name``; a pattern's
+    requests with a shared reference block of ``system_tokens`` tokens in their system prompt
+    (:func:`~irminsul.traffic.workloads.build_workload`)."""
     samples = sample_logs()  # tau-bench airline, mini-swe-agent
+    if system_tokens and name not in PATTERNS:
+        raise ValueError(f"{name}: a reference block is added to the built patterns only "
+                         f"({', '.join(PATTERNS)})")
     if name == APPEND_ONLY:
         return list(read_requests(samples[1], strict=True))
     if name not in PATTERNS:
@@ -50,6 +55,6 @@ def load_workload(name: str, renderer: ChatRenderer, *, sessions: int | None = N
     bodies = [r for group in group_sessions(read_requests(samples[0], strict=True))[:sessions]
               for r in group]
     built = build_workload(name, bodies, text_pool(renderer, samples), requests=len(bodies),
-                           header_tokens=HEADER_TOKENS, seed=seed)
+                           header_tokens=HEADER_TOKENS, system_tokens=system_tokens, seed=seed)
     return [Request(body["session"], body["call"], body["messages"], body["tools"],
                     source=f"{name}:{i + 1}") for i, body in enumerate(built)]

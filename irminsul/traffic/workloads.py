@@ -12,6 +12,9 @@ text except the few variable fields a real assembler would add (request ids, tim
     rerank         retrieved documents appended to the turn, a different top-k order every request.
     tool_variants  the tool schema set changes now and then (one tool dropped).
 
+With ``system_tokens`` every request's system prompt also carries one shared reference block of
+that many tokens of pool text (a manual, a knowledge base, long tool documentation), so the
+patterns can be replayed at agent-sized contexts (16K and more) from short source sessions.
 With ``markers=True`` the assembler wraps the shared regions in S2 boundary markers.
 Requests walk the source's calls in order (cycling, with a fresh session name per pass).
 """
@@ -53,7 +56,7 @@ class TextPool:
 
 def build_workload(pattern: str, bodies: Sequence[Request], pool: TextPool, *, requests: int = 80,
                    header_tokens: int = 250, markers: bool = False,
-                   seed: int = 0) -> Iterator[dict]:
+                   system_tokens: int = 0, seed: int = 0) -> Iterator[dict]:
     """Yield ``requests`` chat requests (log lines as dicts) instantiating ``pattern``."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown workload pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
@@ -62,6 +65,7 @@ def build_workload(pattern: str, bodies: Sequence[Request], pool: TextPool, *, r
     rng = np.random.default_rng(seed)
     personas = [pool.span(header_tokens, rng) for _ in range(AGENTS * (pattern == "agent_meta"))]
     docs = [pool.span(DOC_TOKENS, rng) for _ in range(DOCS * (pattern == "rerank"))]
+    reference = pool.span(system_tokens, rng) if system_tokens else ""
     sessions: dict[str, int] = {}
     for j in range(requests):
         body = bodies[j % len(bodies)]
@@ -70,6 +74,9 @@ def build_workload(pattern: str, bodies: Sequence[Request], pool: TextPool, *, r
         messages = copy.deepcopy(body.messages)
         tools = copy.deepcopy(body.tools)
         stamp = _variable(rng, j)
+        if reference:
+            system = _system_prompt(messages)
+            messages[0]["content"] = f"{system}\n\n{reference}" if system else reference
         if pattern == "agent_meta":
             header, system = f"{personas[agent]}\n\n{stamp}", _system_prompt(messages)
             messages[0]["content"] = (assemble([(header, False), (system, True)]) if markers

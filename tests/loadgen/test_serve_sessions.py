@@ -97,3 +97,19 @@ def test_named_workloads(renderer: ChatRenderer) -> None:
             assert after.messages[:len(before.messages)] == before.messages
     with pytest.raises(FileNotFoundError, match="nor a workload name"):
         load_workload("no-such-workload", renderer)
+
+
+def test_reference_block_reaches_agent_sized_contexts(renderer: ChatRenderer) -> None:
+    """--system-tokens N: every request's system prompt carries the same block of about N
+    tokens after its own text, so prompts grow by about N tokens and the block is shared."""
+    plain = load_workload("agent_meta", renderer, sessions=2)
+    grown = load_workload("agent_meta", renderer, sessions=2, system_tokens=2000)
+    assert len(plain) == len(grown)
+    for a, b in zip(plain, grown):
+        extra = (len(renderer.encode(b.messages[0]["content"]))
+                 - len(renderer.encode(a.messages[0]["content"])))
+        assert 1900 <= extra <= 2100
+    tails = {r.messages[0]["content"][-500:] for r in grown}
+    assert len(tails) == 1  # one block, shared
+    with pytest.raises(ValueError, match="built patterns only"):
+        load_workload(APPEND_ONLY, renderer, system_tokens=10)
