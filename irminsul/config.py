@@ -7,8 +7,9 @@ shows each default once, taken from here. Each layer takes the config of its own
     EngineConfig   the engine (cache mode, KV slots, batch budgets, kernels, graphs) + its cache
     ServerConfig   the HTTP server (address, model name, dtype, device) + its engine
 
-``ALGORITHM1`` is the paper's Algorithm 1 exactly (no head probe, no regions): what ``analyze``
-replays, so its figures are the paper's; the engine's default adds the two probes beyond it.
+``ALGORITHM1`` is the paper's Algorithm 1 exactly (no head probe, no regions, 128-token S1 windows
+without extension): ``analyze`` replays it as a named strategy beside the engine's default, which
+adds the probes beyond it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ class CacheConfig:
     max_chunk: int = 512
     carve_out: int = 32  # nothing is reused below this position (the attention sink)
     s1: bool = True  # a missed chunk probes its s1_window-token sub-windows
-    s1_window: int = 128
+    # Registered at a stride of their width: with 32, any repeated stretch of 63 tokens or more
+    # holds a registered window (the paper's 128 misses stretches under 255 tokens, and most
+    # repeats inside otherwise new messages are shorter: benchmarks/cpu/planner_options.py).
+    s1_window: int = 32
+    # A window hit grows token by token both ways, as far as the prompt and the registered chunk
+    # go on repeating each other, and consecutive missed chunks are probed as one range: a
+    # repeated stretch shorter than a chunk, or cut by a chunk boundary, is found whole.
+    s1_extend: bool = True
     # A missed chunk reuses the most leading tokens it shares with a registered chunk that
     # starts with the same HEAD_TOKENS (a prompt's last chunk is cut where the prompt ends, so
     # it rarely matches whole).
@@ -45,9 +53,9 @@ class CacheConfig:
         if not 1 <= self.min_chunk <= self.max_chunk:
             raise ValueError(f"need 1 <= min_chunk <= max_chunk, got {self.min_chunk} and "
                              f"{self.max_chunk}")
-        if self.carve_out < 0 or self.s1_window < 1:
-            raise ValueError(f"carve_out must be >= 0 and s1_window >= 1, got {self.carve_out} "
-                             f"and {self.s1_window}")
+        if self.carve_out < 0 or self.s1_window < 1 or self.s1_window & (self.s1_window - 1):
+            raise ValueError(f"carve_out must be >= 0 and s1_window a power of two, got "
+                             f"{self.carve_out} and {self.s1_window}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 token or None, got {self.capacity}")
 
@@ -60,8 +68,8 @@ def default_slots(context: int) -> int:
     return min(4 * context, MAX_DEFAULT_SLOTS)
 
 
-# The paper's Algorithm 1, as analyze replays it.
-ALGORITHM1 = CacheConfig(head_probe=False, regions=False)
+# The paper's Algorithm 1 (analyze replays it beside the engine's default).
+ALGORITHM1 = CacheConfig(head_probe=False, regions=False, s1_window=128, s1_extend=False)
 # Tokens each index of analyze's replay holds: ~124 GB of DeepSeek-V2-Lite KV (27 × 576 × bf16).
 REPLAY_CAPACITY = 4_000_000
 

@@ -6,7 +6,8 @@ prompt exactly once, in order:
     prefix     tokens [0, L) served by the exact-prefix radix tree (line 1)
     carve_out  a tail chunk starting below position 32: always prefilled, never registered (line 5);
                the attention sink lives at the sequence start
-    hit        a chunk (or, with S1, a 128-token sub-window of a missed chunk; with the head probe,
+    hit        a chunk (or, with S1, an s1_window-token sub-window of a missed chunk, with
+               s1_extend grown both ways as far as it repeats its source; with the head probe,
                the most leading tokens a missed chunk shares with a registered chunk; with
                regions, a whole region, run on as far as the run of regions it was registered in
                goes on the same)
@@ -157,6 +158,7 @@ class Planner:
         fps = fingerprints(tail.tokens[low:high], bounds, seed=namespace).tolist()
         lookup, carve_out, content = self.registry.lookup, self.config.carve_out, tail.content
         first, byte = anchor, 8 * low  # the chunk's first token; its first byte in content
+        mark = len(segments)
         # Some 500 chunks at 32K tokens: plain locals and ints in this loop.
         for end, high_byte, fp in zip((bounds + anchor).tolist(), (8 * (bounds + low)).tolist(),
                                       fps):
@@ -172,22 +174,47 @@ class Planner:
                     chunks.append(Chunk(first, end, fp, "miss"))
                     segments.extend(self._probe_miss(tokens, first, at, end, namespace))
             first, byte = end, high_byte
+        if config.s1_extend:
+            segments[mark:] = self._probe_gaps(tokens, segments[mark:], namespace)
 
     def _probe_miss(self, tokens: np.ndarray, first: int, start: int, end: int,
                     namespace: int) -> list[Segment]:
         """A missed chunk [first, end), served from ``start``: the most leading tokens it
-        shares with a registered chunk (with the head probe), then S1 windows over the rest."""
+        shares with a registered chunk (with the head probe), then S1 windows over the rest
+        (with ``s1_extend``, the rest stays a miss here: :meth:`_probe_gaps` probes it)."""
         hit = self.registry.lookup_head(namespace, tokens[first:end])
         if hit is None or first + hit.size <= start:
-            return self._probe_windows(tokens, start, end, namespace)
+            return self._probe_rest(tokens, start, end, namespace)
         stop = first + hit.size
         head = Segment("hit", start, stop, hit.entry, start - first)
-        return [head] + (self._probe_windows(tokens, stop, end, namespace) if stop < end else [])
+        return [head] + (self._probe_rest(tokens, stop, end, namespace) if stop < end else [])
+
+    def _probe_rest(self, tokens: np.ndarray, start: int, end: int,
+                    namespace: int) -> list[Segment]:
+        """What a missed chunk's head did not serve: S1 windows now, or with ``s1_extend`` a
+        miss that :meth:`_probe_gaps` probes together with its neighbours."""
+        if self.config.s1_extend:
+            return [Segment("miss", start, end)]
+        return self._probe_windows(tokens, start, end, namespace)
+
+    def _probe_gaps(self, tokens: np.ndarray, segments: list[Segment],
+                    namespace: int) -> list[Segment]:
+        """S1 with extension over consecutive missed chunks: adjacent misses are probed as one
+        gap, so a repeated stretch that a chunk boundary cuts in two is still found whole."""
+        out: list[Segment] = []
+        for seg in _merge_misses(segments):
+            if seg.kind == "miss":
+                out.extend(self._probe_windows(tokens, seg.start, seg.end, namespace))
+            else:
+                out.append(seg)
+        return out
 
     def _probe_windows(self, tokens: np.ndarray, start: int, end: int,
                        namespace: int) -> list[Segment]:
-        """S1: a missed chunk's registered sub-windows, at any offset, left to right."""
-        width = self.config.s1_window
+        """S1: a missed range's registered sub-windows, at any offset, left to right; with
+        ``s1_extend`` each hit grows token by token both ways, as far as the range and the
+        entry it was found in repeat each other."""
+        width, extend = self.config.s1_window, self.config.s1_extend
         table = self.registry.window_table(namespace)
         if not self.config.s1 or end - start < width or not table:
             return [Segment("miss", start, end)]
@@ -206,10 +233,16 @@ class Planner:
             hit = self.registry.lookup_window(namespace, fps[offset], tokens[at:at + width])
             if hit is None:
                 continue
+            offset, stop = hit.offset, at + width
+            if extend:
+                source = hit.entry.tokens
+                back = _common_suffix(tokens[max(pos, at - offset):at], source[:offset])
+                at, offset = at - back, offset - back
+                stop += _common_head(tokens[stop:end], source[offset + stop - at:])
             if at > pos:
                 out.append(Segment("miss", pos, at))
-            out.append(Segment("hit", at, at + width, hit.entry, hit.offset))
-            pos = at + width
+            out.append(Segment("hit", at, stop, hit.entry, offset))
+            pos = stop
         if pos < end:
             out.append(Segment("miss", pos, end))
         return out
@@ -247,9 +280,11 @@ class Planner:
                 held.append(entry.handles)
             return entry
 
+        # A chunk's windows and head are indexed only for the probes that look them up.
+        probes = self.config.s1 or self.config.head_probe
         for chunk in plan.chunks:
             if chunk.kind == "miss":
-                register(chunk, True)
+                register(chunk, probes)
         # A region's entry takes its handles from this prompt, whatever served them: its rows
         # are this prompt's, at these positions (chunks found elsewhere were rotated here). Each
         # run of consecutive regions is registered whole too, and its regions point into it, so
@@ -325,6 +360,18 @@ class Planner:
             freed += step
             dropped += sum(len(h) for h in step)
         return freed
+
+
+def _common_head(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays of any lengths share."""
+    n = min(a.size, b.size)
+    return common_prefix(a[:n], b[:n]) if n else 0
+
+
+def _common_suffix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many trailing tokens two token arrays of any lengths share."""
+    n = min(a.size, b.size)
+    return common_prefix(a[a.size - n:][::-1], b[b.size - n:][::-1]) if n else 0
 
 
 def _merge_misses(segments: list[Segment]) -> list[Segment]:

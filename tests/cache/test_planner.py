@@ -70,8 +70,9 @@ def check_plan(plan: Plan, tokens: np.ndarray, namespace: int, history: History,
     L = plan.prefix.length
     earlier = [r for r in resets if r <= L]
     anchor = max(earlier) if earlier else L
-    whole = [(s.start, s.end) for s in plan.hits  # region hits: each outside every chunk
-             if not any(c.start <= s.start and s.end <= c.end for c in plan.chunks)]
+    # Region hits lie outside every chunk (an S1 hit lies inside chunks, several with s1_extend)
+    whole = [(s.start, s.end) for s in plan.hits
+             if not any(c.start < s.end and s.start < c.end for c in plan.chunks)]
     pieces = sorted([(c.start, c.end) for c in plan.chunks] + whole)
     pos = pieces[0][0] if pieces else L
     assert anchor <= pos <= L
@@ -188,14 +189,15 @@ def workloads(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(prompts=workloads(), use_resets=st.booleans(), s1=st.booleans(), heads=st.booleans(),
        regions=st.booleans(), capacity=st.sampled_from([None, None, 600, 2000]),
-       s1_window=st.sampled_from([32, 128]), dtype=st.sampled_from([np.int64, np.int32]))
+       s1_window=st.sampled_from([32, 128]), extend=st.booleans(),
+       dtype=st.sampled_from([np.int64, np.int32]))
 def test_plans_over_random_workloads(prompts, use_resets, s1, heads, regions, capacity, s1_window,
-                                     dtype):
+                                     extend, dtype):
     """Every plan covers the prompt exactly once, its prefix is the naive LCP (unbounded capacity),
     every hit reuses exactly its own tokens from where an earlier prompt prefilled them, and nothing
     below position 32 is reused."""
     planner = Planner(replace(ALGORITHM1, capacity=capacity, s1=s1, s1_window=s1_window,
-                              head_probe=heads, regions=regions))
+                              s1_extend=extend, head_probe=heads, regions=regions))
     history = History()
     for tokens, starts, ns in prompts:
         tokens = tokens.astype(dtype)
@@ -516,6 +518,37 @@ def test_s1_windows_never_overlap_hand_built():
                    ("miss", 199, 200, None, 0)]
     assert [s.delta for s in plan.hits] == [100 - 500, 167 - 700]
     assert b.refcount == 0
+
+
+def _short_repeat_plans(extend: bool, before: int) -> tuple[Plan, int]:
+    """A = header(40) + D[0:256] (one 256-token chunk); B = header(75) + a message of ``before``
+    novel tokens, D[100:190] and 100 novel tokens, chunked at 256 tokens from the message start.
+    Returns B's plan and where D[100:190] starts in B."""
+    doc = _doc(11)
+    planner = Planner(replace(ALGORITHM1, min_chunk=256, max_chunk=256, s1_window=32,
+                              s1_extend=extend))
+    a = np.concatenate([_header(40, 0), doc[:256]])
+    planner.commit(planner.plan(a, [40]), np.arange(a.size) + 10_000)
+    novel = itertools.count(400_000)
+    b = np.concatenate([_header(75, 1000), [next(novel) for _ in range(before)], doc[100:190],
+                        [next(novel) for _ in range(100)]])
+    return planner.plan(b, [75]), 75 + before
+
+
+@pytest.mark.parametrize("before", [100, 200])
+def test_s1_extension_finds_a_short_repeat_whole(before: int) -> None:
+    """A 90-token repeat inside a new message, inside one chunk (before=100) or cut by the chunk
+    boundary at 75 + 256 (before=200). Hand-computed: A's registered 32-token windows start at D
+    offsets 0, 32, ..., 224, so the only one inside D[100:190] is D[128:160]; without extension
+    that window is all S1 serves, and only when no chunk boundary cuts it (at 331 = at + 56 when
+    before=200, inside it); with extension, the hit grows to exactly D[100:190] (the novel tokens
+    around it are outside the document's vocabulary), one segment reused from D offset 100."""
+    plan, at = _short_repeat_plans(True, before)
+    assert [(s.start, s.end, s.offset) for s in plan.hits] == [(at, at + 90, 100)]
+    assert plan.hits[0].delta == at - (40 + 100)
+    plain, at = _short_repeat_plans(False, before)
+    expected = [(at + 28, at + 60, 128)] if before == 100 else []
+    assert [(s.start, s.end, s.offset) for s in plain.hits] == expected
 
 
 def test_namespaces_do_not_share():
