@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .config import MLAConfig
@@ -28,7 +29,11 @@ from .norm import RMSNorm
 from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
-SDPA_ALIGN = 64  # CUDA: causal attention runs at lengths rounded up to this (see _attend)
+CUDNN_FROM = 4096  # CUDA: causal attention over this many keys or more may run in cuDNN...
+SDPA_ALIGN = 64  # ...at lengths rounded up to a multiple of this (see MLAttention._attend)
+SDPA_ANY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_NO_PLANS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
 
 
@@ -175,9 +180,12 @@ class MLAttention(nn.Module):
         pad = n_ctx if square else 0
         # cuDNN's attention, SDPA's choice on Hopper for the square case, builds an execution
         # plan for every sequence length it has not seen: ~0.8 ms of host time per layer, ~20 ms
-        # per prefill whose length is new, which in serving is nearly every one. Rows appended
-        # to a multiple of SDPA_ALIGN bound the plans; they come last, so no real row sees them.
-        extra = -keys.shape[0] % SDPA_ALIGN if square and keys.is_cuda else 0
+        # per prefill whose length is new, which in serving is nearly every one. Below
+        # CUDNN_FROM keys the memory-efficient kernel runs instead (no plans; the attention of
+        # a short span is a small part of its forward); from there rows appended to a multiple
+        # of SDPA_ALIGN bound the plans, and they come last, so no real row sees them.
+        cudnn = square and keys.is_cuda and keys.shape[0] >= CUDNN_FROM
+        extra = -keys.shape[0] % SDPA_ALIGN if cudnn else 0
         if extra:
             keys = F.pad(keys, (0, 0, 0, extra))
             c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
@@ -189,6 +197,7 @@ class MLAttention(nn.Module):
             q = torch.cat([q.new_zeros(self.heads, pad, q.shape[-1]), q,
                            q.new_zeros(self.heads, extra, q.shape[-1])], dim=1)
         bias = None if square or n_new == 1 else causal_lower_right(n_new, keys.shape[0])
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
-                                             is_causal=square, scale=self.scale)
+        with sdpa_kernel(SDPA_ANY if cudnn or not keys.is_cuda else SDPA_NO_PLANS):
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias,
+                                                 is_causal=square, scale=self.scale)
         return out[0, :, pad:pad + n_new].transpose(0, 1)
