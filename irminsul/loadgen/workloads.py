@@ -11,7 +11,8 @@
 
 Anything else names a JSON Lines log (plain, .gz or .xz). Patterns are built with the model's
 tokenizer (header and document lengths count its tokens) from the first ``sessions`` sessions of
-the source only, so a small run stays quick to build.
+the source only, so a small run stays quick to build; asked for more sessions than the source
+holds, they replay its sessions again as new ones.
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def load_workload(name: str, renderer: ChatRenderer, *, sessions: int | None = N
             raise FileNotFoundError(f"{name}: no such log, nor a workload name "
                                     f"({', '.join(NAMES)})")
         return list(read_requests(name))
-    bodies = [r for group in group_sessions(read_requests(samples[0], strict=True))[:sessions]
-              for r in group]
-    built = build_workload(name, bodies, text_pool(renderer, samples), requests=len(bodies),
+    groups = group_sessions(read_requests(samples[0], strict=True))
+    bodies = [r for group in groups[:sessions] for r in group]
+    # More sessions than the sample holds: further passes over it, each session under a new
+    # name (and, in agent_meta, the next persona), with new per-request lines.
+    passes = -(-sessions // len(groups)) if sessions else 1
+    built = build_workload(name, bodies, text_pool(renderer, samples),
+                           requests=len(bodies) * passes,
                            header_tokens=HEADER_TOKENS, system_tokens=system_tokens, seed=seed)
     return [Request(body["session"], body["call"], body["messages"], body["tools"],
                     source=f"{name}:{i + 1}") for i, body in enumerate(built)]

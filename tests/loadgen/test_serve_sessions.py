@@ -113,3 +113,15 @@ def test_reference_block_reaches_agent_sized_contexts(renderer: ChatRenderer) ->
     assert len(tails) == 1  # one block, shared
     with pytest.raises(ValueError, match="built patterns only"):
         load_workload(APPEND_ONLY, renderer, system_tokens=10)
+
+
+def test_more_sessions_than_the_sample_holds(renderer: ChatRenderer) -> None:
+    """Asked for more sessions than the tau-bench sample's 12, agent_meta replays its sessions
+    again under new names: as many sessions as asked, each a copy of a source session's calls."""
+    one_pass = group_sessions(load_workload("agent_meta", renderer))
+    sessions = build_sessions(load_workload("agent_meta", renderer, sessions=30), renderer,
+                              sessions=30)
+    assert len(one_pass) == 12 and len(sessions) == 30
+    assert len({s.name for s in sessions}) == 30
+    for i, s in enumerate(sessions):
+        assert len(s.calls) == len(one_pass[i % 12])
