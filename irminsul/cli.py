@@ -76,6 +76,10 @@ def cmd_analyze(args: argparse.Namespace) -> None:
         _warn_malformed(reports[-1])
     print(render_reports(reports))
     _write_json(args.json, reports)
+    if args.html:
+        from .analysis.html import render_html  # matplotlib: only when a page is asked for
+
+        Path(args.html).write_text(render_html(reports), encoding="utf-8")
 
 
 def _pool(renderer: ChatRenderer, sources: list[Path]) -> TextPool:
@@ -398,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = _command(sub, "analyze", "how much of a request log each cache serves")
     analyze.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines request log(s)")
     analyze.add_argument("--json", metavar="OUT", help="write the full report as JSON")
+    analyze.add_argument("--html", metavar="OUT",
+                         help="write a self-contained page of charts and a summary per log")
     _capacity_option(analyze)
     analyze.add_argument("--strict", action="store_true", help="fail on the first malformed line")
     analyze.set_defaults(func=cmd_analyze)

@@ -36,10 +36,12 @@ def test_analyze_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     assert report["requests"] == 20
     assert report["prompt_tokens"] > 20 * 1000
     replay = report["replay"]
-    for name in ("cdc", "cdc+s1", "s2", "s2+s1", "msg", "msg+s1", "default"):
+    for name in ("engine", "cdc", "cdc+s1", "s2", "s2+s1", "msg", "msg+s1", "default",
+                 "algorithm1"):
         r = replay[name]
         assert r["total"] == pytest.approx(r["exact_prefix"] + r["pic_unique"])
-    assert replay["default"]["strategy"] == "msg+s1"
+    assert replay["default"]["strategy"] == "engine"
+    assert replay["algorithm1"]["strategy"] == "msg+s1"
     assert "Serve-path replay" in capsys.readouterr().out
 
 

@@ -8,28 +8,31 @@ import time
 from tqdm import tqdm
 
 from ..config import REPLAY_CAPACITY
-from ..traffic.logs import LogError, read_requests
-from ..traffic.prompt import render_prompt
+from ..traffic.logs import LogError
 from ..traffic.render import ChatRenderer
 from .characterize import Characterisation
+from .prompts import default_workers, rendered_prompts
 from .recoverability import Recoverability
 from .replay import Replay
 
 
 def analyze_log(path: str | os.PathLike, renderer: ChatRenderer, *,
                 capacity: int | None = REPLAY_CAPACITY, strict: bool = False,
-                progress: bool = True) -> dict:
-    """Run the three analyses over one log in a single streaming pass; returns the JSON report."""
+                progress: bool = True, workers: int | None = None) -> dict:
+    """Run the three analyses over one log, streaming it once in order; returns the JSON report.
+
+    ``workers``: processes rendering the log's prompts (None: one per core, see
+    :func:`~irminsul.analysis.prompts.default_workers`; 1: in this process)."""
     characterisation, recoverability, replay = Characterisation(), Recoverability(), Replay(capacity)
     errors: list[LogError] = []
     requests = marked = 0
     started = time.perf_counter()
     bar = tqdm(desc=os.path.basename(path), unit=" req", disable=not progress, leave=False)
-    for request in read_requests(path, strict=strict, on_error=errors.append):
-        prompt = render_prompt(renderer, request.messages, request.tools,
-                               session=request.session)
+    workers = default_workers() if workers is None else workers
+    for prompt, roles in rendered_prompts(path, renderer, strict=strict, on_error=errors.append,
+                                          workers=workers):
         marked += bool(prompt.markers.size)
-        prefix = characterisation.add(prompt)
+        prefix = characterisation.add(prompt, roles)
         recoverability.add(prompt, prefix)
         replay.add(prompt)
         requests += 1

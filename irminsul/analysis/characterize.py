@@ -9,12 +9,14 @@ Every call's prompt tokens fall into exactly one class:
     novel         the rest
 
 Windows are found with sliding-window fingerprints (:func:`~irminsul.cache.cdc.window_fingerprints`).
-Per-session fractions give the p50/p95 the paper reports.
+Per-session fractions give the p50/p95 the paper reports; the shifted tokens are also counted by
+the role of the message they sit in (where the shifted content comes from).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import repeat
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from ..cache.radix import PrefixMatch, RadixTree
 from ..traffic.prompt import Prompt
 
 WINDOW = 64
+ROLES = ("system", "user", "assistant", "tool", "developer")  # a role's code: its index here
 
 
 class Characterisation:
@@ -34,23 +37,34 @@ class Characterisation:
         self._sessions: dict[str, int] = {}
         # per session: [prompt, exact_prefix, within, cross] token counts
         self._per_session: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(4, np.int64))
+        # shifted tokens by the role of their message (a last slot: outside every message)
+        self._by_role = np.zeros((2, len(ROLES) + 1), dtype=np.int64)  # within, cross
 
-    def add(self, prompt: Prompt) -> PrefixMatch:
-        """Classify one prompt's tokens, then remember it. Returns its exact-prefix match."""
+    def add(self, prompt: Prompt, roles: np.ndarray | None = None) -> PrefixMatch:
+        """Classify one prompt's tokens, then remember it. Returns its exact-prefix match.
+        ``roles``: the role code (index in ROLES) of each message, for the shifted tokens' roles."""
         session = self._sessions.setdefault(prompt.session, len(self._sessions))
         tokens, n = prompt.tokens, prompt.size
         match = self.radix.match_prefix(tokens)
         first = max(0, match.length - WINDOW + 1)  # windows that reach past the prefix
-        fps = window_fingerprints(tokens[first:], WINDOW).tolist()
+        fps = window_fingerprints(tokens[first:], WINDOW)
         owner = self._first_session
-        seen = np.fromiter((owner.get(fp, -1) for fp in fps), dtype=np.int64, count=len(fps))
+        seen = np.fromiter(map(owner.get, fps.tolist(), repeat(-1)), dtype=np.int64,
+                           count=fps.size)
         within = _covered(seen == session, n - first)[match.length - first:]
         cross = _covered((seen >= 0) & (seen != session), n - first)[match.length - first:]
         cross &= ~within
-        for fp in fps:
-            owner.setdefault(fp, session)
+        # Windows first seen here: all of this session, so one update keeps "first" semantics.
+        owner.update(zip(fps[seen < 0].tolist(), repeat(session)))
         self.radix.insert(tokens, np.zeros(n, dtype=np.int64))
         self._per_session[session] += (n, match.length, int(within.sum()), int(cross.sum()))
+        if roles is not None and (within.any() or cross.any()):
+            # The message each shifted token sits in (before the first message: the last slot)
+            message = np.searchsorted(prompt.message_starts, np.arange(match.length, n),
+                                      side="right") - 1
+            role = np.where(message >= 0, np.asarray(roles)[np.maximum(message, 0)], len(ROLES))
+            for row, flags in enumerate((within, cross)):
+                self._by_role[row] += np.bincount(role[flags], minlength=len(ROLES) + 1)
         return match
 
     def result(self) -> dict:
@@ -66,6 +80,9 @@ class Characterisation:
                 return {"p50": 0.0, "p95": 0.0}
             return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
 
+        names = list(self._sessions)
+        by_role = {role: {"within": int(w), "cross": int(c)}
+                   for role, w, c in zip([*ROLES, "other"], *self._by_role) if w or c}
         return {
             "sessions": int(counts.shape[0]),
             "exact_prefix": prefix / total,
@@ -75,6 +92,11 @@ class Characterisation:
             "novel": (prompt - prefix - within - cross) / total,
             "per_session": {"exact_prefix": pct(per[:, 0]), "shifted": pct(shifted),
                             "shifted_within": pct(per[:, 1]), "shifted_cross": pct(per[:, 2])},
+            # shifted tokens by the role of their message ("other": outside every message)
+            "shifted_by_role": by_role,
+            # per session, in order of first appearance: prompt, exact-prefix, within, cross tokens
+            "session_tokens": {"session": [names[i] for i in self._per_session],
+                               "counts": counts.tolist()},
         }
 
 

@@ -7,8 +7,13 @@ strategy and looked up among everything that strategy registered before:
     fixed_block   128-token blocks aligned to absolute multiples of 128 (what a block-hash cache
                   could find without its parent chaining: same content at the same offset mod 128)
     cdc           content-defined chunks (k = 7)
-    cdc_fallback  cdc, plus S1's 128-token sub-windows on a chunk miss
+    cdc_fallback  cdc, plus S1's 128-token sub-windows on a chunk miss (the planner's own probe)
     mask_sweep    cdc for mask bits k = 5..16
+
+Blocks and chunks are looked up by fingerprint alone (xxHash64; with ~10^8 distinct chunks a
+collision has odds under 10^-3): an estimate of what is findable, where the engine's planner,
+which serves KV, verifies every hit token by token. What a prompt registers is found only by later
+prompts, as in the planner (registration happens at commit).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..cache.cdc import fingerprints
+from ..cache.cdc import chunk_boundaries, fingerprints
 from ..cache.planner import Planner
 from ..cache.radix import PrefixMatch
 from ..config import ALGORITHM1
@@ -32,21 +37,28 @@ class Recoverability:
 
     def __init__(self) -> None:
         self._blocks: set[int] = set()
-        self._planners = {f"k{k}": Planner(replace(ALGORITHM1, mask_bits=k, carve_out=0, s1=False))
-                          for k in MASK_SWEEP}
-        self._planners["cdc_fallback"] = Planner(replace(ALGORITHM1, carve_out=0, s1=True))
-        self._recovered = dict.fromkeys(["fixed_block", *self._planners], 0)
+        self._chunks = {k: set() for k in MASK_SWEEP}  # fingerprints of chunks cut with k bits
+        self._fallback = Planner(replace(ALGORITHM1, carve_out=0, s1=True))
+        self._recovered = dict.fromkeys(["fixed_block", "cdc_fallback", *MASK_SWEEP], 0)
         self.non_prefix_tokens = 0
 
     def add(self, prompt: Prompt, prefix: PrefixMatch) -> None:
         tokens, start = prompt.tokens, prefix.length
         self.non_prefix_tokens += prompt.size - start
         self._recovered["fixed_block"] += self._fixed_blocks(tokens, start)
-        handles = np.zeros(prompt.size, dtype=np.int64)  # offline: no KV behind the entries
-        for name, planner in self._planners.items():
-            plan = planner.plan_tail(tokens, prefix)
-            self._recovered[name] += plan.tokens_of("hit")
-            planner.register_misses(plan, handles)
+        tail = tokens[start:]
+        if tail.size:
+            config = self._fallback.config
+            for k, seen in self._chunks.items():
+                ends = chunk_boundaries(tail, mask_bits=k, min_size=config.min_chunk,
+                                        max_size=config.max_chunk)
+                fps = fingerprints(tail, ends).tolist()
+                sizes = np.diff(ends, prepend=0).tolist()
+                self._recovered[k] += sum(n for n, fp in zip(sizes, fps) if fp in seen)
+                seen.update(fps)
+        plan = self._fallback.plan_tail(tokens, prefix)
+        self._recovered["cdc_fallback"] += plan.tokens_of("hit")
+        self._fallback.register_misses(plan, np.zeros(prompt.size, dtype=np.int64))
 
     def _fixed_blocks(self, tokens: np.ndarray, start: int) -> int:
         first = start // BLOCK * BLOCK
@@ -67,7 +79,7 @@ class Recoverability:
         return {
             "non_prefix_tokens": self.non_prefix_tokens,
             "fixed_block": frac["fixed_block"],
-            "cdc": frac["k7"],
+            "cdc": frac[7],
             "cdc_fallback": frac["cdc_fallback"],
-            "mask_sweep": {str(k): frac[f"k{k}"] for k in MASK_SWEEP},
+            "mask_sweep": {str(k): frac[k] for k in MASK_SWEEP},
         }

@@ -54,7 +54,8 @@ def render_reports(reports: Sequence[dict]) -> str:
               ["log", "non-prefix tokens", "fixed-block", "CDC", "CDC+fallback"], rec_rows),
         table("Mask-bits sweep (Appendix B): CDC recovery by k",
               ["log", *(f"k={k}" for k in MASK_SWEEP)], sweep_rows),
-        table(f"Serve-path replay (Algorithm 1, capacity {capacity or 'unbounded'} tokens): "
-              f"share of prompt tokens; PIC-unique per strategy, total for {default}",
+        table(f"Serve-path replay (capacity {capacity or 'unbounded'} tokens; engine: the engine's "
+              f"planner, the rest: Algorithm 1): share of prompt tokens; PIC-unique per "
+              f"strategy, total for {default}",
               ["log", "exact-prefix", *(f"PIC {s}" for s in STRATEGIES), "total"], replay_rows),
     ])
