@@ -354,7 +354,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          model_name=args.served_model_name, dtype=args.dtype,
                                          device=args.device, engine=engine,
                                          max_request_bytes=args.max_request_bytes,
-                                         max_waiting=args.max_waiting),
+                                         max_waiting=args.max_waiting,
+                                         kv_memory=args.kv_memory),
           **random_weights)
 
 
@@ -468,8 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="position-independent caching: off (exact prefix only), observer "
                             "(record would-be hits), live (serve them)")
     serve.add_argument("--slots", type=int, default=ENGINE.slots,
-                       help=f"KV pool size in tokens (None: 4x the context, at most "
+                       help=f"KV pool size in tokens (default: on CUDA, --kv-memory of the "
+                            f"GPU memory the weights leave; else 4x the context, at most "
                             f"{MAX_DEFAULT_SLOTS:,})")
+    serve.add_argument("--kv-memory", type=float, default=SERVER.kv_memory, metavar="F",
+                       help=f"share of the GPU memory left after the weights that the KV pool "
+                            f"takes when --slots is not given (default {SERVER.kv_memory})")
     serve.add_argument("--kr-slots", type=int, default=ENGINE.kr_slots,
                        help="k_r slots (None: as many as --slots): sessions reusing shifted "
                             "content share c_KV rows but each hold their own k_r rows (1/9 of a "

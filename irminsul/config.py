@@ -127,9 +127,14 @@ class ServerConfig:
     max_waiting: int = 1024
     render_workers: int = 4  # threads that parse, render and tokenise requests off the event loop
     render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
+    # On CUDA with engine.slots None: the KV pool takes this share of the GPU memory left once
+    # the weights are loaded (the rest: activations, CUDA graphs, logits).
+    kv_memory: float = 0.85
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if not 0 < self.kv_memory < 1:
+            raise ValueError(f"kv_memory must be in (0, 1), got {self.kv_memory}")
         for name in ("max_request_bytes", "max_waiting", "render_workers", "render_memo_bytes",
                      "default_max_tokens"):
             value, least = getattr(self, name), 0 if name == "max_waiting" else 1

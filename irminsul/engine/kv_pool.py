@@ -31,6 +31,24 @@ def unpack(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return handles >> 32, handles & _LOW
 
 
+def slots_for_memory(layers: int, rank: int, rope: int, dtype: torch.dtype, budget: int,
+                     kr_slots: int | None = None) -> int:
+    """c_KV slots a pool can have in ``budget`` bytes: each with a k_r slot beside it, or,
+    given ``kr_slots``, those k_r rows set aside first."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    if kr_slots is not None:
+        budget -= kr_slots * layers * rope * element
+        return max(0, budget // (layers * rank * element))
+    return max(0, budget // (layers * (rank + rope) * element))
+
+
+def free_device_memory(device: torch.device | str) -> int:
+    """Bytes a new allocation can take on a CUDA device: free memory, plus what torch's caching
+    allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class PoolExhausted(RuntimeError):
     """Not enough free slots; the caller should evict or wait."""
 

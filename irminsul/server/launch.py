@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from fastapi import FastAPI
 
 from .. import __version__
-from ..config import ServerConfig
+from ..config import EngineConfig, ServerConfig
 from ..engine import Engine, Scheduler
+from ..engine.kv_pool import free_device_memory, slots_for_memory
 from ..model import MLAModel, load_config, load_model
 from ..model.random_weights import random_model as random_weights_model
 from ..traffic.render import ChatRenderer
@@ -82,13 +84,30 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"
         shown = f"random weights of {source} (tokenizer and template of {path})"
-    scheduler = Scheduler(Engine(model, config.engine))
+    scheduler = Scheduler(Engine(model, _sized_pool(config, model, device)))
     engine = AsyncEngine(scheduler)
     if not stops:
         log.warning("%s: no eos_token_id or eos_token found; generation stops only at "
                     "max_tokens or a stop string", path)
     log.info("%s", startup_line(name, shown, config, scheduler, device, dtype))
     return create_app(engine, renderer, name, stop_token_ids=stops, config=config), engine
+
+
+def _sized_pool(config: ServerConfig, model: MLAModel, device: str) -> EngineConfig:
+    """The engine config, its KV pool sized to ``kv_memory`` of the GPU memory the weights left
+    where no size is given (a server owns its GPU, as vLLM's gpu_memory_utilization assumes);
+    off a GPU the engine's small default stands."""
+    engine = config.engine
+    if engine.slots is not None or torch.device(device).type != "cuda":
+        return engine
+    cfg = model.config
+    budget = int(free_device_memory(device) * config.kv_memory)
+    slots = slots_for_memory(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                             model.lm_head.weight.dtype, budget, engine.kr_slots)
+    if slots < 1:
+        raise ValueError(f"no GPU memory left for the KV pool ({budget:,} bytes at kv_memory "
+                         f"{config.kv_memory}); give --slots")
+    return replace(engine, slots=slots)
 
 
 def startup_line(name: str, path: Path | str, config: ServerConfig, scheduler: Scheduler,

@@ -284,3 +284,21 @@ def test_slot_spaces_must_be_nonempty() -> None:
         _pool(0, 4)
     with pytest.raises(ValueError, match="4 c_KV and 0 k_r"):
         _pool(4, 0)
+
+
+def test_slots_for_memory_by_hand() -> None:
+    """A pool sized by memory: DeepSeek-V2-Lite's 27 layers × (512 + 64) bf16 values per slot
+    pair (31,104 bytes); with k_r slots given, their 27 × 64 × 2 bytes come off first."""
+    from irminsul.config import ServerConfig
+    from irminsul.engine.kv_pool import slots_for_memory
+
+    pair = 27 * (512 + 64) * 2
+    assert pair == 31_104
+    assert slots_for_memory(27, 512, 64, torch.bfloat16, 1000 * pair + pair - 1) == 1000
+    budget = 1000 * pair
+    kr = 3000  # three times the slots' worth of k_r rows
+    want = (budget - kr * 27 * 64 * 2) // (27 * 512 * 2)
+    assert slots_for_memory(27, 512, 64, torch.bfloat16, budget, kr) == want == 750
+    assert slots_for_memory(27, 512, 64, torch.float32, pair) == 0
+    with pytest.raises(ValueError, match="kv_memory"):
+        ServerConfig(kv_memory=1.0)
