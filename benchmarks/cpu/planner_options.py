@@ -47,9 +47,9 @@ OPTIONS: dict[str, CacheConfig] = {
     "s1_32": replace(BEFORE, s1_window=32),
     "extend_128": replace(BEFORE, s1_extend=True),
     "extend_64": replace(BEFORE, s1_window=64, s1_extend=True),
-    "extend_32": replace(BEFORE, s1_window=32, s1_extend=True),
-    "default": CacheConfig(),  # the engine's default now
+    "extend_32": replace(BEFORE, s1_window=32, s1_extend=True),  # the engine's default now
 }
+assert OPTIONS["extend_32"] == CacheConfig(), "extend_32 must stay the engine's default"
 
 
 def workload_logs(renderer: ChatRenderer, out: Path, requests: int) -> list[Path]:

@@ -100,12 +100,14 @@ def rendered_prompts(path: str | os.PathLike, renderer: ChatRenderer, *, strict:
     total, errors, following = None, [], 0
     try:
         open_conns = list(conns)
-        while total is None or following < total:
+        while True:  # until every worker is done (the first reports the malformed lines)
             if following in pending:
                 yield pending.pop(following)
                 following += 1
                 continue
             if not open_conns:
+                if total is not None and following >= total:
+                    break
                 raise RuntimeError(f"{path}: a render worker stopped before request {following}")
             for conn in wait(open_conns):
                 try:
