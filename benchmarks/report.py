@@ -383,6 +383,25 @@ def _profile_ops(text: str) -> tuple[list[str], list[list[str]]]:
     return [], []
 
 
+KEPT_PROFILE_COLUMNS = ("CPU total", "CPU time avg", "Self CUDA", "# of Calls")
+
+
+def _operator_table(text: str, keep: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
+    """One torch.profiler key_averages table: the name column and the ``keep`` columns."""
+    lines = text.splitlines()
+    rules = [i for i, line in enumerate(lines) if re.fullmatch(r"-{10,}(?:  -+)+\s*", line)]
+    if len(rules) < 3:
+        return [], []
+    width = len(lines[rules[0]].split("  ")[0])
+    names = ["Name", *re.split(r"\s{2,}", lines[rules[0] + 1][width:].strip())]
+    at = [names.index(k) for k in keep if k in names]
+    rows = []
+    for line in lines[rules[1] + 1:rules[2]]:
+        cells = [line[:width].strip(), *line[width:].split()]
+        rows.append([cells[0], *[cells[i] for i in at]])
+    return ["operator", *[names[i] for i in at]], rows
+
+
 def _unit(figure: str) -> str:
     """The profiler's ``8.557ms`` / ``164.561us`` as ``8.557 ms`` / ``164.561 µs``."""
     return re.sub(r"([\d.]+)(ms|us)$", lambda m: f"{m[1]} {'µs' if m[2] == 'us' else 'ms'}", figure)
@@ -491,38 +510,87 @@ UNSTORED = [
 # The whole report -----------------------------------------------------------------------------
 
 def decode(r: dict[str, Any], name: str) -> list[str]:
-    """The decode steps at batch × context against their floor, before and after a change."""
-    after, before = r["after"], r.get("before")
-    meta = after["meta"]
+    """The decode steps at batch × context against their floor, one run per change."""
+    runs = r["runs"]
+    latest = runs[-1]["result"]
     lines = ["## GPU decode steps against their floor", "",
-             f"`docs/results/{name}`. " + _run_line(meta, **{
-                 "Copy bandwidth": f"{after['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             r.get("about", ""), "",
-             "```bash", f"python benchmarks/gpu/decode.py --out F.json  # one run: {name} keeps "
-             "two, before and after", "```", "",
+             f"`docs/results/{name}`. " + _run_line(latest["meta"], **{
+                 "Copy bandwidth": f"{latest['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+             r.get("about", "") + ". Runs: " + "; ".join(
+                 f"*{run['label']}*: {run['note']}" for run in runs), "",
+             "```bash", "python benchmarks/gpu/decode.py --out F.json  # one run", "```", "",
              "A step is one `Scheduler.step` (batch, forward, sampling) with every request "
              "decoding; floor = bytes the step must read (weights but the routed experts, the "
-             "experts its tokens touch, every request's KV rows) over the copy bandwidth.", ""]
-    old = {(c["context"], c["batch"]): c for c in before["cells"]} if before else {}
-    third = r.get("after_batched_sampling")
-    late = {(c["context"], c["batch"]): c for c in third["cells"]} if third else {}
-
-    def cell(c: dict | None, key: str, fmt: str) -> str:
-        return format(c[key], fmt) if c else ""
-
+             "experts its tokens touch, every request's KV rows) over the copy bandwidth. "
+             "Tokens/s per run, then the latest run's step time and its ratio to the floor "
+             "(targets: ≤ 1.5× at every cell, ≥ 5,000 tok/s at batch 64, 4K):", ""]
+    by_run = [{(c["context"], c["batch"]): c for c in run["result"]["cells"]} for run in runs]
     rows = []
-    for c in after["cells"]:
-        b, t = old.get((c["context"], c["batch"])), late.get((c["context"], c["batch"]))
+    for c in latest["cells"]:
+        key = (c["context"], c["batch"])
         rows.append([_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
-                     cell(b, "step_ms", ".1f"), f"{c['step_ms']:.1f}", cell(t, "step_ms", ".1f"),
-                     cell(b, "tokens_per_s", ",.0f"), f"{c['tokens_per_s']:,.0f}",
-                     cell(t, "tokens_per_s", ",.0f"), cell(b, "step_over_floor", ".2f"),
-                     f"{c['step_over_floor']:.2f}", cell(t, "step_over_floor", ".2f"),
+                     *[f"{cells[key]['tokens_per_s']:,.0f}" if key in cells else ""
+                       for cells in by_run],
+                     f"{c['step_ms']:.1f}", f"{c['step_over_floor']:.2f}",
                      f"{c['experts_touched_per_layer']:.1f}"])
-    lines += _table(("context", "batch", "floor (ms)", "step before (ms)", "step after (ms)",
-                     "step + batched sampling (ms)", "tok/s before", "tok/s after",
-                     "tok/s + batched sampling", "step/floor before", "step/floor after",
-                     "step/floor + batched sampling", "experts touched per layer"), rows)
+    lines += _table(("context", "batch", "floor (ms)",
+                     *[f"tok/s {run['label']}" for run in runs],
+                     f"step {runs[-1]['label']} (ms)", "step / floor", "experts touched per layer"),
+                    rows)
+    return lines
+
+
+def moe(r: dict[str, Any], name: str) -> list[str]:
+    """The routed experts alone: grouped GEMMs against the fused kernel, by token count."""
+    shape = r["shape"]
+    lines = ["## GPU routed experts: grouped GEMM vs the fused MoE kernel", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
+                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+             "```bash", r.get("command", "python benchmarks/gpu/moe.py --out F.json"), "```", "",
+             f"One MoE layer's routed experts (hidden {shape['hidden']}, {shape['experts']} "
+             f"experts, top-{shape['topk']}, intermediate {shape['inter']}, bf16), T tokens "
+             "routed by a real softmax top-k of random logits; floor = the touched experts' "
+             "weight bytes over the copy bandwidth (target ≥ 70%). Device time per call; "
+             "*grouped*: the torch path (sort, gathered copy, two `torch._grouped_mm`); "
+             "*fused*: the Triton kernel at its default tiles; *align*: its block sort alone. "
+             + r.get("about", ""), ""]
+    rows = []
+    for c in r["cells"]:
+        best = c.get("best_fused")
+        rows.append([c["tokens"], c["experts_touched"], f"{c['floor_ms']:.3f}",
+                     f"{c['grouped']['ms']:.3f}", f"{c['grouped']['of_copy_bw']:.0%}",
+                     f"{c['fused']['ms']:.3f}", f"{c['fused']['of_copy_bw']:.0%}",
+                     f"{c['align']['ms']:.3f}",
+                     f"{best.removeprefix('fused ') if best != 'fused' else 'default'} "
+                     f"{c[best]['ms']:.3f}" if best else "",
+                     f"{c['max_rel_diff']:.1e}"])
+    lines += _table(("T", "experts touched", "floor (ms)", "grouped (ms)", "grouped / bw",
+                     "fused (ms)", "fused / bw", "align (ms)", "fastest tiles (ms)",
+                     "max rel. diff"), rows)
+    return lines
+
+
+def break_even(r: dict[str, Any], name: str) -> list[str]:
+    """TTFT of a new header + D tokens seen before + one token, PIC off against live."""
+    lines = ["## GPU break-even of reuse", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"]), "",
+             "```bash", r.get("command", "python benchmarks/gpu/break_even.py --out F.json"), "```",
+             "", f"A prompt is a new {r['header']:,}-token header, then D tokens an earlier request "
+             "registered behind another header, then one new token, through `Engine.prefill`; "
+             f"median TTFT of {r['requests']} requests per D and mode (target: live faster from "
+             "D = 64). " + r.get("about", ""), ""]
+    rows = [[c["doc_tokens"], f"{c['off']['ttft_ms']:.1f}", f"{c['live']['ttft_ms']:.1f}",
+             f"{c['live']['pic_tokens']:.0f}", f"{c['live_minus_off_ms']:+.1f}"]
+            for c in r["cells"]]
+    lines += _table(("D", "off (ms)", "live (ms)", "live: PIC tokens", "live − off (ms)"), rows)
+    lines += [f"Break-even D: {r.get('break_even_doc_tokens')} tokens.", ""]
+    for c in r["cells"]:
+        for mode in ("off", "live"):
+            if f"{mode}_profile" in c:
+                head, body = _operator_table(c[f"{mode}_profile"], KEPT_PROFILE_COLUMNS)
+                lines += [f"torch.profiler, {mode} at D = {c['doc_tokens']} (top operators by "
+                          "device time):", ""]
+                lines += _table(head, body[:12])
     return lines
 
 
@@ -606,6 +674,8 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
+        ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
+        ("gpu-break-even.json", lambda p: break_even(_load(p), p.name)),
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
