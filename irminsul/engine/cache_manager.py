@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from ..config import CacheConfig, Mode
 from .batch import ForwardBatch, Reuse
 from .kv_pool import KVPool, PoolExhausted, unpack
 from .sequence import Prefill, Sequence, Stretch
+
+if TYPE_CHECKING:
+    from ..store import SharedStore
 
 Span = tuple[np.ndarray, np.ndarray]  # tokens and their positions, computed in one forward
 
@@ -45,6 +49,9 @@ class CacheManager:
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
         # register when they complete: how a new plan knows what it could wait for.
         self._in_flight: Counter[tuple[int, int]] = Counter()
+        # A content store shared with other engines (irminsul.store.attach): live plans fetch
+        # the whole chunks they miss from it, and registered chunks are published to it.
+        self.store: SharedStore | None = None
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -59,6 +66,8 @@ class CacheManager:
             raise ValueError(f"prompt of {prompt.size} tokens exceeds the model's context of "
                              f"{self.context}")
         plan = self.planner.plan(prompt, resets, namespace=namespace)
+        if self.store is not None and self.mode == "live" and self._from_store(plan):
+            plan = self.planner.plan(prompt, resets, namespace=namespace)  # now they are hits
         self.planner.acquire(plan)
         seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
@@ -128,6 +137,8 @@ class CacheManager:
         self.settle(prefill.seq)  # before the plan's locks go
         try:
             self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
+            if self.store is not None:  # off the request path: rows handed to a thread
+                self.store.publish(prefill.plan, self.planner.registry, self.pool)
         finally:
             self.planner.release(prefill.plan)
             self._landed(prefill)
@@ -138,6 +149,32 @@ class CacheManager:
         self.planner.release(prefill.plan)
         self._landed(prefill)
         self.finish(prefill.seq, remember=False)
+
+    def _from_store(self, plan: Plan) -> bool:
+        """Register the whole chunks ``plan`` misses that the shared store holds (verified, and
+        only when fetching beats prefilling them): their rows are written into fresh slots and
+        registered at their source position, as if prefilled here. Whether any were."""
+        found = self.store.fetch(plan)  # never raises: a failing store holds nothing
+        sizes = [f.tokens.size for f in found]
+        if not found or not self._try_room(sum(sizes)):
+            return False
+        handles = self.pool.alloc(sum(sizes))
+        if not self.store.write(self.pool, handles, found):
+            self.pool.release(handles)
+            return False
+        for f, mine in zip(found, np.split(handles, np.cumsum(sizes)[:-1])):
+            entry = self.planner.registry.register(plan.namespace, f.fingerprint, f.tokens, mine,
+                                                   f.rows.p_source)
+            if not np.array_equal(entry.handles, mine):  # the content is registered already
+                self.pool.release(mine)
+        return True
+
+    def _try_room(self, tokens: int) -> bool:
+        try:
+            self.make_room(tokens)
+        except PoolExhausted:
+            return False
+        return True
 
     def _landed(self, prefill: Prefill) -> None:
         """The prefill is no longer in flight: its missed chunks are registered or never
@@ -198,27 +235,28 @@ class CacheManager:
         end (a decode step, a teacher-forced continuation), which get fresh slots now. Returns
         the batch and each item's appended handles (None for a prefill's), for
         :meth:`end_batch`."""
-        appended: list[np.ndarray | None] = []
-        self.make_room(sum(len(tokens) for seq, tokens, at in work
-                           if int(at[0]) >= len(seq.handles)))
+        positions = [np.asarray(at, dtype=np.int64) for _, _, at in work]
+        grows = []  # whether each item appends at its sequence's end
+        for (seq, tokens, _), at in zip(work, positions):
+            if len(tokens) != len(at) or len(at) == 0:
+                raise ValueError("need one position per token")
+            served = len(seq.handles)
+            grows.append(bool(at[0] >= served))
+            if grows[-1] and (at[0] != served or (len(at) > 1 and (np.diff(at) != 1).any())):
+                raise ValueError(f"appended tokens must continue the sequence at {served}, got "
+                                 f"positions from {int(at[0])}")
+            if not grows[-1] and at[-1] >= served:
+                raise ValueError("positions past the sequence's slots")
+        counts = [len(at) for at, grow in zip(positions, grows) if grow]
+        self.make_room(sum(counts))
+        # One allocation for every appended token of the batch (a decode step's one per request).
+        fresh = iter(np.split(self.pool.alloc(sum(counts)), np.cumsum(counts)[:-1])
+                     if counts else ())
+        appended: list[np.ndarray | None] = [next(fresh) if grow else None for grow in grows]
+        keys, new = [], []
         try:
-            keys, new, positions = [], [], []
-            for seq, tokens, at in work:
-                at = np.asarray(at, dtype=np.int64)
-                positions.append(at)
-                if len(tokens) != len(at) or len(at) == 0:
-                    raise ValueError("need one position per token")
-                if at[0] >= len(seq.handles):  # appended at the end: fresh slots now
-                    if at[0] != len(seq.handles) or (np.diff(at) != 1).any():
-                        raise ValueError(f"appended tokens must continue the sequence at "
-                                         f"{len(seq.handles)}, got positions from {int(at[0])}")
-                    appended.append(self.pool.alloc(len(at)))
-                    keys.append(seq.handles_with(appended[-1]))
-                else:
-                    if at[-1] >= len(seq.handles):
-                        raise ValueError("positions past the sequence's slots")
-                    appended.append(None)
-                    keys.append(seq.handles)
+            for (seq, _, _), at, handles in zip(work, positions, appended):
+                keys.append(seq.handles if handles is None else seq.handles_with(handles))
                 new.append(keys[-1][at])
         except BaseException:
             self._release_appended(appended)

@@ -35,6 +35,7 @@ from ..kernels import PagedLayout
 from ..kernels.mla_attention import key_splits
 from ..model import MLAModel
 from ..model.paged import PagedKV
+from .kv_pool import HANDLE_LOW, pack
 from .staging import Staging
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -129,15 +130,15 @@ class CudaGraphs:
         return tokens <= self.buckets[-1] and keys + self.buckets[-1] <= self.max_keys
 
     def hidden(self, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
-               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray, np.ndarray]],
+               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray]],
                last: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last layer's hidden states [T, D] of a batch, and the batch rows ``last`` (those
-        whose logits are wanted; None: all) on the device: ``spans`` (new tokens, c_KV slots and
-        k_r slots of every key, its own rows last) in batch order, as the kernel takes them. The
+        whose logits are wanted; None: all) on the device: ``spans`` (new tokens, and the pool
+        handles of every key, its own rows last) in batch order, as the kernel takes them. The
         result lives in graph memory the buckets share: read it before the next call."""
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
-        decode = all(count == 1 for count, _, _ in spans)
+        decode = all(count == 1 for count, _ in spans)
         launch = (bucket, block_rows(bucket, decode))
         if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket
             launch = (bucket, block_rows(bucket))
@@ -157,16 +158,16 @@ class CudaGraphs:
                 buffer[at[4]:at[5]], buffer[at[5]:])
 
     def _fill(self, bucket: int, block_m: int, tokens: np.ndarray, positions: np.ndarray,
-              new_ckv: np.ndarray, new_kr: np.ndarray,
-              spans: list[tuple[int, np.ndarray, np.ndarray]], last: np.ndarray) -> None:
+              new_ckv: np.ndarray, new_kr: np.ndarray, spans: list[tuple[int, np.ndarray]],
+              last: np.ndarray) -> None:
         """Write a batch, padded to ``bucket`` tokens, into the buffer (on a GPU through a
         pinned mirror, sent in two copies ordered after the replay that read it last)."""
         n = len(tokens)
         pad = bucket - n
         scratch_c, scratch_r = self.scratch
-        new = [count for count, _, _ in spans] + ([pad] if pad else [])
-        ckv = [c for _, c, _ in spans] + ([np.full(pad, scratch_c)] if pad else [])
-        kr = [r for _, _, r in spans] + ([np.full(pad, scratch_r)] if pad else [])
+        new = [count for count, _ in spans] + ([pad] if pad else [])
+        handles = [h for _, h in spans] + ([np.full(pad, pack(scratch_c, scratch_r))]
+                                           if pad else [])
         rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket,
                                                                   block_m)
         # Every value a replay reads is written: a mirror holds an older batch's values.
@@ -177,11 +178,15 @@ class CudaGraphs:
         used = PagedLayout.blocks(new, self.heads, block_m)
         blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
-        table[:, :len(new)] = PagedLayout.request_table(new, [len(c) for c in ckv])
-        keys = sum(len(c) for c in ckv)
-        np.concatenate(ckv, out=keys_c[:keys])
-        np.concatenate(kr, out=keys_r[:keys])
-        self.inputs.send((0, self._at[4] + keys), (self._at[5], self._at[5] + keys))
+        lengths = [len(h) for h in handles]
+        table[:, :len(new)] = PagedLayout.request_table(new, lengths)
+        # Each request's handles unpacked straight into the buffer: no slot arrays in between.
+        at = 0
+        for h, length in zip(handles, lengths):
+            np.right_shift(h, 32, out=keys_c[at:at + length])
+            np.bitwise_and(h, HANDLE_LOW, out=keys_r[at:at + length])
+            at += length
+        self.inputs.send((0, self._at[4] + at), (self._at[5], self._at[5] + at))
 
     def _capture(self, bucket: int, block_m: int) -> Callable[[], torch.Tensor]:
         """A launch's forward over the buffer: on CUDA a graph's replay, captured after a run

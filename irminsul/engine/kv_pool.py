@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_LOW = np.int64((1 << 32) - 1)
+HANDLE_LOW = np.int64((1 << 32) - 1)  # a handle's low 32 bits: its k_r slot
 
 
 def pack(ckv: np.ndarray, kr: np.ndarray) -> np.ndarray:
@@ -28,7 +28,7 @@ def pack(ckv: np.ndarray, kr: np.ndarray) -> np.ndarray:
 def unpack(handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ckv slots, kr slots) of handles."""
     handles = np.asarray(handles, dtype=np.int64)
-    return handles >> 32, handles & _LOW
+    return handles >> 32, handles & HANDLE_LOW
 
 
 def slots_for_memory(layers: int, rank: int, rope: int, dtype: torch.dtype, budget: int,

@@ -112,13 +112,16 @@ class ModelRunner:
         gathered from the pool. A batch of kernel spans only replays a graph where there are
         graphs."""
         device = self.ckv.device
-        kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, c_KV, k_r slots)
+        kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, key handles)
         for at, seq_keys in zip(batch.positions, batch.keys):
-            for rows in np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1):
+            # A decode step is one span of one token: skip looking for breaks in it.
+            spans = ((np.arange(1),) if len(at) == 1 else
+                     np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1))
+            for rows in spans:
                 first, n = int(at[rows[0]]), len(rows)  # one span: n positions from first
                 span = slice(offset + int(rows[0]), offset + int(rows[0]) + n)
                 if self.kernels and n < self._naive_from:
-                    kernel.append((rows + offset, n, *unpack(seq_keys[:first + n])))
+                    kernel.append((rows + offset, n, seq_keys[:first + n]))
                 else:
                     gathered.append((span, seq_keys[:first]))
             offset += len(at)
@@ -127,18 +130,19 @@ class ModelRunner:
         last = None if all_logits else np.cumsum(lengths) - 1
         new_ckv, new_kr = unpack(batch.new)
         if (self.graphs is not None and not gathered
-                and self.graphs.fits(len(at), sum(len(c) for _, _, c, _ in kernel))):
+                and self.graphs.fits(len(at), sum(len(h) for _, _, h in kernel))):
             hidden, rows = self.graphs.hidden(batch.tokens, at, new_ckv, new_kr,
-                                              [(n, c, r) for _, n, c, r in kernel], last)
+                                              [(n, h) for _, n, h in kernel], last)
             return self.model.head(hidden, lengths, rows)
         layout = None
         if kernel:
             from ..kernels import PagedLayout  # needs triton: only with kernels
 
-            layout = PagedLayout.build([n for _, n, _, _ in kernel], [c for _, _, c, _ in kernel],
-                                       [r for _, _, _, r in kernel],
+            keys = [unpack(h) for _, _, h in kernel]
+            layout = PagedLayout.build([n for _, n, _ in kernel], [c for c, _ in keys],
+                                       [r for _, r in keys],
                                        self.model.config.num_attention_heads, device)
-        take = (upload(np.concatenate([rows for rows, _, _, _ in kernel]), device)
+        take = (upload(np.concatenate([rows for rows, _, _ in kernel]), device)
                 if kernel and gathered else None)
         context = []
         for span, handles in gathered:
