@@ -1,0 +1,87 @@
+"""A document registered on engine A is served to engine B from the store: B's outputs equal B
+serving it by local position-independent reuse (the rows are the same rows, rotated by the same
+δ), and B's slot accounting stays exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from store_prompts import documents, publish
+
+from irminsul.store.keys import key, model_identity
+
+
+def local_reference(make, source, rs, target, rt) -> tuple:  # noqa: ANN001
+    """The target served by an engine with no store that served the source itself."""
+    engine = make()
+    publish_locally = engine.prefill(source, rs)
+    engine.finish(publish_locally[0])
+    seq, logits = engine.prefill(target, rt)
+    stats = seq.stats
+    engine.finish(seq)
+    return logits, stats, engine
+
+
+def test_document_registered_on_a_is_served_to_b_from_the_store(redis_server, engines) -> None:
+    source, rs, target, rt = documents(1)
+    a, b = engines(redis_server.url), engines(redis_server.url)
+    publish(a, source, rs)
+    assert a.cache.store.stats.published_chunks >= 3
+    seq, logits = b.prefill(target, rt)
+    b.finish(seq)
+    reference, stats, _ = local_reference(engines, source, rs, target, rt)
+    # The same rows, rotated by the same δ: within the tolerance of local PIC's exactness tests
+    # (1e-5), and in fact equal.
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    assert seq.stats.pic_tokens == stats.pic_tokens >= 0.9 * 400
+    assert seq.stats.prefilled_tokens == stats.prefilled_tokens
+    assert b.cache.store.stats.hit_tokens >= 0.9 * 400
+    b.check()
+    a.check()
+    # B registered what it fetched: a third prompt with the document hits it locally.
+    fetched = b.cache.store.stats.fetched_bytes
+    header = np.full(50, 5, dtype=np.int64)  # another header, of another length
+    seq, _ = b.prefill(np.concatenate([header, source[40:]]), [50])
+    assert seq.stats.pic_tokens >= 0.9 * 400 and b.cache.store.stats.fetched_bytes == fetched
+    b.finish(seq)
+    b.check()
+
+
+def test_greedy_generation_from_the_store_equals_local_reuse(redis_server, engines) -> None:
+    source, rs, target, rt = documents(2, doc=300)
+    a, b, c = engines(redis_server.url), engines(redis_server.url), engines()
+    a.generate(source, 2, resets=rs)
+    assert a.cache.store.flush()
+    out, seq = b.generate(target, 8, resets=rt)
+    c.generate(source, 2, resets=rs)
+    reference, ref_seq = c.generate(target, 8, resets=rt)
+    assert out == reference
+    assert seq.stats.pic_tokens == ref_seq.stats.pic_tokens > 250
+    b.check()
+
+
+def test_chunks_the_cost_model_rejects_are_prefilled(redis_server, engines) -> None:
+    """A link too slow to beat the prefill: nothing is asked for, everything computed."""
+    source, rs, target, rt = documents(3, doc=200)
+    a = engines(redis_server.url)
+    b = engines(redis_server.url, link_bandwidth=1.0)  # one byte a second
+    publish(a, source, rs)
+    seq, _ = b.prefill(target, rt)
+    assert seq.stats.pic_tokens == 0 and b.cache.store.stats.hit_tokens == 0
+    assert b.cache.store.stats.skipped_tokens >= 200
+    b.finish(seq)
+    b.check()
+
+
+def test_keys_name_model_namespace_and_chunk(redis_server, engines, model) -> None:
+    source, rs, _, _ = documents(4, doc=200)
+    a = engines(redis_server.url)
+    publish(a, source, rs, namespace=77)
+    model_id = model_identity(model, torch.float32)
+    assert a.cache.store.shape.model_id == model_id
+    keys = sorted(k.decode() for k in redis_server.client().keys("*"))
+    entries = a.cache.planner.registry.entries()  # chunks and the region (not published)
+    assert len(keys) >= 2
+    assert set(keys) <= {key(model_id, 77, e.fingerprint) for e in entries if e.namespace == 77}
+    ttl = redis_server.client().ttl(keys[0])
+    assert 0 < ttl <= 24 * 3600
