@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -47,6 +47,9 @@ from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .prompts import PromptTokens, chat_prompt, completion_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_json, parse
+
+if TYPE_CHECKING:
+    from ..store.stats import StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,12 @@ class _Ticket:
             self._server = None
 
 
+def _store_stats(async_engine: AsyncEngine) -> StoreStats | None:
+    """The shared store's counters, when the engine has a store (irminsul.store.attach)."""
+    store = async_engine.scheduler.engine.cache.store
+    return None if store is None else store.stats
+
+
 def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: str, *,
                stop_token_ids: tuple[int, ...] = (), config: ServerConfig | None = None,
                manage_engine: bool = True) -> FastAPI:
@@ -118,7 +127,8 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     config = config or ServerConfig()
     limits = async_engine.limits
     server = _Server(async_engine, renderer, model_name, tuple(stop_token_ids),
-                     ServerMetrics(lambda: async_engine.snapshot), config,
+                     ServerMetrics(lambda: async_engine.snapshot, _store_stats(async_engine)),
+                     config,
                      config.request_bytes_for(limits.context),
                      async_engine.scheduler.max_running + config.max_waiting,
                      ThreadPoolExecutor(config.render_workers, thread_name_prefix="irminsul-render"))

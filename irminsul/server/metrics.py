@@ -7,13 +7,19 @@ process (tests) do not collide in the global one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from ..engine import ServeStats
 from .async_engine import EngineSnapshot
+
+if TYPE_CHECKING:
+    from ..store.stats import StoreStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -24,9 +30,14 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 
 class ServerMetrics:
     """The counters, histograms and gauges, and the hooks that update them."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot],
+                 store: StoreStats | None = None) -> None:
+        """``snapshot``: the engine's latest load; ``store``: the shared store's counters, when
+        the engine has one (``irminsul:store_*``)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        if store is not None:
+            r.register(_StoreCollector(store))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"irminsul:{name}", doc, labels, registry=r)
@@ -90,3 +101,34 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    """The shared store's counters and fetch-time histogram, read when scraped (the engine and
+    publisher threads keep them; see :mod:`irminsul.store.stats`)."""
+
+    def __init__(self, stats: StoreStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        s = self.stats
+        yield CounterMetricFamily("irminsul:store_hit_tokens", "Prompt tokens whose KV rows "
+                                  "were fetched from the shared store instead of prefilled",
+                                  value=s.hit_tokens)
+        yield CounterMetricFamily("irminsul:store_published_chunks", "Chunks written to the "
+                                  "shared store", value=s.published_chunks)
+        yield CounterMetricFamily("irminsul:store_skipped_tokens", "Missed tokens the cost "
+                                  "model chose to prefill rather than fetch",
+                                  value=s.skipped_tokens)
+        errors = CounterMetricFamily("irminsul:store_errors", "Shared-store failures, by kind: "
+                                     "unavailable (down, time-out, restart), corrupt (checksum "
+                                     "or length; dropped), mismatch (another model's, tenant's "
+                                     "or chunk's value; not served), publish_dropped (queue "
+                                     "full)", labels=("kind",))
+        for kind, count in dict(s.errors).items():
+            errors.add_metric((kind,), count)
+        yield errors
+        buckets, total = s.histogram()
+        yield HistogramMetricFamily("irminsul:store_fetch_seconds", "Round trip of a batched "
+                                    "store lookup (the rows of every chunk found included)",
+                                    buckets=buckets, sum_value=total)
