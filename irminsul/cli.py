@@ -15,7 +15,14 @@ from pathlib import Path
 from . import __version__
 from .analysis.analyze import analyze_log
 from .analysis.report import render_reports
-from .config import MAX_DEFAULT_SLOTS, MODES, REPLAY_CAPACITY, EngineConfig, ServerConfig
+from .config import (
+    MAX_DEFAULT_SLOTS,
+    MODES,
+    REPLAY_CAPACITY,
+    EngineConfig,
+    ServerConfig,
+    StoreConfig,
+)
 from .traffic.logs import LogError, read_requests, sample_logs, write_requests
 from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
@@ -139,12 +146,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    """--model, or the embedded default model."""
+    """--model (a directory or a Hub repo id), or the embedded default model."""
     # The model package (and torch with it) is imported only by the commands that run a model.
     from .model import default_model_dir
+    from .model.hub import resolve_model
 
     model = getattr(args, "model", None)  # serve leaves it out of --help's defaults
-    return Path(model) if model else default_model_dir()
+    return resolve_model(model) if model else default_model_dir()
 
 
 @contextlib.contextmanager
@@ -281,7 +289,6 @@ def _warn_failed_calls(report: dict) -> None:
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     """Replay agent sessions over HTTP against irminsul serve per PIC mode, or a running server."""
     from .loadgen import Load, ServerError, bench_serve, build_sessions, load_workload, render
-    from .model import default_model_dir
 
     if args.url:
         given = [f"--{name.replace('_', '-')}" for name in SERVER_START_OPTIONS
@@ -296,7 +303,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     serve_args = None if args.url else _serve_args(args)
     # Reply lengths count the served model's tokens: its own tokenizer, or the embedded model's
     # (what --random-weights serves with, and what a --url server is taken to use).
-    renderer = ChatRenderer.from_dir(args.tokenizer or args.model or default_model_dir())
+    renderer = ChatRenderer.from_dir(args.tokenizer or _model_dir(args))
     load = Load(concurrency=args.concurrency if args.concurrency or args.session_rate else 4,
                 rate=args.session_rate, seed=args.seed, warmup=args.warmup)
     reports = []
@@ -355,7 +362,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          device=args.device, engine=engine,
                                          max_request_bytes=args.max_request_bytes,
                                          max_waiting=args.max_waiting,
-                                         kv_memory=args.kv_memory),
+                                         kv_memory=args.kv_memory,
+                                         store=StoreConfig(
+                                             url=args.store,
+                                             prefill_tokens_per_second=args.store_prefill_rate)),
           **random_weights)
 
 
@@ -452,10 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API",
                      tokenizer=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", metavar="DIR", default=argparse.SUPPRESS,
+    serve.add_argument("--model", metavar="DIR|REPO", default=argparse.SUPPRESS,
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
-                            "tokenizer.json and a chat template; default: the embedded default "
-                            "model)")
+                            "tokenizer.json and a chat template) or Hub repo id[@revision], "
+                            "fetched into the Hugging Face cache unless HF_HUB_OFFLINE is set "
+                            "(default: the embedded default model)")
     serve.add_argument("--random-weights", metavar="CONFIG_JSON", default=argparse.SUPPRESS,
                        help="benchmark-only, instead of --model: random weights of this "
                             "config.json's shapes made on the device, with the embedded model's "
@@ -507,15 +518,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=SERVER.max_waiting, metavar="N",
                        help="requests waiting for their first token beyond --max-running; "
                             "more get 429 with Retry-After")
+    serve.add_argument("--store", default=SERVER.store.url, metavar="URL",
+                       help="a content store shared with other engines, redis://HOST:PORT "
+                            "(Redis or Valkey): registered chunks are published to it, and "
+                            "missed ones fetched from it when that beats prefilling them "
+                            "(docs/scale-out.md)")
+    serve.add_argument("--store-prefill-rate", type=float,
+                       default=SERVER.store.prefill_tokens_per_second, metavar="TOKENS_PER_S",
+                       help="the store's cost model: this engine's prefill rate, against which "
+                            "a fetch's bytes over the measured link bandwidth are weighed")
     serve.set_defaults(func=cmd_serve)
     return parser
 
 
 def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> None:
     """Options of the commands that run a model over a workload log."""
-    parser.add_argument("--model", metavar="DIR",
-                        help="Hugging Face checkpoint directory (config.json + safetensors; "
-                             "default: the embedded default model)")
+    parser.add_argument("--model", metavar="DIR|REPO",
+                        help="Hugging Face checkpoint directory (config.json + safetensors) or "
+                             "Hub repo id[@revision] (default: the embedded default model)")
     # nargs=1 for a single log keeps args.workload a list either way.
     parser.add_argument("--workload", nargs="+" if many else 1, metavar="LOG",
                         help="JSON Lines request log" + ("(s)" if many else "") +
@@ -541,9 +561,9 @@ def _bench_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="replay against this running server (its one mode; what it has "
                              "cached is not reused: the run sends its own cache_salt) instead "
                              "of starting irminsul serve per mode")
-    parser.add_argument("--model", metavar="DIR",
-                        help="checkpoint directory the started servers serve (default: the "
-                             "embedded default model)")
+    parser.add_argument("--model", metavar="DIR|REPO",
+                        help="checkpoint directory or Hub repo id the started servers serve "
+                             "(default: the embedded default model)")
     parser.add_argument("--random-weights", metavar="CONFIG_JSON",
                         help="the started servers serve random weights of this config.json's "
                              "shapes (benchmark-only; see irminsul serve --help)")
