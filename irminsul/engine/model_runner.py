@@ -22,13 +22,18 @@ from ..device import upload
 from ..model import MLAModel
 from ..model.mla import naive_from
 from ..model.moe import use_kernels
-from ..model.paged import PagedKV
+from ..model.paged import MaskedSpans, PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs
     from .rotation import Rotation
+
+
+# An item split into spans attends in one masked call when its keys are at most this many: the
+# mask is [new tokens, keys] and the attention cannot skip masked blocks.
+MERGED_MAX_KEYS = 8192
 
 
 def default_kernels(model: MLAModel) -> bool:
@@ -113,10 +118,20 @@ class ModelRunner:
         graphs."""
         device = self.ckv.device
         kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, key handles)
+        merged = []  # (batch rows, their positions, key handles of positions 0..last)
         for at, seq_keys in zip(batch.positions, batch.keys):
             # A decode step is one span of one token: skip looking for breaks in it.
             spans = ((np.arange(1),) if len(at) == 1 else
                      np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1))
+            if (len(spans) > 1 and int(at[-1]) < MERGED_MAX_KEYS
+                    and (not self.kernels or max(map(len, spans)) >= self._naive_from)):
+                # Reused runs between computed ones split a prefill into spans, each an
+                # attention call of its own per layer (a dozen host ops each); one call over
+                # all the item's rows up to its last position, masked by position, costs one.
+                merged.append((np.arange(offset, offset + len(at)), at,
+                               seq_keys[:int(at[-1]) + 1]))
+                offset += len(at)
+                continue
             for rows in spans:
                 first, n = int(at[rows[0]]), len(rows)  # one span: n positions from first
                 span = slice(offset + int(rows[0]), offset + int(rows[0]) + n)
@@ -129,7 +144,7 @@ class ModelRunner:
         at = np.concatenate(batch.positions)
         last = None if all_logits else np.cumsum(lengths) - 1
         new_ckv, new_kr = unpack(batch.new)
-        if (self.graphs is not None and not gathered
+        if (self.graphs is not None and not gathered and not merged
                 and self.graphs.fits(len(at), sum(len(h) for _, _, h in kernel))):
             hidden, rows = self.graphs.hidden(batch.tokens, at, new_ckv, new_kr,
                                               [(n, h) for _, n, h in kernel], last)
@@ -143,12 +158,15 @@ class ModelRunner:
                                        [r for _, r in keys],
                                        self.model.config.num_attention_heads, device)
         take = (upload(np.concatenate([rows for rows, _, _ in kernel]), device)
-                if kernel and gathered else None)
+                if kernel and (gathered or merged) else None)
         context = []
         for span, handles in gathered:
             slots = [upload(s, device) for s in unpack(handles)] if handles.size else [None, None]
             context.append((span, *slots))
+        masked = [MaskedSpans(upload(rows, device), upload(at, device),
+                              *(upload(s, device) for s in unpack(handles)))
+                  for rows, at, handles in merged]
         kv = PagedKV(self.ckv, self.kr, upload(new_ckv, device), upload(new_kr, device), layout,
-                     take, context)
+                     take, context, masked)
         hidden = self.model.hidden_paged(upload(batch.tokens, device), upload(at, device), kv)
         return self.model.head(hidden, lengths, None if last is None else upload(last, device))

@@ -147,7 +147,28 @@ class MLAttention(nn.Module):
             context = None if ckv_slots is None else torch.cat(
                 [kv.ckv[self.layer, ckv_slots], kv.kr[self.layer, kr_slots]], dim=-1)
             out[span] = self._attend(q_nope[span], q_rope[span], rows[span], context, None)
+        for spans in kv.masked:
+            keys = torch.cat([kv.ckv[self.layer, spans.ckv], kv.kr[self.layer, spans.kr]], dim=-1)
+            out[spans.rows] = self._attend_masked(q_nope[spans.rows], q_rope[spans.rows], keys,
+                                                  spans.positions)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
+
+    def _attend_masked(self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Tokens at ``positions`` (any order, any gaps) against a sequence's rows ``keys`` of
+        positions 0..last, in the naive form, each seeing the rows at or before its position;
+        [T, H, V]."""
+        w_uk, w_uv = self._weights()
+        c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
+        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
+                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
+        v = torch.matmul(c, w_uv.transpose(1, 2))
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+        seen = torch.arange(keys.shape[0], device=keys.device)[None, :] <= positions[:, None]
+        with sdpa_kernel(SDPA_NO_PLANS if keys.is_cuda else SDPA_ANY):
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=seen,
+                                                 scale=self.scale)
+        return out[0].transpose(0, 1)
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
                 context: torch.Tensor | None, absorbed: bool | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The engine gives the new tokens slots before the forward; every layer stores its new latent rows
 there first, then attends. A batch is a list of contiguous spans (a prefill's novel spans, decode
 steps), each attending to its sequence's rows up to its last position — so spans of one sequence
-see each other's rows within one forward. Short spans run in the paged kernel
+see each other's rows within one forward (a sequence split into several spans by reused runs
+may attend in one masked call instead, :class:`MaskedSpans`). Short spans run in the paged kernel
 (:mod:`irminsul.kernels`, CUDA), which reads the pool in place; the rest — long spans
 (``mla.naive_from``: fresh prefills among them), everything where there is no kernel — in torch,
 over context gathered from the pool.
@@ -11,13 +12,24 @@ over context gathered from the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from ..kernels import PagedLayout
+
+
+class MaskedSpans(NamedTuple):
+    """One sequence's new tokens, in several spans, attending in one call: every row of the
+    sequence up to its last new token gathered from the pool (the new ones stored first), each
+    token seeing the rows at or before its position."""
+
+    rows: torch.Tensor  # int64 [n]: the tokens' batch rows
+    positions: torch.Tensor  # int64 [n]: their positions
+    ckv: torch.Tensor  # int64 [last + 1]: c_KV slots of positions 0..last
+    kr: torch.Tensor  # int64 [last + 1]: their k_r slots
 
 
 @dataclass
@@ -33,6 +45,7 @@ class PagedKV:
     # Spans attended in torch: batch rows, and the c_KV / k_r slots of their context (None:
     # none), gathered from the pool; the form follows MLAttention's cost rule.
     gathered: list[tuple[slice, torch.Tensor | None, torch.Tensor | None]]
+    masked: list[MaskedSpans] = field(default_factory=list)
 
     def store(self, layer: int, rows: torch.Tensor) -> None:
         """Write the new tokens' latent rows [T, rank + rope] of one layer into the pool."""

@@ -880,3 +880,39 @@ def test_finish_with_an_identical_sequence_open(model3, how: str) -> None:
     engine.check()
     engine.finish(first)
     engine.check()
+
+
+def test_spans_split_by_reuse_attend_in_one_masked_call(model3, monkeypatch) -> None:
+    """A prompt whose reused documents split its computed tokens into spans attends in one masked
+    call per layer; its logits and a teacher-forced continuation's equal those of the same engine
+    history attending span by span (the per-span path, checked against transformers elsewhere)."""
+    import irminsul.engine.model_runner as runner_module
+    from irminsul.model.mla import MLAttention
+
+    source, source_resets, target, target_resets, cont = shifted_docs(seed=5)
+    calls = {"masked": 0}
+    masked = MLAttention._attend_masked
+
+    def counted(self, *args):
+        calls["masked"] += 1
+        return masked(self, *args)
+
+    monkeypatch.setattr(MLAttention, "_attend_masked", counted)
+    results = []
+    for merge in (True, False):
+        if not merge:
+            monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", 0)
+        calls["masked"] = 0
+        engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
+        seq, _ = engine.prefill(source, source_resets)
+        engine.finish(seq)
+        seq, logits = engine.prefill(target, target_resets)
+        assert seq.stats.pic_tokens > 0
+        forced = engine.extend(seq, cont)
+        engine.finish(seq)
+        engine.check()
+        results.append((logits, forced, calls["masked"]))
+    (merged_last, merged_forced, merged_calls), (split_last, split_forced, split_calls) = results
+    assert merged_calls == model3.config.num_hidden_layers and split_calls == 0
+    assert (merged_last - split_last).abs().max() <= 1e-4 * split_last.abs().max()
+    assert (merged_forced - split_forced).abs().max() <= 1e-4 * split_forced.abs().max()
