@@ -654,6 +654,27 @@ def decode_attention(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def decode_host_time(r: dict[str, Any], name: str) -> list[str]:
+    """The host's share of a decode step, before and after a change."""
+    before, after = r["before"], r["after"]
+    lines = ["## CPU: the host's time per decode step", "",
+             f"`docs/results/{name}`. " + _run_line(after["meta"]), "",
+             "```bash", "python benchmarks/cpu/decode_host_time.py --out F.json", "```", "",
+             "What the device waits for between decode steps (the engine does not overlap "
+             "steps yet): scheduling, slots, the CUDA graph's inputs (token ids, positions, the "
+             "kernel layout, every request's key slots), sampling and appending, with the graph "
+             "replay and the logits head stubbed. Median process CPU ms per step; "
+             + r.get("about", "") + ".", ""]
+    old = {(c["context"], c["batch"]): c for c in before["cells"]}
+    rows = []
+    for c in after["cells"]:
+        b = old.get((c["context"], c["batch"]))
+        rows.append([_k(c["context"]), c["batch"], f"{b['host_ms']:.2f}" if b else "",
+                     f"{c['host_ms']:.2f}"])
+    lines += _table(("context", "batch", "before (ms)", "after (ms)"), rows)
+    return lines
+
+
 def _anchor(title: str) -> str:
     """The link target GitHub gives a heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -679,6 +700,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
+        ("cpu-decode-host-time.json", lambda p: decode_host_time(_load(p), p.name)),
     ]
     sections, used = [], set()
     for pattern, render in renderers:

@@ -130,6 +130,19 @@ def test_cache_host_time_runs(tmp_path: Path) -> None:
     assert all(r[p] > 0 for r in rows for p in ("plan", "advance (reuse, alloc)", "commit"))
 
 
+def test_decode_host_time_runs(tmp_path: Path) -> None:
+    """Every timed step took the graph input path and decoded one token per request."""
+    out = tmp_path / "decode-host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "decode_host_time.py"),
+                    "--batches", "3", "--contexts", "64", "--steps", "3", "--warmup", "1",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["batch"], c["context"], c["steps"]) for c in cells] == [(3, 64, 3)]
+    assert cells[0]["host_ms"] > 0
+
+
 def test_sessions_held_at_a_budget_hand_counted() -> None:
     """Sessions of a 64-token header and a shared 512-token body in the bytes of 1,920 full
     rows: exact prefixes hold 3 (1,920 // 576); live PIC with equal spaces also 3 (each session
