@@ -675,6 +675,37 @@ def decode_host_time(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def planner_options(r: dict[str, Any], name: str) -> list[str]:
+    """Recall of the shifted share and planner host time per prompt, per planner option."""
+    lines = ["## CPU: planner options, recall against host time", "",
+             f"`docs/results/{name}`.", "",
+             "```bash", "python benchmarks/cpu/planner_options.py --out F.json", "```", "",
+             "Per log, every request replayed through the engine's planner under each option "
+             "(docs/analysis.md): *recall* = the share PIC serves over the shifted share 64-token "
+             "windows find; host time = median plan + commit per prompt, relative to *before* "
+             "(the default until the 32-token windows grown both ways, *extend_32*, now the "
+             "default).", ""]
+    logs = list(dict.fromkeys(row["log"] for row in r["rows"]))
+    options = list(r["options"])
+    cell = {(row["log"], row["option"]): row for row in r["rows"]}
+    rows = []
+    for log in logs:
+        base = cell.get((log, "before"))
+        figures = []
+        for option in options:
+            row = cell.get((log, option))
+            if row is None:
+                figures.append("")
+                continue
+            ratio = (f" / {row['total_ms_p50'] / base['total_ms_p50']:.2f}×"
+                     if base and option != "before" else
+                     f" ({row['total_ms_p50']:.2f} ms)" if option == "before" else "")
+            figures.append(f"{row['recall']:.0%}{ratio}")
+        rows.append([log, *figures])
+    lines += _table(("log", *options), rows)
+    return lines
+
+
 def _anchor(title: str) -> str:
     """The link target GitHub gives a heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -701,6 +732,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
         ("cpu-decode-host-time.json", lambda p: decode_host_time(_load(p), p.name)),
+        ("cpu-planner-options.json", lambda p: planner_options(_load(p), p.name)),
     ]
     sections, used = [], set()
     for pattern, render in renderers:
