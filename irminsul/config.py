@@ -46,8 +46,13 @@ class CacheConfig:
     # run on along the run of regions it was registered with: a moved document is one hit.
     regions: bool = True
     capacity: int | None = None  # tokens per index (radix tree, registry), LRU; None: unbounded
+    # Repair (live): the first this many tokens of every reused run are computed instead of
+    # reused, EPIC-style (benchmarks/cpu/repair.py measures KL and argmax against it).
+    recompute_head: int = 0
 
     def __post_init__(self) -> None:
+        if self.recompute_head < 0:
+            raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if not 1 <= self.mask_bits <= 30:
             raise ValueError(f"mask_bits must be in [1, 30], got {self.mask_bits}")
         if not 1 <= self.min_chunk <= self.max_chunk:

@@ -916,3 +916,50 @@ def test_spans_split_by_reuse_attend_in_one_masked_call(model3, monkeypatch) -> 
     assert merged_calls == model3.config.num_hidden_layers and split_calls == 0
     assert (merged_last - split_last).abs().max() <= 1e-4 * split_last.abs().max()
     assert (merged_forced - split_forced).abs().max() <= 1e-4 * split_forced.abs().max()
+
+
+@pytest.mark.parametrize("k", [0, 4, 16])
+def test_repair_recomputes_the_head_of_every_reused_run(model3, k: int) -> None:
+    """recompute_head=k: each reused run of L tokens reuses L - min(k, L) of them and computes
+    the rest (counted against the runs of the unrepaired plan); the slots still add up."""
+    source, source_resets, target, target_resets, _ = shifted_docs(seed=7)
+    runs = []
+    for repair in (0, k):
+        engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                             cache=CacheConfig(recompute_head=repair)))
+        seq, _ = engine.prefill(source, source_resets)
+        engine.finish(seq)
+        prefill = engine.start_prefill(target, target_resets)
+        runs.append([end - start for kind, start, end, _ in prefill.stretches if kind == "reuse"])
+        for kind, start, end, hits in prefill.stretches:  # trimmed hits still name their tokens
+            assert sum(h.size for h in hits) == (end - start if kind == "reuse" else 0)
+            for h in hits:
+                stored = np.frombuffer(h.entry.content, dtype=np.int64)
+                assert (stored[h.offset:h.offset + h.size] == target[h.start:h.end]).all()
+        while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+            engine.run_batch([(prefill.seq, *span)])
+        engine.complete_prefill(prefill)
+        stats = prefill.seq.stats
+        assert stats.pic_tokens + stats.prefilled_tokens + stats.prefix_tokens == len(target)
+        if repair == 0:
+            plain = stats.pic_tokens
+        else:
+            assert stats.pic_tokens == plain - sum(min(k, n) for n in runs[0]) > 0
+        engine.finish(prefill.seq)
+        engine.check()
+
+
+def test_repair_of_every_reused_token_is_full_recomputation(model3) -> None:
+    """With recompute_head past every run's length nothing is reused, and the logits are those
+    of computing the prompt from scratch."""
+    source, source_resets, target, target_resets, _ = shifted_docs(seed=8)
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                         cache=CacheConfig(recompute_head=10_000)))
+    seq, _ = engine.prefill(source, source_resets)
+    engine.finish(seq)
+    seq, logits = engine.prefill(target, target_resets)
+    assert seq.stats.pic_tokens == 0
+    full = model3.logits(torch.as_tensor(target))[-1]
+    assert (logits - full).abs().max() <= 1e-4 * full.abs().max()
+    engine.finish(seq)
+    engine.check()
