@@ -207,6 +207,38 @@ def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
     assert_same(served[True], served[False], 1e-3)
 
 
+def test_masked_multi_span_prefill_equals_span_by_span(tmp_path, monkeypatch) -> None:
+    """A target whose reused documents split its computed tokens into a long header (past the
+    kernel's span limit) and a short question attends in one masked call per layer on the kernel
+    path; it serves what attending span by span (header in torch, question in the kernel)
+    serves."""
+    import irminsul.engine.model_runner as runner_module
+    from irminsul.engine import Engine
+    from irminsul.model.mla import naive_from
+
+    build("v2_lite_like", tmp_path, layers=2)
+    model = load_model(tmp_path, device=DEVICE)
+    from irminsul.model.mla import MLAttention
+
+    header = naive_from(model.config) + 29
+    served, calls = {}, []
+    masked = MLAttention._attend_masked
+    monkeypatch.setattr(MLAttention, "_attend_masked",
+                        lambda self, *a: calls.append(1) or masked(self, *a))
+    for merged in (True, False):
+        if not merged:
+            assert calls  # the masked call ran
+            calls.clear()
+            monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", 0)
+        served[merged] = serve_shifted(
+            Engine(model, EngineConfig(slots=3000, mode="live", kernels=True)), seed=9,
+            headers=(40, header), docs=(150, 120), question=9,
+            requests=lambda source, target, _: [target[:header + 100]], batch_tokens=600,
+            chunk_tokens=600, max_tokens=3)
+    assert not calls and served[True].pic_tokens >= 200
+    assert_same(served[True], served[False], 1e-3)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
                     "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
 def test_graph_path_equals_eager_path(tmp_path) -> None:
