@@ -1,0 +1,70 @@
+"""``irminsul study roc|sink|consistency`` on a tiny chat model: each writes a valid PNG and a
+JSON report with its documented keys. The consistency study runs one workload pattern here
+(through :func:`run_study`, what the command calls): its prompts are real agent requests of
+thousands of tokens, and five patterns would take minutes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures.tiny_chat_model import random_model, write_tokenizer
+
+from irminsul.cli import main
+from irminsul.studies.run import run_study
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+KEYS = {
+    "roc": {"study", "model", "settings", "pairs", "components", "auc_per_layer", "auc_mean",
+            "paper", "seconds"},
+    "sink": {"study", "model", "settings", "anchoring", "carve_out", "paper", "seconds"},
+    "consistency": {"study", "model", "settings", "workloads", "seconds"},
+}
+OPTIONS = {"roc": ["--blocks", "3"], "sink": ["--samples", "1", "--reuse-samples", "2"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer random model with a tokenizer and chat template, its context long enough for
+    the samples' prompts in its small vocabulary."""
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    size = write_tokenizer(directory)
+    random_model(size, layers=2, max_position_embeddings=1 << 16).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("study", ["roc", "sink", "consistency"])
+def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture) -> None:
+    if study == "consistency":
+        text, _ = run_study(study, model_dir, tmp_path, options={
+            "requests": 3, "tokens": 2, "patterns": ("agent_meta",)})
+        print(text)
+    else:
+        assert main(["-q", "study", study, "--model", str(model_dir), "--out", str(tmp_path),
+                     *OPTIONS[study]]) == 0
+    png = (tmp_path / f"{study}.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    report = json.loads((tmp_path / f"{study}.json").read_text("utf-8"))
+    assert KEYS[study] <= report.keys()
+    assert report["study"] == study and report["model"] == model_dir.name
+    printed = capsys.readouterr().out
+    assert ("c_KV" if study == "roc" else "W uniform" if study == "sink" else "agent_meta") in printed
+    if study == "roc":
+        assert set(report["auc_mean"]) == {"c_KV", "k_r", "row", "k_r_rotated"}
+        assert all(len(v) == 2 for v in report["auc_per_layer"].values())
+        assert all(0.0 <= v <= 1.0 for v in report["auc_mean"].values())
+        assert report["pairs"]["positive"] == 3 * 10 * 32
+    elif study == "sink":
+        anchoring, carve = report["anchoring"], report["carve_out"]
+        assert len(anchoring["W"]) == len(anchoring["positions"]) == 10
+        # At p = 0 the chunk starts the prompt: W and S coincide by construction.
+        assert anchoring["W"][0] == pytest.approx(anchoring["S"][0], abs=1e-4)
+        assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out"}
+        # Layer 0's rows are position-and-token only: PIC is exact there.
+        assert carve["deviation_per_layer"]["pic"][0] < 1e-5
+    else:
+        workload = report["workloads"]["agent_meta"]
+        assert workload["requests"] == 3 and "per_request" not in workload
+        assert {"kl_pic", "kl_naive", "argmax_pic", "argmax_naive"} <= workload.keys()
