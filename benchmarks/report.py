@@ -706,6 +706,24 @@ def planner_options(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def repair(r: dict[str, Any], name: str) -> list[str]:
+    """KL, argmax and first divergence against the share of reused tokens repair recomputes."""
+    lines = ["## CPU: repair on the latent (recompute the head of every reused run)", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"]), "",
+             "```bash", "python benchmarks/cpu/repair.py --out F.json", "```", "",
+             f"{r['workload']}, {r['requests']} requests ({r['requests_with_hits']} with registry "
+             f"hits, {r['reused_tokens']:,} tokens reused without repair) served by a persistent "
+             f"live engine with `recompute_head` = k, against full recomputation over "
+             f"{r['tokens']} teacher-forced tokens; model `{Path(r['model']).name}`. Means over "
+             "the requests with hits. The TTFT each k costs is a GPU measurement still to make.",
+             ""]
+    rows = [[c["recompute_head"], f"{c['recomputed_share']:.1%}", f"{c['kl']:.3e}",
+             f"{c['argmax']:.3f}", f"{c['first_divergence']:.2f}"] for c in r["rows"]]
+    lines += _table(("k", "reused tokens recomputed", "KL(full ‖ served)", "argmax match",
+                     "first divergence"), rows)
+    return lines
+
+
 def _anchor(title: str) -> str:
     """The link target GitHub gives a heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -733,6 +751,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
         ("cpu-decode-host-time.json", lambda p: decode_host_time(_load(p), p.name)),
         ("cpu-planner-options.json", lambda p: planner_options(_load(p), p.name)),
+        ("cpu-repair.json", lambda p: repair(_load(p), p.name)),
     ]
     sections, used = [], set()
     for pattern, render in renderers:

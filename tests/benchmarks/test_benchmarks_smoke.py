@@ -143,6 +143,21 @@ def test_decode_host_time_runs(tmp_path: Path) -> None:
     assert cells[0]["host_ms"] > 0
 
 
+def test_repair_runs(tmp_path: Path) -> None:
+    """k = 0 recomputes nothing; a k past every run recomputes every reused token."""
+    out = tmp_path / "repair.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair.py"),
+                    "--requests", "3", "--heads", "0", "100000", "--tokens", "2",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    result = json.loads(out.read_text())
+    assert result["requests_with_hits"] > 0
+    none, every = result["rows"]
+    assert none["recomputed_share"] == 0.0 and every["recomputed_share"] == 1.0
+    assert every["kl"] < 1e-6 and every["argmax"] == 1.0
+
+
 def test_sessions_held_at_a_budget_hand_counted() -> None:
     """Sessions of a 64-token header and a shared 512-token body in the bytes of 1,920 full
     rows: exact prefixes hold 3 (1,920 // 576); live PIC with equal spaces also 3 (each session
