@@ -1,0 +1,223 @@
+"""The PIC correctness gate: is position-independent reuse safe on this checkpoint?
+
+Each probe of :mod:`.probes` is served by two persistent live engines, as ``irminsul
+consistency`` serves a log (its machinery, :mod:`irminsul.analysis.consistency`): one whose
+runner rotates reused ``k_r`` by δ (PIC; the engine's own runner, or one a test injects) and
+one whose runner copies it unrotated (naive reuse). ``seen`` is prefilled into both, so its
+content is registered; ``moved`` is then recomputed from scratch (the reference: greedy for
+``tokens`` tokens) and served by each engine, teacher-forced along the reference. The figures
+are means over the probes whose moved content PIC served:
+
+    kl_pic, kl_naive     KL(p_full || p_x) per continuation token, nats
+    argmax               share of steps where PIC's argmax is the reference's token
+    first_divergence     the step where PIC's free-running greedy output first leaves the
+                         reference (``tokens`` if never)
+
+The verdict (:func:`judge`) applies :class:`~irminsul.config.GateConfig`'s thresholds. A
+measurement is cached per checkpoint hash and measurement setup (:mod:`.result_cache`) and
+judged again on every read, so changing a threshold needs no new measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..analysis.consistency import NaiveReuseRunner, full_continuation, render_prompts, serve
+from ..config import EngineConfig, GateConfig
+from ..engine import Engine, ModelRunner
+from ..engine.model_runner import resolve_backend
+from ..model import MLAModel
+from ..traffic.prompt import Prompt
+from ..traffic.render import ChatRenderer
+from . import result_cache
+from .probes import Probe, gate_probes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe's moved request served by both engines against full recomputation."""
+
+    name: str
+    kind: str
+    prompt_tokens: int
+    pic_tokens: int  # prompt tokens PIC served from the registry (0: the probe measured nothing)
+    kl_pic: float
+    kl_naive: float
+    argmax_pic: float
+    argmax_naive: float
+    first_divergence_pic: int
+    first_divergence_naive: int
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The gate's figures (means over the probes PIC served), its verdict and why."""
+
+    checkpoint: str  # checkpoint_hash of the model directory
+    passed: bool
+    reason: str
+    kl_pic: float
+    kl_naive: float
+    argmax: float  # PIC's argmax match
+    argmax_naive: float
+    first_divergence: float  # PIC's, in tokens
+    first_divergence_naive: float
+    tokens: int  # continuation tokens per probe
+    thresholds: dict[str, Any]  # what the verdict applied: max_kl, below_naive, min_argmax
+    probes: tuple[ProbeResult, ...]
+    cached: bool = False  # read from the result cache, not measured now
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (NaN figures, where nothing was measured, as null)."""
+        data = dataclasses.asdict(self)
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in data.items()}
+
+
+class GateError(ValueError):
+    """The probes cannot run on this checkpoint (a tokenizer that does not fit the model, a
+    context too short for them): the gate cannot vouch for live reuse."""
+
+
+def judge(checkpoint: str, probes: tuple[ProbeResult, ...], config: GateConfig, *,
+          cached: bool = False) -> GateResult:
+    """The verdict on a measurement under ``config``'s thresholds, checked in this order: PIC
+    served some probe, KL(full||PIC) <= max_kl, KL(full||PIC) < KL(full||naive) (with
+    below_naive), argmax match >= min_argmax. NaN figures fail every check."""
+    served = [p for p in probes if p.pic_tokens > 0]
+
+    def mean(field: str) -> float:
+        return float(np.mean([getattr(p, field) for p in served])) if served else math.nan
+
+    kl_pic, kl_naive, argmax = mean("kl_pic"), mean("kl_naive"), mean("argmax_pic")
+    if not served:
+        refusal = (f"PIC served none of the {len(probes)} probes' moved content: there is "
+                   "nothing to vouch for")
+    elif not kl_pic <= config.max_kl:
+        refusal = f"KL(full||PIC) {kl_pic:.3g} exceeds the threshold {config.max_kl:g}"
+    elif config.below_naive and not kl_pic < kl_naive:
+        refusal = (f"KL(full||PIC) {kl_pic:.3g} is not below naive reuse's {kl_naive:.3g}: "
+                   "rotating k_r by δ does no better than not rotating it on this model")
+    elif not argmax >= config.min_argmax:
+        refusal = (f"PIC's argmax matches full recomputation at {argmax:.3f} of the steps, "
+                   f"below {config.min_argmax:g}")
+    else:
+        refusal = None
+    reason = refusal or (f"KL(full||PIC) {kl_pic:.3g} <= {config.max_kl:g}"
+                         + (f", below naive reuse's {kl_naive:.3g}" if config.below_naive else "")
+                         + f"; argmax match {argmax:.3f} >= {config.min_argmax:g}")
+    thresholds = {"max_kl": config.max_kl, "below_naive": config.below_naive,
+                  "min_argmax": config.min_argmax}
+    return GateResult(checkpoint, refusal is None, reason, kl_pic, kl_naive, argmax,
+                      mean("argmax_naive"), mean("first_divergence_pic"),
+                      mean("first_divergence_naive"), config.tokens, thresholds, probes, cached)
+
+
+def render_probes(model: MLAModel, renderer: ChatRenderer, probes: list[Probe],
+                  tokens: int) -> list[tuple[Prompt, Prompt]]:
+    """Each probe's (seen, moved) prompts in the checkpoint's own rendering; GateError if they
+    do not fit the model."""
+    cfg = model.config
+    try:
+        rendered = render_prompts(renderer, [r for p in probes for r in (p.seen, p.moved)],
+                                  cfg.vocab_size)
+    except ValueError as err:
+        raise GateError(str(err)) from err
+    for source, prompt in rendered:
+        if prompt.size + tokens > cfg.max_position_embeddings:
+            raise GateError(f"{source}: {prompt.size} tokens + {tokens} exceed the model's "
+                            f"context of {cfg.max_position_embeddings}")
+    prompts = [p for _, p in rendered]
+    return list(zip(prompts[::2], prompts[1::2]))
+
+
+def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Prompt]], *,
+            tokens: int, engine: EngineConfig | None = None,
+            runner: type[ModelRunner] = ModelRunner) -> tuple[ProbeResult, ...]:
+    """Serve every probe (see the module's docstring); ``engine``: the served engine's settings
+    (kernels, planner), of which the gate's engines keep all but the pool and the mode;
+    ``runner``: the PIC engine's model runner."""
+    # A request allocates at most its prompt and 2(N-1) decoded tokens: the sum over the probes
+    # is more than an engine ever holds, so nothing is evicted. CUDA graphs replay the same
+    # kernels as eager launches; capturing them for two throwaway engines is not worth it.
+    slots = sum(p.size + 2 * tokens for pair in prompts for p in pair)
+    config = dataclasses.replace(engine or EngineConfig(), mode="live", slots=slots,
+                                 kr_slots=None, graphs=False)
+    engines = {"pic": Engine(model, config, runner=runner),
+               "naive": Engine(model, config, runner=NaiveReuseRunner)}
+    results = []
+    for probe, (seen, moved) in zip(probes, prompts):
+        for eng in engines.values():  # registers seen's content in both engines
+            seq, _ = eng.prefill(seen.tokens, seen.resets)
+            eng.finish(seq)
+        continuation, full_logits = full_continuation(model, moved.tokens, tokens)
+        row = {path: serve(eng, moved, continuation, full_logits)
+               for path, eng in engines.items()}
+        results.append(ProbeResult(
+            probe.name, probe.kind, moved.size, row["pic"]["pic_tokens"],
+            row["pic"]["kl"], row["naive"]["kl"], row["pic"]["argmax"], row["naive"]["argmax"],
+            row["pic"]["first_divergence"], row["naive"]["first_divergence"]))
+    for eng in engines.values():
+        eng.check()  # the gate doubles as a check of the slot accounting
+    return tuple(results)
+
+
+def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]], tokens: int,
+         engine: EngineConfig | None, runner: type[ModelRunner]) -> dict[str, Any]:
+    """What a measurement depends on besides the checkpoint: the probes as this checkpoint's
+    tokenizer renders them, the continuation length, where and how the model runs, the planner,
+    the runner, and the version of the engine measured."""
+    engine = engine or EngineConfig()
+    weight = model.lm_head.weight
+    digest = hashlib.sha256()
+    for prompt in (p for pair in prompts for p in pair):
+        digest.update(prompt.tokens.astype("<u4").tobytes() + b"|")
+        digest.update(prompt.resets.astype("<u4").tobytes() + b";")
+    kernels, _ = resolve_backend(model, engine.kernels, False)
+    return {"checkpoint": checkpoint, "irminsul": __version__, "probes": digest.hexdigest(),
+            "tokens": tokens, "device": weight.device.type, "dtype": str(weight.dtype),
+            "kernels": kernels, "planner": repr(engine.cache),
+            "runner": f"{runner.__module__}.{runner.__qualname__}"}
+
+
+def run_gate(model: MLAModel, renderer: ChatRenderer, checkpoint: str,
+             config: GateConfig | None = None, *, engine: EngineConfig | None = None,
+             runner: type[ModelRunner] = ModelRunner, fresh: bool = False,
+             probes: list[Probe] | None = None) -> GateResult:
+    """The gate on a loaded checkpoint (``checkpoint``: its :func:`~.checkpoint.checkpoint_hash`;
+    ``renderer``: its tokenizer and chat template): the cached measurement for this checkpoint
+    and setup if there is one (unless ``fresh``), else a new one, cached; judged under
+    ``config``. ``engine`` and ``runner`` as :func:`measure` takes them; ``probes``: the probe
+    set (default :func:`~.probes.gate_probes`). A checkpoint the probes cannot run on is refused
+    with the reason (never cached: finding that out is cheap)."""
+    config = config or GateConfig()
+    probes = gate_probes() if probes is None else probes
+    try:
+        prompts = render_probes(model, renderer, probes, config.tokens)
+    except GateError as err:
+        return dataclasses.replace(judge(checkpoint, (), config),
+                                   reason=f"the probes cannot run on this checkpoint: {err}")
+    directory = result_cache.cache_dir(config)
+    parts = _key(checkpoint, model, prompts, config.tokens, engine, runner)
+    stored = None if fresh else result_cache.load(directory, parts)
+    if stored is not None:
+        try:
+            return judge(checkpoint, tuple(ProbeResult(**p) for p in stored), config,
+                         cached=True)
+        except TypeError:  # written by another version of ProbeResult: measure again
+            pass
+    results = measure(model, probes, prompts, tokens=config.tokens, engine=engine, runner=runner)
+    try:
+        result_cache.save(directory, parts, [dataclasses.asdict(r) for r in results])
+    except OSError as err:  # a read-only home must not stop a server from starting
+        log.warning("PIC gate: could not cache the result in %s (%s)", directory, err)
+    return judge(checkpoint, results, config)
