@@ -49,6 +49,7 @@ from .prompts import PromptTokens, chat_prompt, completion_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_json, parse
 
 if TYPE_CHECKING:
+    from ..quality import GateResult
     from ..store.stats import StoreStats
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,11 @@ def _store_stats(async_engine: AsyncEngine) -> StoreStats | None:
 
 def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: str, *,
                stop_token_ids: tuple[int, ...] = (), config: ServerConfig | None = None,
-               manage_engine: bool = True) -> FastAPI:
+               manage_engine: bool = True, gate: GateResult | None = None) -> FastAPI:
     """The app. With ``manage_engine`` its lifespan starts the engine thread and shuts it down.
-    ``config`` gives the request limits and the worker pool (ServerConfig's defaults if None)."""
+    ``config`` gives the request limits and the worker pool (ServerConfig's defaults if None).
+    ``gate``: the PIC gate's result at start, exported as ``irminsul:pic_gate_*`` (None: the
+    gate did not run, and those metrics are absent)."""
     config = config or ServerConfig()
     limits = async_engine.limits
     server = _Server(async_engine, renderer, model_name, tuple(stop_token_ids),
@@ -132,6 +135,8 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
                      config.request_bytes_for(limits.context),
                      async_engine.scheduler.max_running + config.max_waiting,
                      ThreadPoolExecutor(config.render_workers, thread_name_prefix="irminsul-render"))
+    if gate is not None:
+        server.metrics.pic_gate(gate)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

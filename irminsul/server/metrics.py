@@ -19,6 +19,7 @@ from ..engine import ServeStats
 from .async_engine import EngineSnapshot
 
 if TYPE_CHECKING:
+    from ..quality import GateResult
     from ..store.stats import StoreStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -80,6 +81,20 @@ class ServerMetrics:
               lambda s: s.request_failures)
         gauge("cuda_graph_replays", "Forwards replayed from a CUDA graph (batches of short spans)",
               lambda s: s.graph_replays)
+
+    def pic_gate(self, result: GateResult) -> None:
+        """The PIC gate's verdict and figures at start (set once; absent if it did not run)."""
+        r = self.registry
+        Gauge("irminsul:pic_gate_passed", "1: the PIC correctness gate passed and live PIC "
+              "serves; 0: it refused, and the server serves exact prefixes only",
+              registry=r).set(int(result.passed))
+        kl = Gauge("irminsul:pic_gate_kl", "The gate's mean KL(p_full || p_x) per token over "
+                   "its probes (nats), for PIC (path=pic) and naive reuse (path=naive)",
+                   ("path",), registry=r)
+        kl.labels(path="pic").set(result.kl_pic)
+        kl.labels(path="naive").set(result.kl_naive)
+        Gauge("irminsul:pic_gate_argmax_match", "Share of the gate's continuation steps where "
+              "PIC's argmax is full recomputation's token", registry=r).set(result.argmax)
 
     def prompt_served(self, stats: ServeStats, ttft: float | None) -> None:
         """A request's prompt was served (its first token arrived)."""
