@@ -67,8 +67,11 @@ def running(model_dir: Path, config: ServerConfig) -> Iterator[Server]:
 
 
 def config(**server: object) -> ServerConfig:
-    """The tests' server: the tiny model in float32 on the CPU, live PIC, SLOTS slots."""
+    """The tests' server: the tiny model in float32 on the CPU, live PIC, SLOTS slots, and no
+    PIC gate at start (the tiny model's weights are random: the gate's KL would be noise;
+    tests/quality tests the gate)."""
     engine = server.pop("engine", None) or EngineConfig(mode="live", slots=SLOTS)
+    server.setdefault("gate", None)
     return ServerConfig(model_name="tiny", dtype="float32", device="cpu", engine=engine,
                         **server)
 
