@@ -20,6 +20,7 @@ from .config import (
     MODES,
     REPLAY_CAPACITY,
     EngineConfig,
+    GateConfig,
     ServerConfig,
     StoreConfig,
 )
@@ -27,7 +28,7 @@ from .traffic.logs import LogError, read_requests, sample_logs, write_requests
 from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
 
-ENGINE, SERVER = EngineConfig(), ServerConfig()  # the defaults --help shows
+ENGINE, SERVER, GATE = EngineConfig(), ServerConfig(), GateConfig()  # the defaults --help shows
 DEMO_HEADERS = (50, 250, 1000, 2000)
 # Without --workload, bench and consistency run on this pattern built from the shipped samples:
 # the partition shift where position-independent reuse pays, sized to take about a minute on two
@@ -198,6 +199,48 @@ def cmd_consistency(args: argparse.Namespace) -> None:
     _write_json(args.json, [report])
 
 
+def cmd_study(args: argparse.Namespace) -> None:
+    """Run one of the paper's studies; print its key figures, write <study>.json and .png."""
+    import torch
+
+    from .studies.run import run_study
+
+    options = {"roc": {"blocks": args.blocks, "seed": args.seed},
+               "sink": {"samples": args.samples, "reuse_samples": args.reuse_samples,
+                        "seed": args.seed},
+               "consistency": {"requests": args.requests, "tokens": args.tokens,
+                               "seed": args.seed}}[args.study]
+    out = Path(args.out)
+    text, _ = run_study(args.study, _model_dir(args), out, options=options,
+                        dtype=getattr(torch, args.dtype), device=args.device,
+                        progress=not args.quiet)
+    print(text)
+    print(f"wrote {out / (args.study + '.json')} and {out / (args.study + '.png')}")
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """The PIC correctness gate on a checkpoint: exit status 0 if it passes, 1 if refused."""
+    if args.tokenizer:
+        # The gate measures the checkpoint on its own tokens, as the server renders them.
+        raise ValueError("gate renders the probes with the model directory's tokenizer and chat "
+                         "template; --tokenizer does not apply to it")
+    import torch
+
+    from .model import load_model
+    from .quality import checkpoint_hash, run_gate
+    from .quality.report import render_gate
+
+    model_dir = _model_dir(args)
+    renderer = _model_renderer(args)
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype), device=args.device)
+    config = GateConfig(tokens=args.tokens, cache_dir=args.cache_dir)
+    result = run_gate(model, renderer, checkpoint_hash(model_dir), config, fresh=args.fresh)
+    print(render_gate(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
+    return 0 if result.passed else 1
+
+
 def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
     """The model directory's tokenizer and chat template, unless another directory is named."""
     from .traffic.render import TemplateError
@@ -363,6 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                          max_request_bytes=args.max_request_bytes,
                                          max_waiting=args.max_waiting,
                                          kv_memory=args.kv_memory,
+                                         gate=None if args.no_gate else SERVER.gate,
                                          store=StoreConfig(
                                              url=args.store,
                                              prefill_tokens_per_second=args.store_prefill_rate)),
@@ -448,6 +492,55 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continuation tokens per request (default 16)")
     check.set_defaults(func=cmd_consistency)
 
+    gate = _command(sub, "gate", "the PIC correctness gate: KL and argmax of PIC and naive reuse "
+                                 "against full recomputation on the shipped probes; exit 0 pass, "
+                                 "1 refused", tokenizer=False)
+    gate.add_argument("--model", metavar="DIR",
+                      help="Hugging Face checkpoint directory (default: the embedded default "
+                           "model)")
+    gate.add_argument("--json", metavar="OUT", help="write the result as JSON")
+    gate.add_argument("--tokens", type=int, default=GATE.tokens,
+                      help=f"continuation tokens per probe (default {GATE.tokens})")
+    gate.add_argument("--fresh", action="store_true",
+                      help="measure again even if the result cache holds this checkpoint")
+    gate.add_argument("--cache-dir", metavar="DIR", default=GATE.cache_dir,
+                      help="where results are cached per checkpoint hash (default "
+                           "$XDG_CACHE_HOME/irminsul/gate, else ~/.cache/irminsul/gate)")
+    gate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="torch device to run the model on (default cpu)")
+    gate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="weights and KV (default float32)")
+    gate.set_defaults(func=cmd_gate)
+
+    study = _command(sub, "study", "the paper's studies on a model: position-invariance AUC "
+                                   "(roc), attention sink and carve-out (sink), output "
+                                   "consistency over the five workloads (consistency)")
+    study.add_argument("study", choices=("roc", "sink", "consistency"),
+                       help="roc: AUC of c_KV, k_r and the row per layer (§5); sink: W and S "
+                            "by chunk position and tail mass to [0, 32) under PIC, naive and "
+                            "fresh (§7.1); consistency: Table 2 over the five workloads")
+    study.add_argument("--model", metavar="DIR",
+                       help="Hugging Face checkpoint directory (default: the embedded default "
+                            "model)")
+    study.add_argument("--out", default=".", metavar="DIR",
+                       help="where to write <study>.json and <study>.png (default: .)")
+    study.add_argument("--blocks", type=int, default=None,
+                       help="roc: content blocks (default 32; the paper's is 500)")
+    study.add_argument("--samples", type=int, default=None,
+                       help="sink: chunks per position (default 4; the paper's is 20)")
+    study.add_argument("--reuse-samples", type=int, default=None,
+                       help="sink: target prompts of the carve-out measurement (default 8)")
+    study.add_argument("--requests", type=int, default=None,
+                       help="consistency: requests per workload (default 3)")
+    study.add_argument("--tokens", type=int, default=None,
+                       help="consistency: continuation tokens per request (default 8)")
+    study.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    study.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="torch device to run the model on (default cpu)")
+    study.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="weights and KV (default float32)")
+    study.set_defaults(func=cmd_study)
+
     bench_p = _command(sub, "bench", "replay workloads against the engine per cache mode; "
                                      "bench serve: against a server over HTTP")
     _model_workload_options(bench_p, many=True)
@@ -518,6 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=SERVER.max_waiting, metavar="N",
                        help="requests waiting for their first token beyond --max-running; "
                             "more get 429 with Retry-After")
+    serve.add_argument("--no-gate", action="store_true",
+                       help="serve live PIC without the correctness gate (by default a live "
+                            "server first runs irminsul gate on the checkpoint, cached per "
+                            "checkpoint, and serves exact prefixes only if it refuses); logged "
+                            "as a warning")
     serve.add_argument("--store", default=SERVER.store.url, metavar="URL",
                        help="a content store shared with other engines, redis://HOST:PORT "
                             "(Redis or Valkey): registered chunks are published to it, and "
@@ -636,11 +734,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        status = args.func(args)  # None, or a command's own status (gate: 1 when refused)
     except (LogError, FileNotFoundError, ValueError) as err:
         print(f"irminsul: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

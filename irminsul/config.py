@@ -5,7 +5,9 @@ shows each default once, taken from here. Each layer takes the config of its own
 
     CacheConfig    the planner (chunking, carve-out, probes, regions, index capacity)
     EngineConfig   the engine (cache mode, KV slots, batch budgets, kernels, graphs) + its cache
-    ServerConfig   the HTTP server (address, model name, dtype, device) + its engine
+    GateConfig     the PIC correctness gate (thresholds, probe continuation, result cache)
+    ServerConfig   the HTTP server (address, model name, dtype, device) + its engine and gate
+    StoreConfig    the shared content store a server publishes to and fetches from (Redis)
 
 ``ALGORITHM1`` is the paper's Algorithm 1 exactly (no head probe, no regions, 128-token S1 windows
 without extension): ``analyze`` replays it as a named strategy beside the engine's default, which
@@ -116,6 +118,83 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The shared content store (``irminsul serve --store redis://HOST:PORT``): engines publish
+    the chunks they register, and fetch the ones they miss instead of prefilling them when
+    that is faster (:mod:`irminsul.store`). The store's memory cap is the Redis server's own
+    (``maxmemory`` with ``maxmemory-policy allkeys-lru``); each value also expires after
+    ``ttl_s``."""
+
+    url: str | None = None  # redis://HOST:PORT[/DB]; None: no shared store
+    # Each socket operation (connect, send, a read): past it the store counts as down for that
+    # call, and the request is served as if the store were empty.
+    timeout_s: float = 0.1
+    # Consecutive failed calls that open the circuit breaker; an open breaker refuses calls at
+    # once (no socket, no timeout) for cooldown_s, then lets one call through to try again.
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    ttl_s: int = 24 * 3600  # a published value's time to live (refreshed when published again)
+    max_value_bytes: int = 64 << 20  # larger chunk values are not published
+    # The cost model: rows are fetched when bytes / bandwidth + a round trip beats prefilling
+    # them at this rate. The bandwidth (bytes/s) starts here and follows what fetches measure;
+    # the prefill rate is the deployment's (tokens/s of a long prefill on its hardware).
+    link_bandwidth: float = 1.25e9
+    prefill_tokens_per_second: float = 20_000.0
+    publish_queue_bytes: int = 256 << 20  # rows waiting to be published; more are dropped
+    # The model's identity in keys (None: a fingerprint of the config, the KV dtype and a
+    # sample of every weight): engines share values only with the same identity.
+    model_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://",
+                                                             "unix://")):
+            raise ValueError(f"store url must be redis://HOST:PORT (or rediss://, unix://), got "
+                             f"{self.url!r}")
+        for name in ("timeout_s", "breaker_cooldown_s", "link_bandwidth",
+                     "prefill_tokens_per_second"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("breaker_failures", "ttl_s", "max_value_bytes", "publish_queue_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The PIC correctness gate (``irminsul gate``, and every live server's start): its probes'
+    continuation length, the thresholds live reuse must meet, and where results are cached.
+
+    The figures are the gate's means over its probes (irminsul/quality/probes.py) of
+    KL(p_full || p_pic) per continuation token and PIC's argmax match with full recomputation's
+    greedy continuation (docs/quality.md says how each is measured).
+    """
+
+    # KL(full || PIC) in nats per token, at most. The public SGLang port of this design gates on
+    # 0.02 and measured 0.0030 (DeepSeek-V2-Lite) and 0.0019 (Moonlight): a checkpoint served as
+    # the design intends sits an order of magnitude below it, a broken rotation far above.
+    max_kl: float = 0.02
+    # KL(full || PIC) must be below KL(full || naive), naive reuse keeping k_r unrotated: where
+    # rotating by δ is no better than not rotating, the rotation does not match what the model
+    # computes (a wrong sign, layout or frequency), whatever the absolute figure.
+    below_naive: bool = True
+    # PIC's argmax must match full recomputation's greedy token at this share of the steps, at
+    # least. Greedy output is what users see; a small model's flat distributions flip the argmax
+    # at near-ties with little KL, so this guards against a few confident flips, not noise.
+    min_argmax: float = 0.9
+    tokens: int = 8  # continuation tokens per probe: the gate runs in seconds on a CPU
+    # Results are kept per checkpoint hash here; None: $XDG_CACHE_HOME/irminsul/gate
+    # (~/.cache/irminsul/gate without XDG_CACHE_HOME).
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.max_kl >= 0 or not 0 <= self.min_argmax <= 1:
+            raise ValueError(f"need max_kl >= 0 and min_argmax in [0, 1], got {self.max_kl} and "
+                             f"{self.min_argmax}")
+        if self.tokens < 1:
+            raise ValueError(f"the gate needs at least one continuation token, got {self.tokens}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server and the engine behind it."""
 
@@ -136,6 +215,10 @@ class ServerConfig:
     # the weights are loaded (the rest: activations, CUDA graphs, logits).
     kv_memory: float = 0.85
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Live PIC is served only if the gate passes (else exact prefixes only); None: no gate
+    # (the operator's override, logged as a warning).
+    gate: GateConfig | None = field(default_factory=GateConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_memory < 1:

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Caches the code keeps between runs (the PIC gate's verdicts) go to a directory of this test
+# session, shared by its tests and the servers they start, not to the user's home.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="irminsul-tests-cache-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from fastapi import FastAPI
@@ -28,6 +30,9 @@ from ..traffic.render import ChatRenderer
 from .app import create_app
 from .async_engine import AsyncEngine
 from .prompts import stop_token_ids
+
+if TYPE_CHECKING:
+    from ..quality import GateResult
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +89,60 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"
         shown = f"random weights of {source} (tokenizer and template of {path})"
+    gate, note = pic_gate(path, model, renderer, config, random_weights=random_weights is not None)
+    if gate is not None and not gate.passed:
+        config = replace(config, engine=replace(config.engine, mode="off"))
     scheduler = Scheduler(Engine(model, _sized_pool(config, model, device)))
+    if config.store.url is not None:
+        from ..store import attach  # the Redis client loads only with a store
+
+        attach(scheduler.engine, config.store)
     engine = AsyncEngine(scheduler)
     if not stops:
         log.warning("%s: no eos_token_id or eos_token found; generation stops only at "
                     "max_tokens or a stop string", path)
-    log.info("%s", startup_line(name, shown, config, scheduler, device, dtype))
-    return create_app(engine, renderer, name, stop_token_ids=stops, config=config), engine
+    log.info("%s", startup_line(name, shown, config, scheduler, device, dtype, gate=note))
+    return create_app(engine, renderer, name, stop_token_ids=stops, config=config,
+                      gate=gate), engine
+
+
+def pic_gate(path: Path, model: MLAModel, renderer: ChatRenderer, config: ServerConfig, *,
+             random_weights: bool) -> tuple[GateResult | None, str]:
+    """The PIC correctness gate (:mod:`irminsul.quality.gate`) before a live server serves:
+    the result (None where it did not run) and the startup line's note on it. It runs only in
+    live mode (off and observer serve no reuse), is skipped for random weights (KL against
+    noise means nothing) and by the operator's ``--no-gate`` (config.gate None), and is cached
+    per checkpoint. A gate that fails to run refuses: it cannot vouch for reuse."""
+    if config.engine.mode != "live":
+        return None, ""
+    if random_weights:
+        log.info("PIC gate skipped: random weights (benchmark-only) make its KL figures "
+                 "meaningless")
+        return None, " (gate skipped: random weights)"
+    if config.gate is None:
+        log.warning("PIC gate disabled by the operator (--no-gate): serving live PIC on %s "
+                    "without checking that reuse is safe for this checkpoint", path)
+        return None, " (gate off)"
+    from ..quality import checkpoint_hash, judge, run_gate
+
+    start, checkpoint = time.monotonic(), ""
+    try:
+        checkpoint = checkpoint_hash(path)
+        result = run_gate(model, renderer, checkpoint, config.gate, engine=config.engine)
+    except Exception as err:  # whatever stops the gate, the verdict is "refused"
+        log.exception("PIC gate failed on %s", path)
+        result = replace(judge(checkpoint, (), config.gate), reason=f"the gate failed: {err!r}")
+    finally:
+        if torch.device(config.device or "cpu").type == "cuda":
+            torch.cuda.empty_cache()  # the gate's pools, before the serving pool is sized
+    how = "cached result" if result.cached else f"measured in {time.monotonic() - start:.1f} s"
+    if result.passed:
+        log.info("PIC gate passed for %s (%s): %s", path, how, result.reason)
+        return result, " (gate passed)"
+    log.warning("PIC gate refused live reuse for %s (%s): %s; serving exact prefixes only (PIC "
+                "off). `irminsul gate --model %s` prints the figures; --no-gate overrides",
+                path, how, result.reason, path)
+    return result, " (gate refused live)"
 
 
 def _sized_pool(config: ServerConfig, model: MLAModel, device: str) -> EngineConfig:
@@ -111,20 +163,23 @@ def _sized_pool(config: ServerConfig, model: MLAModel, device: str) -> EngineCon
 
 
 def startup_line(name: str, path: Path | str, config: ServerConfig, scheduler: Scheduler,
-                 device: str, dtype: torch.dtype) -> str:
+                 device: str, dtype: torch.dtype, *, gate: str = "") -> str:
     """What an operator wants to see once at start: what runs, with what memory, and the
-    model id clients must send."""
+    model id clients must send. ``gate``: the PIC gate's note after the mode (:func:`pic_gate`)."""
     engine = scheduler.engine
     pool, runner = engine.pool, engine.runner
     graphs = (f"CUDA graphs for {', '.join(map(str, runner.graphs.buckets))} tokens"
               if runner.graphs is not None else "no CUDA graphs")
     context = scheduler.limits.context
+    store = engine.cache.store
+    shared = ("" if store is None else
+              f" | shared store {store.config.url} (model id {store.shape.model_id:016x})")
     return (f"irminsul {__version__}: serving {path} as model id '{name}' | PIC "
-            f"{engine.config.mode} | {device} {str(dtype).removeprefix('torch.')}, "
+            f"{engine.config.mode}{gate} | {device} {str(dtype).removeprefix('torch.')}, "
             f"{'Triton' if runner.kernels else 'torch'} kernels, {graphs} | KV pool "
             f"{pool.num_slots} c_KV + {pool.num_kr_slots} k_r slots | context {context} "
             f"tokens | up to {scheduler.max_running} running + {config.max_waiting} waiting, "
-            f"bodies up to {config.request_bytes_for(context)} bytes")
+            f"bodies up to {config.request_bytes_for(context)} bytes{shared}")
 
 
 def serve(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
