@@ -57,8 +57,11 @@ class CacheManager:
     # -- prefill ---------------------------------------------------------------------------------
 
     def start_prefill(self, tokens: Iterable[int], resets: Iterable[int] = (), *,
-                      namespace: int = 0) -> Prefill:
-        """Plan a prompt and hold what the plan reuses; :meth:`advance` serves it."""
+                      namespace: int = 0, fetch: bool = True) -> Prefill:
+        """Plan a prompt and hold what the plan reuses; :meth:`advance` serves it. ``fetch``:
+        whether chunks it misses may come from the shared store (a fetched chunk holds a c_KV
+        and a k_r slot of its own besides the request's k_r slot, so a caller that made room
+        only for computing everything must not fetch)."""
         prompt = np.array(tokens if isinstance(tokens, np.ndarray) else list(tokens),
                           dtype=np.int64)
         if prompt.size == 0:
@@ -67,7 +70,7 @@ class CacheManager:
             raise ValueError(f"prompt of {prompt.size} tokens exceeds the model's context of "
                              f"{self.context}")
         plan = self.planner.plan(prompt, resets, namespace=namespace)
-        if self.store is not None and self.mode == "live" and self._from_store(plan):
+        if fetch and self.store is not None and self.mode == "live" and self._from_store(plan):
             plan = self.planner.plan(prompt, resets, namespace=namespace)  # now they are hits
         self.planner.acquire(plan)
         seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)

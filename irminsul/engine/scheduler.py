@@ -246,9 +246,11 @@ class Scheduler:
             self.cache.make_room(held_ckv + fresh, held_kr + fresh)
         except PoolExhausted:
             return None
-        # Whatever this plan reuses needs fewer slots than computing it, which now fit.
+        # Whatever this plan reuses needs fewer slots than computing it, which now fit; not so
+        # a chunk fetched from the shared store (its own rows besides the request's k_r), so
+        # this plan reuses only what the engine holds.
         return self.cache.start_prefill(request.prompt, request.resets,
-                                         namespace=request.namespace)
+                                         namespace=request.namespace, fetch=False)
 
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one batch, sample, and report what changed (requests that

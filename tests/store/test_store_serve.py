@@ -85,3 +85,38 @@ def test_keys_name_model_namespace_and_chunk(redis_server, engines, model) -> No
     assert set(keys) <= {key(model_id, 77, e.fingerprint) for e in entries if e.namespace == 77}
     ttl = redis_server.client().ttl(keys[0])
     assert 0 < ttl <= 24 * 3600
+
+
+def test_a_pool_too_small_for_the_fetch_serves_by_computing(redis_server, model) -> None:
+    """B's pool holds the target computed whole but not with the document fetched (a fetched
+    chunk holds its own c_KV and k_r rows besides the request's rotated k_r): the scheduler's
+    second plan, made after room for computing everything, fetches nothing and the request is
+    served, its greedy output that of an engine with no store."""
+    from irminsul.config import EngineConfig, StoreConfig
+    from irminsul.engine import Engine, SamplingParams, Scheduler
+    from irminsul.store import attach
+
+    source, rs, target, rt = documents(3)
+    a = Engine(model, EngineConfig(slots=4000, mode="live"))
+    stores = [attach(a, StoreConfig(url=redis_server.url))]
+    publish(a, source, rs)
+    decode = 4
+    outputs = {}
+    for url in (redis_server.url, None):
+        # Room for the target and its decode, plus half the document: not for both the fetched
+        # rows and the target's own.
+        b = Engine(model, EngineConfig(slots=len(target) + decode + 200, mode="live"))
+        if url is not None:
+            stores.append(attach(b, StoreConfig(url=url)))
+        scheduler = Scheduler(b)
+        rid = scheduler.add(target, SamplingParams(max_tokens=decode), resets=rt)
+        got = []
+        while scheduler.has_work():
+            for out in scheduler.step():
+                assert out.error is None, out.error
+                got += out.new_tokens
+        outputs[url] = (got, rid)
+        b.check()
+    assert outputs[redis_server.url][0] == outputs[None][0] and len(outputs[None][0]) == decode
+    for store in stores:
+        store.close()
