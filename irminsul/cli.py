@@ -399,6 +399,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running, await_shared=args.await_shared,
+                          pic_audit_rate=args.pic_audit_rate,
                           graphs=False if args.no_graphs else ENGINE.graphs)
     serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
                                          model_name=args.served_model_name, dtype=args.dtype,
@@ -591,6 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=ENGINE.max_running,
                        help="requests admitted at once (None: no cap but the KV pool's room "
                             "and --batch-tokens)")
+    serve.add_argument("--pic-audit-rate", type=float, default=ENGINE.pic_audit_rate,
+                       metavar="R", help="live mode: the share of PIC-served requests "
+                       "recomputed from scratch when the engine is idle, their first-token "
+                       "KL exported as irminsul:pic_audit_kl (0: none)")
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")

@@ -96,6 +96,9 @@ class EngineConfig:
     # A request whose plan would compute at least this many tokens of chunks that prefills in
     # flight are computing waits for them to register those chunks, then reuses them (0: never)
     await_shared: int = 256
+    # Live mode: this share of the requests PIC served is recomputed from scratch when the
+    # engine is idle and KL(full ‖ served) of the first token exported (irminsul:pic_audit_kl).
+    pic_audit_rate: float = 0.01
     kernels: bool | None = None  # Triton kernels (None: on CUDA when triton is installed)
     graphs: bool | None = None  # CUDA graphs for short spans (None: with kernels, bf16 models)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -108,6 +111,8 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (leave it out for the default), got "
                                  f"{value}")
+        if not 0 <= self.pic_audit_rate <= 1:
+            raise ValueError(f"pic_audit_rate must be in [0, 1], got {self.pic_audit_rate}")
         if self.await_shared < 0:
             raise ValueError(f"await_shared must be >= 0, got {self.await_shared}")
         if min(self.batch_tokens, self.chunk_tokens, self.max_running or 1) < 1:

@@ -30,12 +30,14 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from .audit import PicAudit
 from .engine import Engine
 from .kv_pool import PoolExhausted
 from .sampler import SamplingParams, sample
 from .sequence import Prefill, Sequence, ServeStats
 
 log = logging.getLogger(__name__)
+AUDIT_WARN_KL = 0.02  # an audited request this far from recomputation is logged (the gate's limit)
 
 State = Literal["waiting", "prefill", "decode", "finished"]
 
@@ -130,6 +132,8 @@ class Scheduler:
         self._left, self._blocked_at = 0, -1
         self._landed = 0  # admitted prefills completed or given up so far
         self.failed = 0
+        # A sampled share of what live PIC served, recomputed when there is nothing else to do.
+        self.audit = PicAudit(config.pic_audit_rate if config.mode == "live" else 0.0)
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
             namespace: int = 0, request_id: str | None = None) -> str:
@@ -155,6 +159,22 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def run_audit(self) -> bool:
+        """Recompute one request the audit kept (:mod:`.audit`), when nothing else needs the
+        device; whether one ran. A failing recomputation is logged and dropped: the audit never
+        costs a request anything."""
+        if self.has_work() or not self.audit.pending:
+            return False
+        try:
+            kl = self.audit.run(self.engine.model)
+        except Exception as err:
+            log.warning("PIC audit recomputation failed: %r", err)
+            return True
+        if kl is not None and kl > AUDIT_WARN_KL:
+            log.warning("PIC audit: a served request's first token is %.4f nats from full "
+                        "recomputation (above %.2f)", kl, AUDIT_WARN_KL)
+        return True
 
     def load(self) -> Load:
         """Requests in flight and the pool's use, for metrics."""
@@ -292,6 +312,7 @@ class Scheduler:
                         request.state = "decode"
                         self._landed += 1
                     request.first_token_time = time.perf_counter()
+                    self.audit.consider(request.seq.tokens, out[-1], request.seq.stats.pic_tokens)
             except Exception as err:
                 outputs.append(self._fail(request, err, "completing its prefill"))
                 continue

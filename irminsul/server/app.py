@@ -130,7 +130,8 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     config = config or ServerConfig()
     limits = async_engine.limits
     server = _Server(async_engine, renderer, model_name, tuple(stop_token_ids),
-                     ServerMetrics(lambda: async_engine.snapshot, _store_stats(async_engine)),
+                     ServerMetrics(lambda: async_engine.snapshot, _store_stats(async_engine),
+                                   async_engine.scheduler.audit.stats),
                      config,
                      config.request_bytes_for(limits.context),
                      async_engine.scheduler.max_running + config.max_waiting,

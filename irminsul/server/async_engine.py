@@ -231,6 +231,8 @@ class AsyncEngine:
                     break
                 if self.scheduler.has_work():
                     self._step()
+                else:  # idle: recompute one request the live-PIC audit kept, if any
+                    self.scheduler.run_audit()
                 self._publish()
         except BaseException as err:  # a bug in this loop itself: fail everyone, stop serving
             log.exception("engine thread crashed")
@@ -243,7 +245,7 @@ class AsyncEngine:
     def _take_commands(self) -> bool:
         """Apply queued commands; block for one only when idle. False once told to stop."""
         commands: list[Any] = []
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self.scheduler.audit.pending:
             commands.append(self._commands.get())
         elif not self.scheduler.running:
             # Work is waiting but nothing runs (admission is blocked): don't spin on step().

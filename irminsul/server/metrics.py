@@ -16,9 +16,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from ..engine import ServeStats
+from ..engine.audit import KL_BUCKETS
 from .async_engine import EngineSnapshot
 
 if TYPE_CHECKING:
+    from ..engine.audit import AuditStats
     from ..quality import GateResult
     from ..store.stats import StoreStats
 
@@ -32,13 +34,16 @@ class ServerMetrics:
     """The counters, histograms and gauges, and the hooks that update them."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot],
-                 store: StoreStats | None = None) -> None:
+                 store: StoreStats | None = None, audit: AuditStats | None = None) -> None:
         """``snapshot``: the engine's latest load; ``store``: the shared store's counters, when
-        the engine has one (``irminsul:store_*``)."""
+        the engine has one (``irminsul:store_*``); ``audit``: the live-PIC audit's record
+        (``irminsul:pic_audit_*``)."""
         self.registry = CollectorRegistry()
         r = self.registry
         if store is not None:
             r.register(_StoreCollector(store))
+        if audit is not None:
+            r.register(_AuditCollector(audit))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"irminsul:{name}", doc, labels, registry=r)
@@ -116,6 +121,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _AuditCollector(Collector):
+    """The live-PIC audit's KL histogram and skips, read when scraped (the engine thread keeps
+    them; see :mod:`irminsul.engine.audit`)."""
+
+    def __init__(self, stats: AuditStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        s = self.stats
+        counts, running, buckets = list(s.counts), 0, []
+        for bound, count in zip((*KL_BUCKETS, float("inf")), counts):
+            running += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", running))
+        yield HistogramMetricFamily("irminsul:pic_audit_kl", "KL(full recomputation ‖ served) "
+                                    "of the first token of sampled live-PIC requests, in nats, "
+                                    "recomputed in idle capacity", buckets=buckets,
+                                    sum_value=s.kl_sum)
+        yield CounterMetricFamily("irminsul:pic_audit_skipped", "Requests picked for the audit "
+                                  "while its queue was full", value=s.skipped)
 
 
 class _StoreCollector(Collector):

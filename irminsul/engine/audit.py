@@ -1,0 +1,98 @@
+"""The live-PIC audit: a sampled share of the requests PIC served, recomputed in idle capacity.
+
+The correctness gate (:mod:`irminsul.quality`) vouches for a checkpoint on a probe set before
+serving; the audit watches what is actually served. A request whose prompt took rows from the
+registry is picked with probability ``rate``; its prompt and the first-token logits it was
+served are kept (a few at most: the queue is bounded, a full queue skips), and when the scheduler
+has nothing else to do one of them is recomputed from scratch — a plain forward over the whole
+prompt, no cache — and KL(full ‖ served) of the first token is recorded. Operators see the KL
+distribution on /metrics (``irminsul:pic_audit_kl``), so drift (new traffic, a new checkpoint, a
+regression) shows before users notice.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model import MLAModel
+
+# A recomputation is one forward over the whole prompt outside the KV pool: its activations
+# must fit beside the pool, so longer prompts are not audited.
+AUDIT_MAX_TOKENS = 8192
+# KL(full ‖ served) of the first token, in nats: the gate's limit is 0.02 (irminsul.config).
+KL_BUCKETS = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
+
+
+@dataclass
+class AuditStats:
+    """What the audit has recorded: a histogram of KL values (counts per bucket's upper bound,
+    not cumulative; the last is past every bound), their sum and count, and the skips."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(KL_BUCKETS) + 1))
+    kl_sum: float = 0.0
+    audited: int = 0
+    skipped: int = 0  # picked while the queue was full
+
+    def record(self, kl: float) -> None:
+        self.counts[int(np.searchsorted(KL_BUCKETS, kl, side="left"))] += 1
+        self.kl_sum += kl
+        self.audited += 1
+
+
+class PicAudit:
+    """Picks served requests at ``rate`` (seeded), holds at most ``queue`` of them, and
+    recomputes one per :meth:`run`."""
+
+    def __init__(self, rate: float, *, queue: int = 4, seed: int = 0) -> None:
+        if not 0 <= rate <= 1:
+            raise ValueError(f"audit rate must be in [0, 1], got {rate}")
+        self.rate = rate
+        self._pending: deque[tuple[np.ndarray, torch.Tensor]] = deque()
+        self._room = queue
+        self._rng = random.Random(seed)
+        self.stats = AuditStats()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def consider(self, prompt: np.ndarray, served: torch.Tensor, pic_tokens: int) -> None:
+        """A request's prompt and the first-token logits it was served: kept for an audit if
+        PIC served some of it, the prompt is at most AUDIT_MAX_TOKENS long, and the draw picks
+        it."""
+        if (pic_tokens <= 0 or self.rate <= 0 or len(prompt) > AUDIT_MAX_TOKENS
+                or self._rng.random() >= self.rate):
+            return
+        if len(self._pending) >= self._room:
+            self.stats.skipped += 1
+            return
+        self._pending.append((np.array(prompt, dtype=np.int64), served.detach().float().clone()))
+
+    def run(self, model: MLAModel) -> float | None:
+        """Recompute the oldest kept request and record its KL; None when none is kept."""
+        if not self._pending:
+            return None
+        prompt, served = self._pending.popleft()
+        full = last_logits(model, prompt)
+        log_p = torch.log_softmax(full.double(), dim=-1)
+        log_q = torch.log_softmax(served.to(full.device).double(), dim=-1)
+        kl = float((log_p.exp() * (log_p - log_q)).sum().clamp_min(0.0))
+        self.stats.record(kl)
+        return kl
+
+
+@torch.inference_mode()
+def last_logits(model: MLAModel, prompt: np.ndarray) -> torch.Tensor:
+    """The logits [vocab] after a prompt computed from scratch, with no cache: the model's own
+    forward, keeping only the last token's row for the vocabulary projection."""
+    device = model.lm_head.weight.device
+    x = model.model.embed_tokens(torch.as_tensor(prompt, device=device))
+    positions = torch.arange(len(prompt), device=device)
+    for layer in model.model.layers:
+        x, _ = layer(x, positions, [None], [len(prompt)], None)
+    return model.lm_head(model.model.norm(x[-1:])).float()[0]

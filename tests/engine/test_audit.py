@@ -1,0 +1,110 @@
+"""The live-PIC audit: sampled PIC-served requests recomputed from scratch in idle capacity, their
+first-token KL recorded and exported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import build
+from prometheus_client import generate_latest
+
+from irminsul.config import EngineConfig
+from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.engine.audit import KL_BUCKETS, AuditStats, PicAudit
+from irminsul.model import load_model
+from irminsul.server.async_engine import EngineSnapshot
+from irminsul.server.metrics import ServerMetrics
+
+V = 97
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("audit-model")
+    build("v2_lite_like", path, layers=2)
+    return load_model(path)
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p ‖ q) from logits, in float64 (the reference, written out here)."""
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def shifted(seed: int) -> tuple[np.ndarray, list[int], np.ndarray, list[int]]:
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(0, V, 300)
+    h1, h2 = rng.integers(0, V, 40), rng.integers(0, V, 70)
+    h2[0] = (h1[0] + 1) % V
+    return np.concatenate([h1, doc]), [40], np.concatenate([h2, doc, [3, 4]]), [70, 370]
+
+
+def test_sampling_queue_and_histogram_by_hand(model) -> None:
+    served = torch.zeros(V)
+    never = PicAudit(0.0)
+    never.consider(np.arange(10), served, pic_tokens=100)
+    assert never.pending == 0
+    audit = PicAudit(1.0, queue=2)
+    audit.consider(np.arange(10), served, pic_tokens=0)  # PIC served nothing: nothing to audit
+    assert audit.pending == 0
+    for _ in range(3):
+        audit.consider(np.arange(10), served, pic_tokens=5)
+    assert audit.pending == 2 and audit.stats.skipped == 1
+    stats = AuditStats()
+    for value in (5e-7, 2e-4, 0.015, 0.5, 7.0):
+        stats.record(value)
+    # Buckets ≤ 1e-6, ≤ 3e-4, ≤ 0.02, ≤ 1.0 and past the last bound.
+    want = [0] * (len(KL_BUCKETS) + 1)
+    for bound in (1e-6, 3e-4, 0.02, 1.0):
+        want[KL_BUCKETS.index(bound)] += 1
+    want[-1] += 1
+    assert stats.counts == want and stats.audited == 5
+    assert stats.kl_sum == pytest.approx(5e-7 + 2e-4 + 0.015 + 0.5 + 7.0)
+
+
+def test_idle_scheduler_recomputes_what_pic_served(model) -> None:
+    """rate 1: the request PIC served is kept; once the scheduler is idle, run_audit recomputes
+    it and records KL(full ‖ served) of its first token, which equals the KL between the logits
+    a same-history engine serves and the model's own full forward."""
+    source, rs, target, rt = shifted(3)
+    engine = Engine(model, EngineConfig(slots=3000, mode="live", pic_audit_rate=1.0))
+    scheduler = Scheduler(engine)
+    for prompt, resets in ((source, rs), (target, rt)):
+        scheduler.add(prompt, SamplingParams(max_tokens=2), resets=resets)
+        while scheduler.has_work():
+            scheduler.step()
+        assert not scheduler.run_audit() or prompt is target
+    assert scheduler.audit.stats.audited == 1 and not scheduler.run_audit()
+
+    twin = Engine(model, EngineConfig(slots=3000, mode="live"))
+    seq, _ = twin.prefill(source, rs)
+    twin.finish(seq)
+    seq, served = twin.prefill(target, rt)
+    assert seq.stats.pic_tokens > 200
+    full = model.logits(torch.as_tensor(target))[-1]
+    assert scheduler.audit.stats.kl_sum == pytest.approx(kl(full, served), rel=1e-4, abs=1e-9)
+    assert scheduler.audit.stats.kl_sum > 0
+
+
+def test_off_mode_audits_nothing(model) -> None:
+    source, rs, target, rt = shifted(4)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=3000, mode="off",
+                                                     pic_audit_rate=1.0)))
+    for prompt, resets in ((source, rs), (target, rt)):
+        scheduler.add(prompt, SamplingParams(max_tokens=2), resets=resets)
+        while scheduler.has_work():
+            scheduler.step()
+    assert scheduler.audit.pending == 0 and not scheduler.run_audit()
+
+
+def test_metrics_export_the_kl_histogram() -> None:
+    stats = AuditStats()
+    for value in (2e-4, 2e-4, 0.05):
+        stats.record(value)
+    stats.skipped = 4
+    text = generate_latest(ServerMetrics(lambda: EngineSnapshot(), audit=stats).registry).decode()
+    assert 'irminsul:pic_audit_kl_bucket{le="0.0003"} 2.0' in text
+    assert 'irminsul:pic_audit_kl_bucket{le="+Inf"} 3.0' in text
+    assert "irminsul:pic_audit_kl_count 3.0" in text
+    assert "irminsul:pic_audit_skipped_total 4.0" in text
