@@ -496,9 +496,6 @@ def build_parser() -> argparse.ArgumentParser:
     gate = _command(sub, "gate", "the PIC correctness gate: KL and argmax of PIC and naive reuse "
                                  "against full recomputation on the shipped probes; exit 0 pass, "
                                  "1 refused", tokenizer=False)
-    gate.add_argument("--model", metavar="DIR",
-                      help="Hugging Face checkpoint directory (default: the embedded default "
-                           "model)")
     gate.add_argument("--json", metavar="OUT", help="write the result as JSON")
     gate.add_argument("--tokens", type=int, default=GATE.tokens,
                       help=f"continuation tokens per probe (default {GATE.tokens})")
@@ -507,10 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--cache-dir", metavar="DIR", default=GATE.cache_dir,
                       help="where results are cached per checkpoint hash (default "
                            "$XDG_CACHE_HOME/irminsul/gate, else ~/.cache/irminsul/gate)")
-    gate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                      help="torch device to run the model on (default cpu)")
-    gate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="weights and KV (default float32)")
+    _run_model_options(gate)
     gate.set_defaults(func=cmd_gate)
 
     study = _command(sub, "study", "the paper's studies on a model: position-invariance AUC "
@@ -520,9 +514,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="roc: AUC of c_KV, k_r and the row per layer (§5); sink: W and S "
                             "by chunk position and tail mass to [0, 32) under PIC, naive and "
                             "fresh (§7.1); consistency: Table 2 over the five workloads")
-    study.add_argument("--model", metavar="DIR",
-                       help="Hugging Face checkpoint directory (default: the embedded default "
-                            "model)")
     study.add_argument("--out", default=".", metavar="DIR",
                        help="where to write <study>.json and <study>.png (default: .)")
     study.add_argument("--blocks", type=int, default=None,
@@ -536,10 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--tokens", type=int, default=None,
                        help="consistency: continuation tokens per request (default 8)")
     study.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    study.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                       help="torch device to run the model on (default cpu)")
-    study.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="weights and KV (default float32)")
+    _run_model_options(study)
     study.set_defaults(func=cmd_study)
 
     bench_p = _command(sub, "bench", "replay workloads against the engine per cache mode; "
@@ -632,6 +620,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "a fetch's bytes over the measured link bandwidth are weighed")
     serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _run_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model a measuring command (gate, study) runs, and where."""
+    parser.add_argument("--model", metavar="DIR|REPO",
+                        help="Hugging Face checkpoint directory or Hub repo id[@revision] "
+                             "(default: the embedded default model)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="torch device to run the model on (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV (default float32)")
 
 
 def _model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> None:
