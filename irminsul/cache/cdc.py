@@ -228,6 +228,37 @@ def window_fingerprints(tokens: Iterable[int] | np.ndarray, width: int, *,
     return splitmix64(h ^ np.uint64(seed & (2**64 - 1)))
 
 
+def tiled_window_fingerprints(tokens: Iterable[int] | np.ndarray, width: int, *,
+                              seed: int = 0) -> np.ndarray:
+    """:func:`window_fingerprints` of the whole windows at offsets 0, width, 2·width, … only
+    (what the registry indexes of a chunk): the same polynomial, summed per tile instead of
+    built for every offset by doubling."""
+    if width < 1 or width & (width - 1):
+        raise ValueError(f"window width must be a power of two, got {width}")
+    arr = as_token_array(tokens)
+    whole = arr.size // width
+    if not whole:
+        return np.zeros(0, dtype=np.uint64)
+    gear = _GEAR.lookup(arr[:whole * width], np.uint64).reshape(whole, width)
+    with np.errstate(over="ignore"):  # arithmetic mod 2**64, as the doubling's
+        h = (gear * _powers(width)).sum(axis=1, dtype=np.uint64)
+    return splitmix64(h ^ np.uint64(seed & (2**64 - 1)))
+
+
+_POWERS: dict[int, np.ndarray] = {}
+
+
+def _powers(width: int) -> np.ndarray:
+    """P**(width-1-i) mod 2**64 for i < width: a window's term weights, first token highest."""
+    if width not in _POWERS:
+        out, p = [], 1
+        for _ in range(width):
+            out.append(p)
+            p = p * _POLY % (1 << 64)
+        _POWERS[width] = np.array(out[::-1], dtype=np.uint64)
+    return _POWERS[width]
+
+
 def namespace_seed(*parts: str) -> int:
     """A 64-bit fingerprint seed for a namespace (model id, tenant salt, ...)."""
     return xxhash.xxh64_intdigest("\x1f".join(parts).encode("utf-8"))

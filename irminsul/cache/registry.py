@@ -10,7 +10,7 @@ Keys are ``(namespace, fingerprint)``; the namespace is the fingerprint seed (mo
 content registered under one namespace is invisible to every other.
 
 S1 sub-windows (paper Appendix G). When a chunk is registered, each whole ``window``-token slice at
-offsets 0, w, 2w, ... from the chunk start is indexed too, by ``cdc.window_fingerprints``,
+offsets 0, w, 2w, ... from the chunk start is indexed too, by ``cdc.tiled_window_fingerprints``,
 pointing into the chunk's entry. On a chunk miss the planner fingerprints the missed chunk's
 windows at *every* offset and takes the hits left to right, so any registered window that reappears
 anywhere inside a missed chunk is found, whatever the chunk boundaries around it did.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cdc import Fingerprinter, window_fingerprints
+from .cdc import Fingerprinter, tiled_window_fingerprints
 
 HEAD_CANDIDATES = 8  # registered chunks compared per head lookup, newest first
 
@@ -179,7 +179,7 @@ class Registry:
         whole = tokens.size // self.window if probes else 0
         if whole:
             table = self._windows.setdefault(namespace, {})
-            fps = window_fingerprints(tokens, self.window, seed=namespace)[::self.window][:whole]
+            fps = tiled_window_fingerprints(tokens, self.window, seed=namespace)
             for k, fp in enumerate(fps.tolist()):
                 table.setdefault(fp, []).append((entry, k * self.window))
                 entry.window_keys.append(fp)

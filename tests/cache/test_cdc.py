@@ -457,3 +457,30 @@ def test_fingerprinter_spans_equal_xxhash_of_uint32_tokens():
     for start, end in ((0, 5), (1, 3), (4, 5)):
         raw = b"".join(int(t).to_bytes(4, "little") for t in tokens[start:end])
         assert fp(start, end) == xxhash.xxh64_intdigest(raw, 9)
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 32, 128])
+def test_tiled_window_fingerprints_are_the_sliding_ones_at_each_tile(width: int) -> None:
+    """The registry's tiled windows: the sliding fingerprints at offsets 0, w, 2w, ..., and the
+    polynomial of the gear values written out in Python integers."""
+    from irminsul.cache.cdc import (
+        _GEAR,
+        _POLY,
+        splitmix64,
+        tiled_window_fingerprints,
+        window_fingerprints,
+    )
+
+    rng = np.random.default_rng(width)
+    tokens = rng.integers(0, 50_000, 5 * width + 3)
+    seed = 987_654_321
+    tiled = tiled_window_fingerprints(tokens, width, seed=seed)
+    whole = tokens.size // width
+    assert tiled.size == whole
+    assert np.array_equal(tiled, window_fingerprints(tokens, width, seed=seed)[::width][:whole])
+    gear = [int(g) for g in _GEAR.lookup(tokens, np.uint64)]
+    for k in range(whole):
+        h = sum(gear[k * width + i] * pow(_POLY, width - 1 - i, 1 << 64)
+                for i in range(width)) % (1 << 64)
+        assert int(tiled[k]) == int(splitmix64(np.array([h ^ seed], dtype=np.uint64))[0])
+    assert tiled_window_fingerprints(tokens[:width - 1], width).size == 0
