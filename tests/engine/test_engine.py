@@ -678,7 +678,9 @@ def colliding(monkeypatch):
 
     monkeypatch.setattr(planner_module, "fingerprints", fingerprints)
     monkeypatch.setattr(planner_module, "window_fingerprints", window_fingerprints)
-    monkeypatch.setattr(registry_module, "window_fingerprints", window_fingerprints)
+    monkeypatch.setattr(registry_module, "tiled_window_fingerprints",
+                        lambda tokens, width, *, seed=0: np.zeros(len(tokens) // width,
+                                                                  dtype=np.uint64))
 
 
 def test_fingerprint_collisions_never_serve_wrong_kv(model3, colliding) -> None:
