@@ -158,17 +158,22 @@ class MLAttention(nn.Module):
         """Tokens at ``positions`` (any order, any gaps) against a sequence's rows ``keys`` of
         positions 0..last, in the naive form, each seeing the rows at or before its position;
         [T, H, V]."""
-        w_uk, w_uv = self._weights()
-        c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
-        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
-                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
-        v = torch.matmul(c, w_uv.transpose(1, 2))
+        k, v = self._per_head(keys)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         seen = torch.arange(keys.shape[0], device=keys.device)[None, :] <= positions[:, None]
         with sdpa_kernel(SDPA_NO_PLANS if keys.is_cuda else SDPA_ANY):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=seen,
                                                  scale=self.scale)
         return out[0].transpose(0, 1)
+
+    def _per_head(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The naive form's keys [H, L, nope + rope] and values [H, L, v] of latent rows
+        ``keys`` [L, rank + rope]: c_KV expanded per head, k_r shared by every head."""
+        w_uk, w_uv = self._weights()
+        c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
+        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
+                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
+        return k, torch.matmul(c, w_uv.transpose(1, 2))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
                 context: torch.Tensor | None, absorbed: bool | None) -> torch.Tensor:
@@ -177,13 +182,13 @@ class MLAttention(nn.Module):
         n_new, n_ctx = rows.shape[0], keys.shape[0] - rows.shape[0]
         # Token i sees every context row and new rows 0..i: plain causal attention without
         # context, causal aligned to the last key with it.
-        w_uk, w_uv = self._weights()
-        c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
         if absorbed if absorbed is not None else 0 < n_ctx and n_new < self.naive_from:
             # One shared KV head: fold the query heads into the query length (rows h*T + t) and
             # run single-head attention, so the 576-wide keys are never expanded per head. Folded
             # rows need an explicit mask (token i sees the context and new rows 0..i); a single
             # new token sees everything and needs none.
+            w_uk, w_uv = self._weights()
+            c = keys[:, :self.rank]
             q = torch.cat([self._absorb(q_nope, w_uk), q_rope], dim=-1)
             folded = None if n_new == 1 else torch.ones(
                 n_new, keys.shape[0], dtype=torch.bool, device=rows.device).tril(n_ctx).repeat(
@@ -207,12 +212,7 @@ class MLAttention(nn.Module):
         # of SDPA_ALIGN bound the plans, and they come last, so no real row sees them.
         cudnn = square and keys.is_cuda and keys.shape[0] >= CUDNN_FROM
         extra = -keys.shape[0] % SDPA_ALIGN if cudnn else 0
-        if extra:
-            keys = F.pad(keys, (0, 0, 0, extra))
-            c, k_r = keys.split([self.rank, self.rope_dim], dim=-1)
-        k = torch.cat([torch.matmul(c, w_uk.transpose(1, 2)),
-                       k_r[None].expand(self.heads, -1, -1)], dim=-1)
-        v = torch.matmul(c, w_uv.transpose(1, 2))
+        k, v = self._per_head(F.pad(keys, (0, 0, 0, extra)) if extra else keys)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         if pad or extra:
             q = torch.cat([q.new_zeros(self.heads, pad, q.shape[-1]), q,
