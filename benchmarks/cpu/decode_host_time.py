@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from common import TINY, run_metadata  # noqa: E402
+from decode import _stub_forward  # noqa: E402
 
 from irminsul.config import EngineConfig  # noqa: E402
 from irminsul.engine import Engine, SamplingParams, Scheduler  # noqa: E402
@@ -54,11 +55,10 @@ def decode_cell(batch: int, context: int, steps: int, warmup: int) -> dict[str, 
         scheduler.add(rng.integers(0, vocab, context), SamplingParams(max_tokens=total))
     runner = engine.runner
     # Prefill without computing it: every request's first token from random logits.
-    runner.forward = lambda batch, *, all_logits=False: [torch.randn(1, vocab)  # noqa: E731
-                                                         for _ in batch.positions]
+    undo = _stub_forward(scheduler, vocab)
     while scheduler.waiting or any(r.state == "prefill" for r in scheduler.running):
         scheduler.step()
-    del runner.forward
+    undo()
     # Decode through the graph path, with its replays and the logits head stubbed: the engine
     # builds every input a replay reads (off a GPU the graphs' buffer is host memory).
     runner.kernels = True
