@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from ..config import MODES, EngineConfig
 from ..engine import Engine
+from ..engine.audit import kl_per_step
 from ..model import MLAModel
 from ..traffic.prompt import Prompt
-from .consistency import kl_per_step
 
 
 def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,

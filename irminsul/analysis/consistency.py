@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from ..device import upload
 from ..engine import Engine, ModelRunner
+from ..engine.audit import kl_per_step
 from ..engine.batch import Reuse
 from ..model import MLAModel
 from ..traffic.logs import Request
@@ -72,13 +73,6 @@ def full_continuation(model: MLAModel, prompt: np.ndarray,
         rows = [torch.cat([r, new]) for r, new in zip(rows, out.latents)]
         logits.append(out.logits[-1])
     return continuation, torch.stack(logits)
-
-
-def kl_per_step(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) at each row, in float64 so that float noise does not swamp near-zero values."""
-    log_p = torch.log_softmax(p_logits.double(), dim=-1)
-    log_q = torch.log_softmax(q_logits.double(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
 
 
 def serve(engine: Engine, prompt: Prompt, continuation: list[int],

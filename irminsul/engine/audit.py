@@ -79,11 +79,16 @@ class PicAudit:
             return None
         prompt, served = self._pending.popleft()
         full = last_logits(model, prompt)
-        log_p = torch.log_softmax(full.double(), dim=-1)
-        log_q = torch.log_softmax(served.to(full.device).double(), dim=-1)
-        kl = float((log_p.exp() * (log_p - log_q)).sum().clamp_min(0.0))
+        kl = float(kl_per_step(full[None], served.to(full.device)[None])[0])
         self.stats.record(kl)
         return kl
+
+
+def kl_per_step(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) at each row, in float64 so that float noise does not swamp near-zero values."""
+    log_p = torch.log_softmax(p_logits.double(), dim=-1)
+    log_q = torch.log_softmax(q_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
 
 
 @torch.inference_mode()
