@@ -51,10 +51,23 @@ class CacheConfig:
     # Repair (live): the first this many tokens of every reused run are computed instead of
     # reused, EPIC-style (benchmarks/cpu/repair.py measures KL and argmax against it).
     recompute_head: int = 0
+    # Repair (live), CacheBlend-style on the latent: this share of a prompt's reused tokens, those
+    # whose c_KV at layer recompute_check_layer deviates most from a fresh computation (a check
+    # forward of the prompt through the layers below it), is computed instead of reused
+    # (irminsul/engine/repair.py; benchmarks/cpu/repair.py measures it).
+    recompute_share: float = 0.0
+    # Layer 1 is the first whose c_KV depends on context (layer 0's rows are the token's own),
+    # and the cheapest check: one layer of a fresh prefill.
+    recompute_check_layer: int = 1
 
     def __post_init__(self) -> None:
         if self.recompute_head < 0:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
+        if not 0.0 <= self.recompute_share <= 1.0:
+            raise ValueError(f"recompute_share must be in [0, 1], got {self.recompute_share}")
+        if self.recompute_check_layer < 1:
+            raise ValueError(f"recompute_check_layer must be >= 1, got "
+                             f"{self.recompute_check_layer}")
         if not 1 <= self.mask_bits <= 30:
             raise ValueError(f"mask_bits must be in [1, 30], got {self.mask_bits}")
         if not 1 <= self.min_chunk <= self.max_chunk:

@@ -29,6 +29,7 @@ from ..cache.planner import Planner
 from ..config import CacheConfig, Mode
 from .batch import ForwardBatch, Reuse
 from .kv_pool import KVPool, PoolExhausted, unpack
+from .repair import Deviation, recompute_deviating, recompute_heads
 from .sequence import Prefill, Sequence, Stretch
 
 if TYPE_CHECKING:
@@ -45,7 +46,12 @@ class CacheManager:
         model's context in tokens, the longest prompt a plan takes."""
         self.mode, self.pool, self.context = mode, pool, context
         self.planner = Planner(config, pic=mode != "off")
+        # Repair (live only; :mod:`.repair`): the heads of reused runs, and the share of reused
+        # tokens whose c_KV deviates most, computed instead. The check forward that measures
+        # the deviation needs the model: the engine gives it (latent_check).
         self.recompute_head = config.recompute_head if mode == "live" else 0
+        self.recompute_share = config.recompute_share if mode == "live" else 0.0
+        self.latent_check: Deviation | None = None
         self.sequences: list[Sequence] = []
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
         # register when they complete: how a new plan knows what it could wait for.
@@ -207,7 +213,10 @@ class CacheManager:
             if kind == "reuse":
                 stretches[-1][3].append(seg)
         if self.recompute_head:
-            stretches = self._repair_heads(stretches, self.recompute_head)
+            stretches = recompute_heads(stretches, self.recompute_head)
+        if self.recompute_share and self.latent_check is not None:
+            stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
+                                            self.latent_check)
         kind, start, end, hits = stretches[-1]
         if kind != "compute":
             if kind == "reuse":
@@ -215,28 +224,6 @@ class CacheManager:
             stretches[-1] = [kind, start, end - 1, [h for h in hits if h.size]]
             stretches.append(["compute", end - 1, end, []])
         return deque(Stretch(*stretch) for stretch in stretches)
-
-    @staticmethod
-    def _repair_heads(stretches: list[list], k: int) -> list[list]:
-        """The first ``k`` tokens of every reused run computed instead (EPIC's repair: a reused
-        run's first tokens are where its rows differ most from those this prompt's context would
-        give, having attended to another prefix), the rest still reused."""
-        out: list[list] = []
-        for kind, start, end, hits in stretches:
-            if kind != "reuse":
-                out.append([kind, start, end, hits])
-                continue
-            cut = min(end, start + k)
-            if out and out[-1][0] == "compute":
-                out[-1][2] = cut
-            else:
-                out.append(["compute", start, cut, []])
-            # Hits past the cut keep their δ: start and offset move together.
-            kept = [h._replace(start=max(h.start, cut), offset=h.offset + max(0, cut - h.start))
-                    for h in hits if h.end > cut]
-            if cut < end:
-                out.append(["reuse", cut, end, kept])
-        return out
 
     def _share(self, seq: Sequence, hits: list[Segment]) -> tuple[np.ndarray, Reuse]:
         """Consecutive hits' tokens as handles sharing their c_KV slots (owed to ``seq``) with

@@ -19,6 +19,7 @@ from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, resolve_backend
+from .repair import LatentCheck
 from .sequence import Prefill, Sequence
 
 Work = list[tuple[Sequence, np.ndarray, np.ndarray]]  # (sequence, tokens, positions) items
@@ -45,6 +46,9 @@ class Engine:
         scratch = tuple(int(s[0]) for s in unpack(self.pool.reserved)) if graphs else None
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
                              rotation=config.mode == "live", scratch=scratch)
+        if config.mode == "live" and config.cache.recompute_share:  # CacheBlend-style repair
+            self.cache.latent_check = LatentCheck(model, self.pool.ckv,
+                                                  config.cache.recompute_check_layer)
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -1,0 +1,153 @@
+"""Repair on the latent: which reused tokens of a prompt are computed instead of reused.
+
+A reused row was computed after another prompt's context. Its c_KV at layer 0 depends on the
+token alone (and k_r, rotated by δ, on token and position), so it is exact; from layer 1 on it
+carries that other context. Repair computes some reused tokens in this prompt's context after
+all; the rest stay reused. Two rules, both :class:`~irminsul.config.CacheConfig` knobs, both
+applied to the plan's stretches before anything is served (so admission counts what they
+compute):
+
+* **heads** (``recompute_head`` = k, EPIC-style): the first k tokens of every reused run, where a
+  run's rows differ most from what this context would give, having attended to another prefix.
+* **deviating** (``recompute_share`` = r, CacheBlend-style on c_KV): the share r of the reused
+  tokens whose c_KV at layer ``recompute_check_layer`` (1) deviates most from a fresh
+  computation. :class:`LatentCheck` runs the check forward: the prompt up to its last reused
+  token through the layers below the check layer, from scratch — exact, since every row below
+  layer 1 is a function of token and position, and ``1/num_layers`` of a fresh prefill at the
+  default layer — and takes the L2 distance between each reused token's fresh c_KV at the check
+  layer and the cached one it would be served. The tokens with the largest distances, ``floor(r ·
+  reused)`` of them, are computed.
+
+The stretches are the cache manager's ``[kind, start, end, hits]`` lists (kind "prefix",
+"reuse" or "compute"; a reuse's hits are the plan's segments it serves, trimmed to its tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..cache.plan import Segment
+from ..device import upload
+from ..model import MLAModel
+from .kv_pool import unpack
+
+# (prompt, reused positions, their cached c_KV slots) -> one deviation per position
+Deviation = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def recompute_heads(stretches: list[list], k: int) -> list[list]:
+    """The first ``k`` tokens of every reused run computed instead (EPIC's repair), the rest
+    still reused."""
+    out: list[list] = []
+    for kind, start, end, hits in stretches:
+        if kind != "reuse":
+            out.append([kind, start, end, hits])
+            continue
+        cut = min(end, start + k)
+        if out and out[-1][0] == "compute":
+            out[-1][2] = cut
+        else:
+            out.append(["compute", start, cut, []])
+        if cut < end:
+            out.append(["reuse", cut, end, _trimmed(hits, cut, end)])
+    return out
+
+
+def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,
+                        deviation: Deviation) -> list[list]:
+    """The ``floor(share · reused)`` reused tokens with the largest ``deviation`` computed
+    instead (CacheBlend's selection, on c_KV); ties go to the earlier position."""
+    positions, slots = reused_rows(stretches)
+    count = int(share * positions.size)
+    if count == 0:
+        return stretches
+    scores = np.asarray(deviation(prompt, positions, slots), dtype=np.float64)
+    order = np.argsort(-scores, kind="stable")  # stable: equal scores keep position order
+    return recompute_at(stretches, positions[order[:count]])
+
+
+def reused_rows(stretches: list[list]) -> tuple[np.ndarray, np.ndarray]:
+    """The positions the reuse stretches serve and the c_KV slots of the rows they serve there."""
+    positions, slots = [], []
+    for kind, _, _, hits in stretches:
+        if kind != "reuse":
+            continue
+        for hit in hits:
+            positions.append(np.arange(hit.start, hit.end))
+            slots.append(unpack(hit.entry.handles[hit.offset:hit.offset + hit.size])[0])
+    if not positions:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(positions), np.concatenate(slots)
+
+
+def recompute_at(stretches: list[list], picked: np.ndarray) -> list[list]:
+    """The stretches with the reused tokens at ``picked`` positions computed instead: each
+    reuse stretch split around them, computed neighbours fused into one stretch."""
+    picked = np.unique(np.asarray(picked, dtype=np.int64))
+    out: list[list] = []
+
+    def add(kind: str, start: int, end: int, hits: list[Segment]) -> None:
+        if start >= end:
+            return
+        if kind == "compute" and out and out[-1][0] == "compute" and out[-1][2] == start:
+            out[-1][2] = end
+        else:
+            out.append([kind, start, end, hits])
+
+    for kind, start, end, hits in stretches:
+        lo, hi = np.searchsorted(picked, [start, end])
+        if kind != "reuse" or lo == hi:
+            add(kind, start, end, hits)
+            continue
+        inside = picked[lo:hi]
+        cursor = start
+        for run in np.split(inside, np.flatnonzero(np.diff(inside) != 1) + 1):
+            first, stop = int(run[0]), int(run[-1]) + 1
+            add("reuse", cursor, first, _trimmed(hits, cursor, first))
+            add("compute", first, stop, [])
+            cursor = stop
+        add("reuse", cursor, end, _trimmed(hits, cursor, end))
+    return out
+
+
+def _trimmed(hits: list[Segment], start: int, end: int) -> list[Segment]:
+    """The hits' parts within prompt tokens [start, end); each keeps its δ (start and offset
+    move together)."""
+    return [h._replace(start=max(h.start, start), end=min(h.end, end),
+                       offset=h.offset + max(0, start - h.start))
+            for h in hits if h.start < end and h.end > start]
+
+
+class LatentCheck:
+    """The check forward of CacheBlend-style repair: reused tokens' fresh c_KV at one layer,
+    against the cached c_KV the pool would serve them."""
+
+    def __init__(self, model: MLAModel, ckv: torch.Tensor, layer: int = 1) -> None:
+        """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layer``: the check
+        layer (1 is the first whose c_KV depends on context)."""
+        layers = model.config.num_hidden_layers
+        if not 1 <= layer < layers:
+            raise ValueError(f"recompute_check_layer must be in [1, {layers - 1}] for a model "
+                             f"of {layers} layers, got {layer}")
+        self.model, self.ckv, self.layer = model, ckv, layer
+
+    @torch.inference_mode()
+    def __call__(self, prompt: np.ndarray, positions: np.ndarray,
+                 ckv_slots: np.ndarray) -> np.ndarray:
+        """‖fresh c_KV − cached c_KV‖₂ at the check layer for each reused position (float64)."""
+        body = self.model.model
+        device = self.ckv.device
+        length = int(positions.max()) + 1
+        at = torch.arange(length, device=device)
+        x = body.embed_tokens(upload(prompt[:length], device))
+        for layer in body.layers[:self.layer]:  # from scratch: no cached row is read
+            x, _ = layer(x, at, [None], [length], None)
+        check = body.layers[self.layer]
+        where = upload(positions, device)
+        fresh = check.self_attn.latent(check.input_layernorm(x[where]), where)
+        fresh = fresh[:, :self.ckv.shape[2]].float()
+        cached = self.ckv[self.layer, upload(ckv_slots, device)].float()
+        return torch.linalg.vector_norm(fresh - cached, dim=-1).double().cpu().numpy()

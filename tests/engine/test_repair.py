@@ -1,0 +1,202 @@
+"""CacheBlend-style repair (``CacheConfig.recompute_share``) against references without the
+engine: which reused tokens it picks, checked against deviations computed from the model's own
+full forwards of both prompts; what it serves, checked against a hand-assembled cache (computed
+runs by ``model.forward`` over the rows so far, reused runs the source's rows with k_r rotated by
+δ); and that the scheduler's admission path repairs the same tokens.
+
+Tiny random DeepSeek-V3-like checkpoint (vocab 97, hidden 64, three layers, MoE in layers 1-2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import build
+
+from irminsul.config import CacheConfig, EngineConfig
+from irminsul.engine import Engine
+from irminsul.engine.kv_pool import unpack
+from irminsul.engine.repair import LatentCheck
+from irminsul.engine.sampler import SamplingParams
+from irminsul.engine.scheduler import Scheduler
+from irminsul.model import load_model
+
+V = 97
+H1, H2, DOC_A, DOC_B, QUESTION = 40, 75, 300, 250, 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model3(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v3_3layer_repair")
+    build("v3_like", directory, layers=3)
+    return load_model(directory)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Source: header 40, doc A, doc B; target: header 75, doc B, doc A, a question (resets at
+    document starts). ``source_of(p)``: where target position p's token sits in the source."""
+    rng = np.random.default_rng(11)
+    a, b = rng.integers(0, V, DOC_A), rng.integers(0, V, DOC_B)
+    h1, h2 = rng.integers(0, V, H1), rng.integers(0, V, H2)
+    h2[0] = (h1[0] + 1) % V
+    source = np.concatenate([h1, a, b])
+    target = np.concatenate([h2, b, a, rng.integers(0, V, QUESTION)])
+
+    def source_of(p: int) -> int:
+        if H2 <= p < H2 + DOC_B:
+            return p - H2 + H1 + DOC_A
+        assert H2 + DOC_B <= p < H2 + DOC_B + DOC_A, p
+        return p - H2 - DOC_B + H1
+
+    return source, [H1, H1 + DOC_A], target, [H2, H2 + DOC_B, H2 + DOC_B + DOC_A], source_of
+
+
+def planned(model, docs, share: float):
+    """An engine that served the source, and the target's prefill planned (not yet served)."""
+    source, source_resets, target, target_resets, _ = docs
+    engine = Engine(model, EngineConfig(slots=4000, mode="live",
+                                        cache=CacheConfig(recompute_share=share)))
+    seq, _ = engine.prefill(source, source_resets)
+    engine.finish(seq)
+    return engine, engine.start_prefill(target, target_resets)
+
+
+def positions_of(prefill, kind: str) -> set[int]:
+    return {p for k, start, end, _ in prefill.stretches if k == kind for p in range(start, end)}
+
+
+def reference_deviation(model, docs, positions) -> np.ndarray:
+    """‖c_KV at layer 1 of the target's full forward − that of the source's‖ per position."""
+    source, _, target, _, source_of = docs
+    rank = model.config.kv_lora_rank
+    src = model.forward(torch.as_tensor(source), torch.arange(len(source))).latents[1][:, :rank]
+    tgt = model.forward(torch.as_tensor(target), torch.arange(len(target))).latents[1][:, :rank]
+    at = torch.as_tensor(positions)
+    back = torch.as_tensor([source_of(int(p)) for p in positions])
+    return torch.linalg.vector_norm(tgt[at] - src[back], dim=-1).double().numpy()
+
+
+def test_check_forward_equals_the_full_forwards_deviation(model3, docs) -> None:
+    """LatentCheck's deviation of every reused row equals the one from both prompts' full
+    forwards."""
+    engine, prefill = planned(model3, docs, 0.0)
+    hits = [h for k, _, _, hs in prefill.stretches if k == "reuse" for h in hs]
+    positions = np.concatenate([np.arange(h.start, h.end) for h in hits])
+    slots = np.concatenate([unpack(h.entry.handles[h.offset:h.offset + h.size])[0] for h in hits])
+    got = LatentCheck(model3, engine.pool.ckv)(docs[2], positions, slots)
+    want = reference_deviation(model3, docs, positions)
+    assert positions.size > 400 and want.min() > 0  # context changed every row at layer 1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    engine.abort_prefill(prefill)
+    engine.check()
+
+
+@pytest.mark.parametrize("share", [0.05, 0.15])
+def test_repair_computes_the_most_deviating_reused_tokens(model3, docs, share: float) -> None:
+    """recompute_share=r computes floor(r · reused) of the unrepaired plan's reused tokens, the
+    ones the reference ranks highest (up to float noise at the cut), and reuses the rest."""
+    engine, prefill = planned(model3, docs, 0.0)
+    reused = np.array(sorted(positions_of(prefill, "reuse")))
+    engine.abort_prefill(prefill)
+    engine, prefill = planned(model3, docs, share)
+    computed = positions_of(prefill, "compute") & set(reused.tolist())
+    assert len(computed) == int(share * reused.size) > 0
+    assert positions_of(prefill, "reuse") == set(reused.tolist()) - computed
+    deviation = dict(zip(reused.tolist(), reference_deviation(model3, docs, reused)))
+    lowest_picked = min(deviation[p] for p in computed)
+    highest_left = max(deviation[p] for p in set(reused.tolist()) - computed)
+    assert lowest_picked >= highest_left - 1e-4 * highest_left
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        engine.run_batch([(prefill.seq, *span)])
+    engine.complete_prefill(prefill)
+    stats = prefill.seq.stats
+    assert stats.pic_tokens == reused.size - len(computed)
+    assert stats.pic_tokens + stats.prefilled_tokens + stats.prefix_tokens == len(docs[2])
+    engine.finish(prefill.seq)
+    engine.check()
+
+
+def assembled_logits(model, docs, computed: set[int], reused: set[int]) -> torch.Tensor:
+    """The target's last logits with ``reused`` positions served the source's full-forward rows
+    (k_r rotated by δ) and every other position computed by model.forward over the rows so far:
+    the cache repair should serve, built without the engine."""
+    source, _, target, _, source_of = docs
+    rank = model.config.kv_lora_rank
+    src_rows = model.forward(torch.as_tensor(source), torch.arange(len(source))).latents
+    rows: list[torch.Tensor] | None = None
+    labels = ["reuse" if p in reused else "compute" for p in range(len(target))]
+    start, logits = 0, None
+    while start < len(target):
+        end = start
+        while end < len(target) and labels[end] == labels[start]:
+            end += 1
+        if labels[start] == "compute":
+            out = model.forward(torch.as_tensor(target[start:end]), torch.arange(start, end), rows)
+            new, logits = out.latents, out.logits
+        else:
+            back = [source_of(p) for p in range(start, end)]
+            deltas = torch.as_tensor([p - q for p, q in zip(range(start, end), back)])
+            new = [torch.cat([layer[back, :rank],
+                              model.rotary.rotate(layer[back, rank:], deltas)], dim=-1)
+                   for layer in src_rows]
+        rows = new if rows is None else [torch.cat([r, n]) for r, n in zip(rows, new)]
+        start = end
+    return logits[-1]
+
+
+@pytest.mark.parametrize("share", [0.1, 1.0])
+def test_repaired_prefill_serves_the_assembled_cache(model3, docs, share: float) -> None:
+    """The served logits equal those of the hand-assembled cache with the engine's picks
+    computed; at share 1 nothing is reused and they are full recomputation's."""
+    engine, prefill = planned(model3, docs, share)
+    computed, reused = positions_of(prefill, "compute"), positions_of(prefill, "reuse")
+    assert not positions_of(prefill, "prefix")
+    logits = None
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        logits = engine.run_batch([(prefill.seq, *span)])[0][-1]
+    engine.complete_prefill(prefill)
+    want = (model3.logits(torch.as_tensor(docs[2]))[-1] if share == 1.0
+            else assembled_logits(model3, docs, computed, reused))
+    assert (bool(reused) and share < 1) or (not reused and share == 1.0)
+    assert (logits - want).abs().max() <= 1e-4 * want.abs().max()
+    engine.finish(prefill.seq)
+    engine.check()
+
+
+def test_scheduler_admits_the_repaired_plan(model3, docs) -> None:
+    """Served through the scheduler (which plans through the cache manager directly), the same
+    tokens are repaired: the reused count is the unrepaired one less floor(r · reused)."""
+    source, source_resets, target, target_resets, _ = docs
+    counts = []
+    for share in (0.0, 0.1):
+        engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                             cache=CacheConfig(recompute_share=share)))
+        scheduler = Scheduler(engine)
+        for prompt, resets in ((source, source_resets), (target, target_resets)):
+            scheduler.add(prompt.tolist(), SamplingParams(max_tokens=2), resets=resets)
+            stats = None
+            while scheduler.has_work():
+                for out in scheduler.step():
+                    stats = out.stats or stats
+        counts.append(stats.pic_tokens)
+        engine.check()
+    assert counts[1] == counts[0] - int(0.1 * counts[0]) and counts[0] > 400
+
+
+def test_check_layer_must_have_a_layer_below_it(model3) -> None:
+    with pytest.raises(ValueError, match="recompute_check_layer"):
+        Engine(model3, EngineConfig(slots=100, mode="live",
+                                    cache=CacheConfig(recompute_share=0.1,
+                                                      recompute_check_layer=3)))
+    with pytest.raises(ValueError, match="recompute_share"):
+        CacheConfig(recompute_share=1.5)
