@@ -96,6 +96,11 @@ class RadixTree:
         """Tokens in nodes with ``lock_ref == 0``."""
         return self._evictable
 
+    def roots(self) -> dict[int, RadixNode]:
+        """Each namespace's root (a copy of the mapping), for a reader on the tree's own thread
+        that walks the stored edges (the server's published index, irminsul.server.index)."""
+        return dict(self._roots)
+
     def match_prefix(self, tokens: np.ndarray, namespace: int = 0) -> PrefixMatch:
         """Longest stored prefix of ``tokens`` within ``namespace``.
 

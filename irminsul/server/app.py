@@ -6,6 +6,8 @@
     GET  /v1/models             the one served model
     GET  /health                200 while the engine thread serves, 503 otherwise
     GET  /metrics               Prometheus text (see metrics.py)
+    GET  /irminsul/index        the cache's published index for routers (see index.py), since
+                                ``?generation=G&since=V`` when given
 
 Extensions to the OpenAI schema: ``top_k``; ``cache_salt`` (a tenant's private cache namespace:
 requests with different salts never share KV, by prefix or by content); and in ``usage`` an
@@ -38,14 +40,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..cache.cdc import namespace_seed
 from ..config import ServerConfig
 from ..engine import Limits, PromptTooLong
 from ..traffic.render import ChatRenderer
 from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
+from .index import IndexPublisher
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .prompts import PromptTokens, chat_prompt, completion_prompt
+from .prompts import PromptTokens, chat_prompt, completion_prompt, request_namespace
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_json, parse
 
 if TYPE_CHECKING:
@@ -80,8 +82,7 @@ class _Server:
 
     def namespace(self, salt: str | None) -> int:
         """The cache namespace: the model, and the tenant's salt when one is given."""
-        return (namespace_seed(self.model_name) if salt is None
-                else namespace_seed(self.model_name, salt))
+        return request_namespace(self.model_name, salt)
 
     def max_tokens(self, asked: int | None, prompt_tokens: int, default: int) -> int:
         """What the client asked for; by default ``default``, cut to what the context and the
@@ -187,6 +188,22 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    index = IndexPublisher(async_engine)
+
+    @app.get("/irminsul/index")
+    async def published_index(request: Request) -> Response:
+        since = request.query_params.get("since")
+        if since is not None and not since.isdigit():
+            raise RequestError(f"since must be a version number, got {since!r}", param="since",
+                               code="invalid_value")
+        try:
+            digest = await index.digest(request.query_params.get("generation"),
+                                        None if since is None else int(since))
+        except EngineError as err:
+            raise RequestError(str(err), status=503, kind="server_error",
+                               code="engine_unavailable") from err
+        return JSONResponse(digest.to_json())
 
     return app
 
