@@ -19,8 +19,10 @@ from .config import (
     MAX_DEFAULT_SLOTS,
     MODES,
     REPLAY_CAPACITY,
+    ROUTING_POLICIES,
     EngineConfig,
     GateConfig,
+    RouterConfig,
     ServerConfig,
     StoreConfig,
 )
@@ -29,6 +31,7 @@ from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
 
 ENGINE, SERVER, GATE = EngineConfig(), ServerConfig(), GateConfig()  # the defaults --help shows
+ROUTER = RouterConfig()
 DEMO_HEADERS = (50, 250, 1000, 2000)
 # Without --workload, bench and consistency run on this pattern built from the shipped samples:
 # the partition shift where position-independent reuse pays, sized to take about a minute on two
@@ -414,6 +417,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
           **random_weights)
 
 
+def cmd_router(args: argparse.Namespace) -> None:
+    """Route OpenAI requests to the irminsul serve backend that holds most of their tokens."""
+    if args.tokenizer:
+        raise ValueError("the router renders prompts as the backends do, with the model "
+                         "directory's tokenizer and chat template (--model); --tokenizer does "
+                         "not apply to it")
+    from .router.app import serve_router  # the web stack loads only here
+
+    config = RouterConfig(backends=tuple(args.backend), host=args.host, port=args.port,
+                          policy=args.policy, poll_interval_s=args.poll_interval,
+                          queue_weight=args.queue_weight, kv_weight=args.kv_weight,
+                          tie_margin=args.tie_margin)
+    serve_router(config, _model_dir(args))
+
+
 TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with a chat template "
                   "(default: the model's own for bench and consistency, which run a model; else "
                   "the DeepSeek tokenizer with a DeepSeek-V3-style template). serve always uses "
@@ -542,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "irminsul serve per PIC mode (off, live) or a running server: "
                                   "TTFT, TPOT, latency, session time, throughput, cache shares"))
 
+    _router_options(_command(sub, "router", "an OpenAI-compatible proxy that sends each "
+                             "request to the irminsul serve backend holding most of its tokens",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
     serve = _command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API",
                      tokenizer=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--model", metavar="DIR|REPO", default=argparse.SUPPRESS,
@@ -620,6 +642,31 @@ def build_parser() -> argparse.ArgumentParser:
                             "a fetch's bytes over the measured link bandwidth are weighed")
     serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _router_options(parser: argparse.ArgumentParser) -> None:
+    """Options of irminsul router."""
+    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="an irminsul serve backend, http://HOST:PORT; once per backend")
+    parser.add_argument("--model", metavar="DIR|REPO", default=argparse.SUPPRESS,
+                        help="the backends' checkpoint directory or Hub repo id, for its "
+                             "tokenizer and chat template (default: the embedded default model)")
+    parser.add_argument("--host", default=ROUTER.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=ROUTER.port, help="port to listen on")
+    parser.add_argument("--policy", choices=ROUTING_POLICIES, default=ROUTER.policy,
+                        help="content: the exact prefix, then content-defined chunks; prefix: "
+                             "the exact prefix only; round_robin: each backend in turn")
+    parser.add_argument("--poll-interval", type=float, default=ROUTER.poll_interval_s,
+                        metavar="S", help="seconds between polls of each backend's index")
+    parser.add_argument("--queue-weight", type=float, default=ROUTER.queue_weight,
+                        metavar="W", help="score: cost of each request in flight on a backend, "
+                                          "in shares of the prompt served from cache")
+    parser.add_argument("--kv-weight", type=float, default=ROUTER.kv_weight, metavar="W",
+                        help="score: cost of a backend's full KV pool, in shares of the prompt")
+    parser.add_argument("--tie-margin", type=float, default=ROUTER.tie_margin, metavar="M",
+                        help="scores this close to the best tie (then the session's last "
+                             "backend, else a hash of the session or prompt, wins)")
+    parser.set_defaults(func=cmd_router)
 
 
 def _run_model_options(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ shows each default once, taken from here. Each layer takes the config of its own
     GateConfig     the PIC correctness gate (thresholds, probe continuation, result cache)
     ServerConfig   the HTTP server (address, model name, dtype, device) + its engine and gate
     StoreConfig    the shared content store a server publishes to and fetches from (Redis)
+    RouterConfig   the router in front of several servers (backends, policy, score, polling)
 
 ``ALGORITHM1`` is the paper's Algorithm 1 exactly (no head probe, no regions, 128-token S1 windows
 without extension): ``analyze`` replays it as a named strategy beside the engine's default, which
@@ -253,3 +254,68 @@ class ServerConfig:
         if self.max_request_bytes is not None:
             return self.max_request_bytes
         return (1 << 20) + 32 * context
+
+
+RoutingPolicy = Literal["content", "prefix", "round_robin"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("content", "prefix", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router (``irminsul router --backend URL ...``): an OpenAI-compatible proxy that sends
+    each request to the backend whose cache holds most of its tokens, balanced by load
+    (:mod:`irminsul.router`; docs/scale-out.md gives the score).
+
+    A backend's score for a request of n prompt tokens is
+    ``cached / n - queue_weight * queue - kv_weight * kv_usage``: ``cached`` the tokens its
+    published index (plus what this router sent it since) would serve, ``queue`` its requests
+    in flight, ``kv_usage`` its KV pool's share in use. Scores within ``tie_margin`` of the best
+    tie: the session's last backend wins them, else a hash of the session (or prompt)."""
+
+    backends: tuple[str, ...] = ()  # base URLs, http://HOST:PORT
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # content: exact prefix, then chunks; prefix: exact prefix only; round_robin: in turn
+    policy: RoutingPolicy = "content"
+    # One request more in flight costs what 2% of the prompt served from cache gains: on a busy
+    # backend a request waits for the others' prefills.
+    queue_weight: float = 0.02
+    kv_weight: float = 0.05  # a full KV pool costs what 5% of the prompt served gains
+    tie_margin: float = 0.01  # scores this close to the best tie
+    session_header: str = "x-session-id"  # or the body's "user": requests of one session
+    sessions: int = 65_536  # sessions whose last backend is remembered, LRU
+    poll_interval_s: float = 0.5  # each backend's index is polled this often
+    timeout_s: float = 2.0  # an index poll, and connecting to a backend (not a reply's wait)
+    # A backend that refused a connection or a poll is skipped for backoff_s, doubled on each
+    # further failure up to backoff_max_s; then polled again.
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    # Requests sent to a backend whose content its published index does not show yet (their
+    # prefill may still run): counted as cached there until a poll after they end. Most kept:
+    routed: int = 4096
+    max_request_bytes: int = 64 << 20  # larger bodies get 413 before they are read whole
+    render_workers: int = 4  # threads that render and chunk requests off the event loop
+    render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose from "
+                             f"{', '.join(ROUTING_POLICIES)}")
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend URL must be http://HOST:PORT, got {url!r}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"a backend is given twice: {', '.join(self.backends)}")
+        for name in ("queue_weight", "kv_weight", "tie_margin"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("poll_interval_s", "timeout_s", "backoff_s", "backoff_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_s "
+                             f"({self.backoff_s})")
+        for name in ("sessions", "routed", "max_request_bytes", "render_workers",
+                     "render_memo_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

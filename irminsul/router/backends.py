@@ -1,0 +1,146 @@
+"""The router's backends: each one's index view, load, health and backoff, and their polling.
+
+A backend is *up* until a connection to it or a poll of its index fails; then it is skipped for
+``backoff_s``, doubled on each further failure up to ``backoff_max_s``, and polled again when
+that has passed; the first poll that answers brings it back. A backend that answers 404 at
+``/irminsul/index`` (a server without a published index) is up with an empty index: it is
+balanced by load only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from ..config import RouterConfig
+from .digest import Digest, DigestError, Load
+from .metrics import RouterMetrics
+from .view import IndexView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    """One backend as the router sees it. Event loop only."""
+
+    url: str
+    view: IndexView
+    load: Load = field(default_factory=Load)
+    in_flight: int = 0  # requests this router sent and has not seen end
+    up: bool = True
+    failures: int = 0  # consecutive
+    retry_at: float = 0.0  # monotonic seconds: when a backend that is down is polled again
+    last_error: str = ""
+
+    @property
+    def queue(self) -> int:
+        """Requests in flight there: what this router knows of now, or what the backend said
+        at its last poll (other routers' included), whichever is more."""
+        return max(self.in_flight, self.load.running + self.load.waiting)
+
+    def mark_down(self, reason: str, config: RouterConfig, now: float | None = None) -> None:
+        delay = min(config.backoff_max_s, config.backoff_s * 2 ** min(self.failures, 30))
+        if self.up:
+            log.warning("backend %s is down (%s); retrying in %.1f s", self.url, reason, delay)
+        self.up, self.failures, self.last_error = False, self.failures + 1, reason
+        self.retry_at = (time.monotonic() if now is None else now) + delay
+
+    def mark_up(self) -> None:
+        if not self.up:
+            log.warning("backend %s is back", self.url)
+        self.up, self.failures = True, 0
+
+    def to_json(self) -> dict:
+        v = self.view
+        return {"url": self.url, "up": self.up, "failures": self.failures,
+                "last_error": self.last_error, "in_flight": self.in_flight,
+                "load": {"running": self.load.running, "waiting": self.load.waiting,
+                         "kv_usage": self.load.kv_usage},
+                "index": {"generation": v.generation, "version": v.version,
+                          "prefix_blocks": len(v.prefix), "chunks": len(v.chunks),
+                          "routed": v.routed}}
+
+
+class Backends:
+    """The backends in the configured order, and the tasks that poll them."""
+
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient,
+                 metrics: RouterMetrics) -> None:
+        self.config, self.client, self.metrics = config, client, metrics
+        self.all = [Backend(url.rstrip("/"), IndexView(config.routed)) for url in config.backends]
+        self._tasks: list[asyncio.Task] = []
+        self._turn = 0
+        for backend in self.all:
+            metrics.watch(backend)
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(self.all)
+
+    def up(self, exclude: set[str] = frozenset()) -> list[Backend]:
+        return [b for b in self.all if b.up and b.url not in exclude]
+
+    def next_in_turn(self, exclude: set[str] = frozenset()) -> Backend | None:
+        """Round robin over the backends that are up."""
+        for _ in range(len(self.all)):
+            backend = self.all[self._turn % len(self.all)]
+            self._turn += 1
+            if backend.up and backend.url not in exclude:
+                return backend
+        return None
+
+    async def poll(self, backend: Backend) -> None:
+        """Poll one backend's index once; mark it up or down by the outcome."""
+        asked_at = time.monotonic()
+        params = {} if backend.view.generation is None else {
+            "generation": backend.view.generation, "since": str(backend.view.version)}
+        try:
+            response = await self.client.get(f"{backend.url}/irminsul/index", params=params,
+                                             timeout=self.config.timeout_s)
+            if response.status_code == 404:
+                backend.mark_up()  # no published index: balanced by load alone
+                self.metrics.poll(backend.url, "no_index")
+                return
+            response.raise_for_status()
+            digest = Digest.from_json(response.json())
+            backend.view.apply(digest, asked_at)
+        except (httpx.HTTPError, DigestError, ValueError) as err:
+            if isinstance(err, DigestError):  # start again from a full index
+                backend.view.generation = None
+            self.metrics.poll(backend.url, "error")
+            backend.mark_down(f"index poll: {err!r}", self.config)
+            return
+        backend.load = digest.load
+        backend.mark_up()
+        self.metrics.poll(backend.url, "ok")
+
+    async def _poll_forever(self, backend: Backend) -> None:
+        while True:
+            now = time.monotonic()
+            if not backend.up and now < backend.retry_at:
+                await asyncio.sleep(backend.retry_at - now)
+                continue
+            try:
+                await self.poll(backend)
+            except Exception:  # a bug here must not stop the polling of this backend
+                log.exception("polling %s failed", backend.url)
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def start(self) -> None:
+        """Poll every backend once (concurrently), then keep polling them in the background."""
+        await asyncio.gather(*(self.poll(b) for b in self.all))
+        self._tasks = [asyncio.create_task(self._poll_forever(b)) for b in self.all]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
