@@ -6,7 +6,9 @@ must be fast on real logs, which re-send the whole history on every call. So a c
 rendered *incrementally*: the text of messages[:i+1] must extend the text of messages[:i], and the
 difference is message i's piece. Pieces are tokenised on their own and cached by text, and rendered
 prefixes are cached by identity of the message sequence, so every distinct message is rendered and
-tokenised once however often the log repeats it.
+tokenised once however often the log repeats it. Rendering ``messages[:i+1]`` whole is quadratic in
+a conversation's length; the built-in template is also written out in Python
+(:mod:`.deepseek_v3`), which renders one message from that message alone.
 
 The memo of both is unbounded by default (analysing a log), or bounded by bytes, least recently
 used first (serving). A server renders with ``remember=False`` and calls :meth:`ChatRenderer.remember`
@@ -37,35 +39,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..cache.markers import MARKER_BODY
+from . import deepseek_v3
+from .deepseek_v3 import DEEPSEEK_V3_TEMPLATE
 
-# DeepSeek-V3-style template, rendered strictly in message order (so it is incremental); the tool
-# schemas follow the first message (the system prompt), DeepSeek-V3.1 style, since V3's own template
-# drops them. Text after a block tag sits inside {{ }} so trim_blocks cannot eat its newlines.
-DEEPSEEK_V3_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' or message.role == 'developer' %}{{ message.content }}"
-    "{%- endif %}"
-    "{%- if loop.first and tools %}"
-    "{{ '\\n\\n## Tools\\n\\nYou have access to the following tools:' }}"
-    "{%- for tool in tools %}"
-    "{{ '\\n\\n### ' + tool.function.name + '\\nDescription: ' + (tool.function.description or '')"
-    " + '\\n\\nParameters: ' + (tool.function.parameters | tojson) }}"
-    "{%- endfor %}"
-    "{{ '\\n\\n' }}"
-    "{%- endif %}"
-    "{%- if message.role == 'user' %}<｜User｜>{{ message.content }}"
-    "{%- elif message.role == 'assistant' %}<｜Assistant｜>{{ message.content }}"
-    "{%- if message.tool_calls %}<｜tool▁calls▁begin｜>"
-    "{%- for call in message.tool_calls %}<｜tool▁call▁begin｜>{{ call.type or 'function' }}"
-    "<｜tool▁sep｜>{{ call.function.name }}\n```json\n{{ call.function.arguments }}\n```"
-    "<｜tool▁call▁end｜>{%- endfor %}<｜tool▁calls▁end｜>{%- endif %}<｜end▁of▁sentence｜>"
-    "{%- elif message.role == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>"
-    "{{ message.content }}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
-
+__all__ = ["DEEPSEEK_V3_TEMPLATE", "ChatRenderer", "Rendered", "TemplateError"]
 
 class TemplateError(ValueError):
     """The chat template cannot be rendered incrementally, or failed on a request."""
@@ -170,10 +147,11 @@ def _message_key(message: dict) -> tuple:
 
 @dataclass
 class _Prefix:
-    """A rendered message prefix: its text length and hash (to check the next one extends it)."""
+    """A rendered message prefix: its text length and hash (to check the next one extends it;
+    None where the message's text was written out directly, see :mod:`.deepseek_v3`)."""
 
-    text_len: int
-    text_hash: int
+    text_len: int | None
+    text_hash: int | None
     piece: np.ndarray  # tokens of the last message's piece (of the tools preamble at the root)
     id: int  # names this prefix in its children's keys
 
@@ -200,6 +178,8 @@ class ChatRenderer:
         except jinja2.TemplateSyntaxError as err:
             raise TemplateError(f"chat template {name!r} does not compile: {err}") from err
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        # The built-in template also exists in Python: one message rendered at a time.
+        self._transcribed = chat_template == DEEPSEEK_V3_TEMPLATE
         self.memo = _Memo(memo_bytes)
         self._ids = itertools.count()
 
@@ -264,7 +244,9 @@ class ChatRenderer:
             parts.append(node.piece)
             spans.append((offset, offset + len(node.piece)))
             offset += len(node.piece)
-        if add_generation_prompt:
+        if add_generation_prompt and self._transcribed:
+            parts.append(self._piece(deepseek_v3.GENERATION, fresh))
+        elif add_generation_prompt:
             key = ("suffix", node.id)
             suffix = self._recall(key, fresh)
             if suffix is None:
@@ -295,6 +277,11 @@ class ChatRenderer:
         found = self._recall(key, fresh)
         if found is not None:
             return found
+        if self._transcribed and parent is not None:
+            node = _Prefix(None, None, self._piece(self._message_text(messages, tools), fresh),
+                           next(self._ids))
+            fresh[key] = (node, _size(key, node.piece))
+            return node
         text = self._render(messages, tools, False)
         start = 0
         if parent is not None:
@@ -307,6 +294,18 @@ class ChatRenderer:
         node = _Prefix(len(text), hash(text), self._piece(text[start:], fresh), next(self._ids))
         fresh[key] = (node, _size(key, node.piece))
         return node
+
+    def _message_text(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The built-in template's text for the last message: written out directly, or where
+        a field is of an unusual kind, the template's own (two renders, their difference)."""
+        text = deepseek_v3.message_text(messages[-1], len(messages) == 1, tools)
+        if text is not None:
+            return text
+        before = self._render(messages[:-1], tools, False)
+        after = self._render(messages, tools, False)
+        if not after.startswith(before):  # cannot happen with this template; checked all the same
+            raise TemplateError(f"chat template {self.name!r} is not incremental")
+        return after[len(before):]
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
         try:

@@ -263,6 +263,76 @@ def test_piecewise_equals_whole_text(renderer, msgs, tools, gen):
     assert out.tokens.size - pos == (1 if gen else 0)
 
 
+def _naive_pieces(template: jinja2.Template, messages: list[dict], tools: list[dict] | None,
+                  generation: bool) -> list[str]:
+    """BOS, each message's text, the generation prompt: every prefix of the conversation
+    rendered whole by Jinja, a message's text being what its render added to the one before."""
+    texts = [template.render(messages=messages[:i], tools=tools, add_generation_prompt=False,
+                             bos_token=BOS, eos_token=EOS) for i in range(len(messages) + 1)]
+    texts.append(template.render(messages=messages, tools=tools,
+                                 add_generation_prompt=generation, bos_token=BOS, eos_token=EOS))
+    for before, after in zip(texts, texts[1:]):
+        assert after.startswith(before)
+    return [texts[0]] + [after[len(before):] for before, after in zip(texts, texts[1:])]
+
+
+def _check_against_naive(renderer: ChatRenderer, template: jinja2.Template,
+                         messages: list[dict], tools: list[dict] | None, normalised: list[dict],
+                         generation: bool = True) -> None:
+    """The renderer's tokens and spans equal those of the naive full re-render of every prefix
+    (each piece tokenised on its own, as the renderer promises)."""
+    pieces = _naive_pieces(template, normalised, tools or None, generation)
+    encoded = [renderer.encode(piece) for piece in pieces]
+    sizes = np.cumsum([0] + [e.size for e in encoded])
+    out = renderer.render(messages, tools, add_generation_prompt=generation)
+    assert out.tokens.tolist() == np.concatenate(encoded).tolist()
+    assert out.spans.tolist() == [[int(sizes[i]), int(sizes[i + 1])]
+                                  for i in range(1, len(messages) + 1)]
+
+
+def test_sample_logs_render_as_a_naive_full_rerender(renderer):
+    """Every request of both shipped sample logs, in log order through one renderer (so its
+    memo serves the re-sent history): tokens and spans equal a naive full Jinja re-render of
+    every prefix of the conversation. Content null is rendered as empty text (the renderer's
+    rule), the only field the samples hold that the template would print otherwise."""
+    from irminsul.traffic.logs import read_requests, sample_logs
+
+    template = _hf_env().from_string(DEEPSEEK_V3_TEMPLATE)
+    fresh = ChatRenderer.default()
+    requests = 0
+    for log in sample_logs():
+        for request in read_requests(log, strict=True):
+            assert all(isinstance(m.get("content"), (str, type(None))) for m in request.messages)
+            normalised = [dict(m, content=m.get("content") or "") for m in request.messages]
+            _check_against_naive(fresh, template, request.messages, request.tools, normalised)
+            requests += 1
+    assert requests == 231
+
+
+def test_unusual_fields_render_as_the_template_does(renderer):
+    """Fields the Python transcription leaves to the template (a non-string call type, a null
+    tool name, a role the template does not know) render exactly as a naive Jinja re-render."""
+    template = _hf_env().from_string(DEEPSEEK_V3_TEMPLATE)
+    def call(**fields) -> dict:
+        return {"role": "assistant", "content": "x",
+                "tool_calls": [{"type": "function", **fields}]}
+
+    odd_calls = [call(type=7, function={"name": "f", "arguments": "{}"}),
+                 call(function={"name": None, "arguments": "{}"}),
+                 call(function={"name": "f"})]  # no arguments: Jinja prints nothing
+    conversations = [
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, odd]
+        for odd in odd_calls
+    ] + [
+        [{"role": "narrator", "content": "n"}, {"role": "user", "content": "u"}],
+        [{"role": "user", "content": "u"}, {"role": "narrator", "content": "n"}],
+    ]
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            for generation in (False, True):
+                _check_against_naive(renderer, template, messages, tools, messages, generation)
+
+
 @pytest.mark.xfail(strict=True, reason="known limitation: a system message after a user message "
                    "has no special token at its edge, so BPE merges across the two pieces")
 def test_system_message_after_user_message_merges_across_pieces(renderer):
