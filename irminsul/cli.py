@@ -212,7 +212,9 @@ def cmd_study(args: argparse.Namespace) -> None:
                "sink": {"samples": args.samples, "reuse_samples": args.reuse_samples,
                         "seed": args.seed},
                "consistency": {"requests": args.requests, "tokens": args.tokens,
-                               "seed": args.seed}}[args.study]
+                               "seed": args.seed},
+               "hijack": {"documents": args.documents, "tokens": args.tokens,
+                          "seed": args.seed}}[args.study]
     out = Path(args.out)
     text, _ = run_study(args.study, _model_dir(args), out, options=options,
                         dtype=getattr(torch, args.dtype), device=args.device,
@@ -527,11 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     study = _command(sub, "study", "the paper's studies on a model: position-invariance AUC "
                                    "(roc), attention sink and carve-out (sink), output "
-                                   "consistency over the five workloads (consistency)")
-    study.add_argument("study", choices=("roc", "sink", "consistency"),
+                                   "consistency over the five workloads (consistency), KV "
+                                   "hijacking by a document registered behind an injection (hijack)")
+    study.add_argument("study", choices=("roc", "sink", "consistency", "hijack"),
                        help="roc: AUC of c_KV, k_r and the row per layer (§5); sink: W and S "
                             "by chunk position and tail mass to [0, 32) under PIC, naive and "
-                            "fresh (§7.1); consistency: Table 2 over the five workloads")
+                            "fresh (§7.1); consistency: Table 2 over the five workloads; "
+                            "hijack: a clean prompt served a document registered behind an "
+                            "adversarial preamble, with and without cache_salt and repair")
     study.add_argument("--out", default=".", metavar="DIR",
                        help="where to write <study>.json and <study>.png (default: .)")
     study.add_argument("--blocks", type=int, default=None,
@@ -543,7 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--requests", type=int, default=None,
                        help="consistency: requests per workload (default 3)")
     study.add_argument("--tokens", type=int, default=None,
-                       help="consistency: continuation tokens per request (default 8)")
+                       help="consistency, hijack: continuation tokens per request (default 8; "
+                            "hijack 16)")
+    study.add_argument("--documents", type=int, default=None,
+                       help="hijack: documents, each behind one of three preambles (default 12)")
     study.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _run_model_options(study)
     study.set_defaults(func=cmd_study)

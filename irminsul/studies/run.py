@@ -15,12 +15,13 @@ from .consistency import (
     plot_consistency,
     render_consistency_study,
 )
+from .hijack import HijackSettings, hijack_study, plot_hijack, render_hijack
 from .plot import write_json
 from .roc import RocSettings, plot_roc, render_roc, roc_study
 from .sink import SinkSettings, plot_sink, render_sink, sink_study
 from .text import AgentText
 
-STUDIES = ("roc", "sink", "consistency")
+STUDIES = ("roc", "sink", "consistency", "hijack")
 
 
 def run_study(study: str, model_dir: Path, out: Path, *, options: dict | None = None,
@@ -45,6 +46,9 @@ def run_study(study: str, model_dir: Path, out: Path, *, options: dict | None = 
         bos = int(text.contexts[0][0])  # every rendered prompt begins with it
         result = sink_study(model, text, bos, settings, model_name=name)
         plot, render = plot_sink, render_sink
+    elif study == "hijack":
+        result = hijack_study(model, renderer, HijackSettings(**options), model_name=name)
+        plot, render = plot_hijack, render_hijack
     else:
         result = consistency_study(model, renderer, ConsistencySettings(**options),
                                    model_name=name, progress=progress)
