@@ -1,16 +1,29 @@
-"""Repair on the latent: what recomputing the first k tokens of every reused run buys.
+"""Repair on the latent: what recomputing some reused tokens buys, against how many it recomputes.
 
-EPIC-style repair (``CacheConfig.recompute_head``): a reused run's first tokens are computed in
-this prompt's context instead of reused, the rest of the run still reused with k_r rotated by δ.
-For each k, every request of a workload is served by a persistent live engine (so each request
-sees what the earlier ones registered, as in serving) and compared with full recomputation, as
-``irminsul consistency`` does: KL(full ‖ served) and argmax match over a teacher-forced
-continuation, and the first divergence of free-running greedy decoding; beside them the share
-of the reused tokens that repair computed instead. Over the requests whose prompt got a
-registry hit at k = 0. The model is the embedded default unless ``--model`` names a checkpoint.
+Two repair rules (``irminsul/engine/repair.py``), each a :class:`~irminsul.config.CacheConfig`
+knob, in this prompt's context instead of reused, the rest of each run still reused with k_r
+rotated by δ:
 
-    python benchmarks/cpu/repair.py [--heads 0 2 4 8 16 32] [--requests 12] [--tokens 16]
-                                    [--model DIR] [--out F]
+* EPIC-style, ``recompute_head`` = k: the first k tokens of every reused run (k = 0 is no repair);
+* CacheBlend-style, ``recompute_share`` = r: the share r of the reused tokens whose c_KV at layer
+  1 deviates most from a fresh computation (a check forward of the prompt through layer 0).
+
+For each workload (the five partition-shift patterns, as ``bench serve`` builds them from the
+shipped samples) and each setting, every request is served in order by a persistent live
+engine (so each request sees what the earlier ones registered, as in serving) and compared with
+full recomputation, as ``irminsul consistency`` does: KL(full ‖ served) and argmax match over a
+teacher-forced continuation, the first divergence of free-running greedy decoding; beside them
+the share of the unrepaired reused tokens that repair computed instead, and the prefill's wall
+time (the TTFT of a request served alone: the check forward and the recomputed tokens are what
+repair adds). Over the requests whose prompt got a registry hit without repair.
+
+The model is the embedded default unless ``--model`` names a checkpoint; ``--random-weights``
+runs DeepSeek-V2-Lite's shapes with random weights (bf16; for the TTFT each setting costs on a
+GPU: its KL figures mean nothing).
+
+    python benchmarks/cpu/repair.py [--heads 0 2 4 8 16 32] [--shares 0.05 0.10 0.15]
+                                    [--workloads agent_meta ...] [--requests 12] [--tokens 16]
+                                    [--model DIR | --random-weights] [--device cpu|cuda] [--out F]
 """
 
 from __future__ import annotations
@@ -19,79 +32,209 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-from common import run_metadata  # noqa: E402
+from common import V2_LITE, random_model, run_metadata  # noqa: E402
 
 from irminsul.analysis.consistency import full_continuation, render_prompts, serve  # noqa: E402
 from irminsul.config import CacheConfig, EngineConfig  # noqa: E402
 from irminsul.engine import Engine  # noqa: E402
 from irminsul.loadgen.workloads import load_workload  # noqa: E402
-from irminsul.model import default_model_dir, load_model  # noqa: E402
+from irminsul.model import MLAModel, default_model_dir, load_model  # noqa: E402
 from irminsul.traffic.render import ChatRenderer  # noqa: E402
+from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 
 
-def measure(model_dir: Path, heads: list[int], requests: int, tokens: int,
-            workload: str) -> dict[str, Any]:
-    """Per k: mean KL, argmax match, first divergence over the hit requests, and the share of
-    the unrepaired reused tokens computed instead."""
-    model = load_model(model_dir, dtype=torch.float32, device="cpu")
-    renderer = ChatRenderer.from_dir(model_dir)
+def settings(heads: list[int], shares: list[float]) -> list[dict[str, Any]]:
+    """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
+    out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
+    return out + [{"method": "cacheblend", "recompute_share": r} for r in shares]
+
+
+def label(setting: dict[str, Any]) -> str:
+    if setting["method"] == "epic":
+        return f"EPIC k={setting['recompute_head']}"
+    return f"CacheBlend r={setting['recompute_share']:.0%}"
+
+
+def cache_config(setting: dict[str, Any]) -> CacheConfig:
+    if setting["method"] == "epic":
+        return CacheConfig(recompute_head=setting["recompute_head"])
+    return CacheConfig(recompute_share=setting["recompute_share"])
+
+
+def timed_prefills(engine: Engine, times: list[float]) -> None:
+    """Record the wall time of each of the engine's prefills (synchronised on CUDA, so it is
+    the time to the first token's logits)."""
+    prefill, cuda = engine.prefill, engine.model.lm_head.weight.is_cuda
+
+    def timed(*args: Any, **kwargs: Any):
+        started = time.perf_counter()
+        result = prefill(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        return result
+
+    engine.prefill = timed  # serve() calls engine.prefill once per request
+
+
+def counted_checks(engine: Engine, lengths: list[int]) -> None:
+    """Record the tokens each check forward of CacheBlend-style repair runs through its layers
+    (the prompt up to its last reused token)."""
+    check = engine.cache.latent_check
+    if check is None:
+        return
+
+    def counted(prompt: Any, positions: Any, slots: Any) -> Any:
+        lengths.append(int(positions.max()) + 1)
+        return check(prompt, positions, slots)
+
+    engine.cache.latent_check = counted
+
+
+def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: list[dict],
+            requests: int, tokens: int) -> dict[str, Any]:
+    """Per setting: mean KL, argmax match, first divergence and prefill time over the requests
+    with hits, and the share of the unrepaired reused tokens computed instead."""
     chosen = load_workload(workload, renderer)[:requests]
     prompts = render_prompts(renderer, chosen, model.config.vocab_size)
     references = [full_continuation(model, p.tokens, tokens) for _, p in prompts]
     slots = sum(p.size + 2 * tokens for _, p in prompts)
-    rows = []
-    for k in heads:
-        engine = Engine(model, EngineConfig(slots=slots, mode="live",
-                                            cache=CacheConfig(recompute_head=k)))
-        served = [serve(engine, p, c, logits) for (_, p), (c, logits) in zip(prompts, references)]
+    layers = model.config.num_hidden_layers
+    served_by = []
+    for setting in repairs:
+        engine = Engine(model, EngineConfig(slots=slots, mode="live", cache=cache_config(setting)))
+        times: list[float] = []
+        timed_prefills(engine, times)
+        checks: list[int] = []
+        counted_checks(engine, checks)
+        check_layer = engine.config.cache.recompute_check_layer
+        served = []
+        for (_, prompt), (continuation, logits) in zip(prompts, references):
+            before = len(checks)
+            served.append(serve(engine, prompt, continuation, logits))
+            # Token-layers the prefill ran: its computed tokens through every layer, the check
+            # forward's tokens through the layers below the check layer.
+            served[-1]["token_layers"] = (served[-1]["prefilled_tokens"] * layers
+                                          + sum(checks[before:]) * check_layer)
+        for row, seconds in zip(served, times):
+            row["prefill_s"] = seconds
         engine.check()
-        rows.append({"recompute_head": k, "served": served})
-    hit = [i for i, s in enumerate(rows[0]["served"]) if s["pic_tokens"]]
-    reused = sum(rows[0]["served"][i]["pic_tokens"] for i in hit)
-    out = []
-    for row in rows:
-        picked = [row["served"][i] for i in hit]
-        out.append({"recompute_head": row["recompute_head"],
-                    "recomputed_share": (1 - sum(s["pic_tokens"] for s in picked) / reused)
-                    if reused else 0.0,
-                    "kl": statistics.fmean(s["kl"] for s in picked) if picked else None,
-                    "argmax": statistics.fmean(s["argmax"] for s in picked) if picked else None,
-                    "first_divergence": statistics.fmean(s["first_divergence"] for s in picked)
-                    if picked else None})
+        served_by.append(served)
+    hit = [i for i, s in enumerate(served_by[0]) if s["pic_tokens"]]
+    reused = sum(served_by[0][i]["pic_tokens"] for i in hit)
+    rows = []
+    for setting, served in zip(repairs, served_by):
+        picked = [served[i] for i in hit]
+
+        def mean(key: str) -> float | None:
+            return statistics.fmean(s[key] for s in picked) if picked else None  # noqa: B023
+
+        rows.append({**setting,
+                     "recomputed_share": (1 - sum(s["pic_tokens"] for s in picked) / reused)
+                     if reused else 0.0,
+                     "kl": mean("kl"), "argmax": mean("argmax"),
+                     "first_divergence": mean("first_divergence"), "prefill_s": mean("prefill_s"),
+                     "token_layers": sum(s["token_layers"] for s in picked)})
+    base = rows[0]
+    for row in rows:  # against no repair, in the same run
+        row["kl_vs_none"] = row["kl"] / base["kl"] if base["kl"] else None
+        row["prefill_vs_none"] = (row["prefill_s"] / base["prefill_s"]
+                                  if base["prefill_s"] else None)
+        row["compute_vs_none"] = (row["token_layers"] / base["token_layers"]
+                                  if base["token_layers"] else None)
     return {"workload": workload, "requests": len(prompts), "requests_with_hits": len(hit),
-            "reused_tokens": reused, "tokens": tokens, "model": str(model_dir), "rows": out}
+            "reused_tokens": reused, "rows": rows}
+
+
+def summary(workloads: list[dict], repairs: list[dict], cap: float) -> list[dict[str, Any]]:
+    """Per setting, over the workloads with hits: the mean of each figure, the largest share
+    recomputed, the worst (largest) KL ratio to no repair, and whether it meets the target
+    (KL at most half of no repair on every workload, recomputing at most ``cap``)."""
+    out = []
+    for i, setting in enumerate(repairs):
+        rows = [w["rows"][i] for w in workloads if w["requests_with_hits"]]
+        ratios = [r["kl_vs_none"] for r in rows if r["kl_vs_none"] is not None]
+        recomputed = max((r["recomputed_share"] for r in rows), default=0.0)
+        worst = max(ratios, default=None)
+        out.append({**setting, "label": label(setting), "workloads": len(rows),
+                    "recomputed_share": statistics.fmean(r["recomputed_share"] for r in rows),
+                    "recomputed_share_max": recomputed,
+                    **{key: statistics.fmean(r[key] for r in rows)
+                       for key in ("kl", "argmax", "first_divergence", "prefill_vs_none",
+                                   "compute_vs_none")},
+                    "kl_vs_none_max": worst,
+                    "target_met": bool(worst is not None and worst <= 0.5 and recomputed <= cap)})
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, nargs="+", default=[0, 2, 4, 8, 16, 32],
-                        help="values of recompute_head (k)")
-    parser.add_argument("--requests", type=int, default=12)
+                        help="values of recompute_head (k) for EPIC-style repair")
+    parser.add_argument("--shares", type=float, nargs="*", default=[0.05, 0.10, 0.15],
+                        help="values of recompute_share (r) for CacheBlend-style repair")
+    parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    parser.add_argument("--requests", type=int, default=12, help="per workload")
     parser.add_argument("--tokens", type=int, default=16, help="continuation tokens")
-    parser.add_argument("--workload", default="agent_meta",
-                        help="a bench serve workload name (irminsul.loadgen.workloads)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="checkpoint directory (default: the embedded model)")
+    model_group = parser.add_mutually_exclusive_group()
+    model_group.add_argument("--model", type=Path, default=None,
+                             help="checkpoint directory (default: the embedded model)")
+    model_group.add_argument("--random-weights", action="store_true",
+                             help="DeepSeek-V2-Lite's shapes, random bf16 weights (TTFT only)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = measure(args.model or default_model_dir(), args.heads, args.requests, args.tokens,
-                     args.workload)
-    result["meta"] = run_metadata("cpu")
-    print(f"{result['workload']}: {result['requests']} requests, {result['requests_with_hits']} "
-          f"with hits, {result['reused_tokens']} reused tokens without repair")
-    print(f"{'k':>4} {'recomputed':>11} {'KL(full||PIC)':>14} {'argmax':>8} {'first div.':>11}")
-    for r in result["rows"]:
-        print(f"{r['recompute_head']:>4} {r['recomputed_share']:>10.1%} {r['kl']:>14.3e} "
-              f"{r['argmax']:>8.3f} {r['first_divergence']:>11.2f}")
+    torch.set_num_threads(args.threads)
+    if args.random_weights:
+        model, renderer, name = random_model(V2_LITE, args.device), ChatRenderer.default(), \
+            "random DeepSeek-V2-Lite"
+    else:
+        directory = args.model or default_model_dir()
+        dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        model = load_model(directory, dtype=dtype, device=args.device)
+        renderer, name = ChatRenderer.from_dir(directory), directory.name
+    repairs = settings(args.heads, args.shares)
+    started = time.perf_counter()
+    workloads = []
+    for workload in args.workloads:
+        result = measure(model, renderer, workload, repairs, args.requests, args.tokens)
+        workloads.append(result)
+        if args.out:  # what is measured so far, in case a long run is stopped
+            Path(args.out).write_text(json.dumps({"workloads": workloads}, indent=1),
+                                      encoding="utf-8")
+        print(f"\n{workload}: {result['requests']} requests, {result['requests_with_hits']} with "
+              f"hits, {result['reused_tokens']} reused tokens without repair")
+        print(f"{'setting':>18} {'recomputed':>11} {'KL(full||PIC)':>14} {'vs none':>8} "
+              f"{'argmax':>7} {'first div.':>10} {'compute':>9} {'prefill':>9}")
+        for r in result["rows"]:
+            if r["kl"] is None:
+                continue
+            print(f"{label(r):>18} {r['recomputed_share']:>10.1%} {r['kl']:>14.3e} "
+                  f"{r['kl_vs_none'] or 0:>8.3f} {r['argmax']:>7.3f} "
+                  f"{r['first_divergence']:>10.2f} {r['compute_vs_none'] or 0:>8.2f}× "
+                  f"{r['prefill_vs_none'] or 0:>8.2f}×")
+    cap = 0.10
+    report = {"model": name, "device": args.device, "requests": args.requests,
+              "tokens": args.tokens, "target": {"recomputed_at_most": cap, "kl_vs_none_at_most":
+                                                0.5},
+              "workloads": workloads, "summary": summary(workloads, repairs, cap),
+              "seconds": round(time.perf_counter() - started, 1), "meta": run_metadata(args.device)}
+    print("\nover the workloads with hits (KL ratio: the worst workload's)")
+    for s in report["summary"]:
+        print(f"{s['label']:>18} recomputed {s['recomputed_share']:6.1%}  KL {s['kl']:.3e}  "
+              f"worst KL/none {s['kl_vs_none_max'] or 0:.3f}  argmax {s['argmax']:.3f}  "
+              f"compute {s['compute_vs_none']:.2f}×  prefill {s['prefill_vs_none']:.2f}×  "
+              f"target {'met' if s['target_met'] else '-'}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        Path(args.out).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -144,18 +144,21 @@ def test_decode_host_time_runs(tmp_path: Path) -> None:
 
 
 def test_repair_runs(tmp_path: Path) -> None:
-    """k = 0 recomputes nothing; a k past every run recomputes every reused token."""
+    """k = 0 recomputes nothing; a k past every run recomputes every reused token and serves what
+    full recomputation computes; r = 0.5 recomputes half (rounded down per prompt)."""
     out = tmp_path / "repair.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair.py"),
-                    "--requests", "3", "--heads", "0", "100000", "--tokens", "2",
-                    "--out", str(out)],
+                    "--workloads", "agent_meta", "--requests", "3", "--heads", "0", "100000",
+                    "--shares", "0.5", "--tokens", "2", "--out", str(out)],
                    check=True, cwd=ROOT, timeout=300,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     result = json.loads(out.read_text())
-    assert result["requests_with_hits"] > 0
-    none, every = result["rows"]
-    assert none["recomputed_share"] == 0.0 and every["recomputed_share"] == 1.0
-    assert every["kl"] < 1e-6 and every["argmax"] == 1.0
+    (workload,) = result["workloads"]
+    assert workload["requests_with_hits"] > 0
+    none, every, half = workload["rows"]
+    assert none["recomputed_share"] == 0.0
+    assert every["recomputed_share"] == 1.0 and every["kl"] < 1e-6 and every["argmax"] == 1.0
+    assert 0.45 < half["recomputed_share"] <= 0.5
 
 
 def test_sessions_held_at_a_budget_hand_counted() -> None:
