@@ -18,8 +18,9 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
   request's end and do nothing;
 - the padding tokens as one more request whose keys and new rows are a scratch slot.
 
-Only batches whose every span runs in the kernel qualify (no span long enough for the naive
-form); the engine runs the rest eagerly. Needs heads divisible by 16 (DeepSeek-V2/V3: 16, 128).
+Only batches whose every span runs in the kernel qualify: short spans, and long ones (prefill
+chunks) where the model runner routes them there; the engine runs the rest eagerly. Needs heads
+divisible by 16 (DeepSeek-V2/V3: 16, 128).
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ from ..model.paged import PagedKV
 from .kv_pool import HANDLE_LOW, pack
 from .staging import Staging
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Powers of two up to 256 (decode batches, short PIC spans); then steps of 128 and 256 tokens:
+# prefill chunks of up to 2K tokens replay too (``ModelRunner`` says which), padded by at most
+# an eighth of a forward.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
+           2048)
 DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
+DECODE_GRAPHS_UP_TO = 512  # decode batches (one-token spans) of up to this many requests
 T = TypeVar("T")
 
 
@@ -62,11 +68,12 @@ def block_room(bucket: int, heads: int, rows: int) -> int:
 
 def launches(buckets: tuple[int, ...], heads: int) -> list[tuple[int, int]]:
     """(bucket, rows per block) of every graph: one per bucket, and for buckets above
-    DECODE_BUCKET a second of 16-row blocks for decode batches where one token's heads fill no
-    64-row block."""
+    DECODE_BUCKET up to DECODE_GRAPHS_UP_TO a second of 16-row blocks for decode batches where
+    one token's heads fill no 64-row block."""
     variants = [(b, block_rows(b)) for b in buckets]
     if heads < 64:
-        variants += [(b, 16) for b in buckets if block_rows(b) != 16]
+        variants += [(b, 16) for b in buckets
+                     if block_rows(b) != 16 and b <= DECODE_GRAPHS_UP_TO]
     return variants
 
 

@@ -6,8 +6,10 @@ and knows nothing of plans, sequences or slot accounting: the cache manager name
 
 A batch is a list of contiguous spans, each attending to its sequence's rows up to its last
 position. On CUDA short spans run in the paged Triton kernel, which reads the pool in place, and
-a batch of them only replays a CUDA graph (:mod:`.graphs`); long spans (fresh prefills among
-them) and everything off the GPU run in plain torch over context gathered from the pool.
+a batch of them only replays a CUDA graph (:mod:`.graphs`); so does a batch with long spans
+(fresh prefills among them) while it fits a graph's bucket and their attention is cheap enough
+in the kernel (``GRAPH_PAIRS``): an eager forward's host time is what it saves. Other long spans
+and everything off the GPU run in plain torch over context gathered from the pool.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ if TYPE_CHECKING:
 # An item split into spans attends in one masked call when its keys are at most this many: the
 # mask is [new tokens, keys] and the attention cannot skip masked blocks.
 MERGED_MAX_KEYS = 8192
+# Where there are graphs, a batch of long spans too runs in the kernel, replayed from a graph,
+# while their attention's (query row, visible key) pairs are at most this many. An eager
+# forward costs ~30 ms more host time than device time on an H200's host (V2-Lite, ~60 torch
+# launches per layer: a 1K-token prefill took 51-62 ms against 24 ms of device time); the
+# kernel's absorbed form spends (rank + rope + rank) multiply-adds per pair at ~47 TFLOP/s on
+# prefill blocks (benchmarks/gpu/kernels.py), ~20 ns per pair over 27 layers: ~1.5M pairs of
+# 16 heads (a 1K-token fresh prefill is 8.4M row-key pairs, a 2K one 34M) cost that much.
+GRAPH_PAIRS = 24_000_000
 
 
 def default_kernels(model: MLAModel) -> bool:
@@ -107,6 +117,23 @@ class ModelRunner:
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas))
         self.kr[:, upload(dst, device)] = rotated.transpose(0, 1)
 
+    def _replays_whole(self, batch: ForwardBatch, item_spans: list[tuple[np.ndarray, ...]]
+                       ) -> bool:
+        """Whether a batch whose spans are not all short runs whole in the kernel, from a graph:
+        its tokens fit a bucket and its long spans' attention is at most GRAPH_PAIRS (query
+        row, visible key) pairs (short spans run in the kernel anyway)."""
+        if self.graphs is None or batch.tokens.size > self.graphs.buckets[-1]:
+            return False
+        pairs, long_spans = 0, False
+        for at, spans in zip(batch.positions, item_spans):
+            for rows in spans:
+                n = len(rows)
+                if n >= self._naive_from:
+                    long_spans = True
+                    pairs += n * (int(at[rows[0]]) + (n + 1) // 2)
+        heads = self.model.config.num_attention_heads
+        return long_spans and pairs * heads <= GRAPH_PAIRS
+
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
         """Each item's logits: [n, vocab] with ``all_logits``, else [1, vocab] for its last
         token. Every new token's latent rows are stored in its slot, layer by layer, before it
@@ -119,10 +146,18 @@ class ModelRunner:
         device = self.ckv.device
         kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, key handles)
         merged = []  # (batch rows, their positions, key handles of positions 0..last)
-        for at, seq_keys in zip(batch.positions, batch.keys):
-            # A decode step is one span of one token: skip looking for breaks in it.
-            spans = ((np.arange(1),) if len(at) == 1 else
-                     np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1))
+        # A decode step is one span of one token: skip looking for breaks in it.
+        item_spans = [(np.arange(1),) if len(at) == 1 else
+                      np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1)
+                      for at in batch.positions]
+        whole = self._replays_whole(batch, item_spans)
+        for at, seq_keys, spans in zip(batch.positions, batch.keys, item_spans):
+            if whole:  # every span in the kernel, the batch replayed from a graph
+                for rows in spans:
+                    first, n = int(at[rows[0]]), len(rows)
+                    kernel.append((rows + offset, n, seq_keys[:first + n]))
+                offset += len(at)
+                continue
             if (len(spans) > 1 and int(at[-1]) < MERGED_MAX_KEYS
                     and (not self.kernels or max(map(len, spans)) >= self._naive_from)):
                 # Reused runs between computed ones split a prefill into spans, each an
