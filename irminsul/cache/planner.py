@@ -281,10 +281,15 @@ class Planner:
             return entry
 
         # A chunk's windows and head are indexed only for the probes that look them up.
-        probes = self.config.s1 or self.config.head_probe
-        for chunk in plan.chunks:
-            if chunk.kind == "miss":
-                register(chunk, probes)
+        missed = [(c.start, c.end, c.fingerprint) for c in plan.chunks if c.kind == "miss"]
+        if self.config.s1 or self.config.head_probe:
+            for entry, new in self.registry.register_chunks(plan.namespace, plan.tokens,
+                                                            handles, missed):
+                if new:
+                    held.append(entry.handles)
+        else:
+            for start, end, fingerprint in missed:
+                register(Chunk(start, end, fingerprint, "miss"), False)
         # A region's entry takes its handles from this prompt, whatever served them: its rows
         # are this prompt's, at these positions (chunks found elsewhere were rotated here). Each
         # run of consecutive regions is registered whole too, and its regions point into it, so

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -85,6 +86,17 @@ class WindowHit:
     size: int
 
 
+# What a window fingerprint leads to: the one (entry, offset) holding it, or a list of them.
+WindowHolders = tuple["ChunkEntry", int] | list[tuple["ChunkEntry", int]]
+
+
+def _holders(held: WindowHolders | None) -> tuple | list:
+    """The (entry, offset) pairs of a window table's value, as one sequence."""
+    if held is None:
+        return ()
+    return (held,) if type(held) is tuple else held
+
+
 def _content(tokens: np.ndarray) -> bytes:
     """Token ids as int64 bytes: the verification of a hit compares these (an order of magnitude
     faster than np.array_equal on a chunk, and every registry entry holds int64 ids)."""
@@ -102,7 +114,10 @@ class Registry:
         self.window, self.head = window, head
         # namespace -> fingerprint -> entries (a list: distinct content may share a fingerprint)
         self._chunks: dict[int, dict[int, list[ChunkEntry]]] = {}
-        self._windows: dict[int, dict[int, list[tuple[ChunkEntry, int]]]] = {}
+        # namespace -> window fingerprint -> (entry, offset), or a list of them: nearly every
+        # window is the only one with its fingerprint, and a tuple is stored without a list
+        # around it (a registered chunk's windows go in with one dict update).
+        self._windows: dict[int, dict[int, WindowHolders]] = {}
         self._heads: dict[int, dict[int, list[ChunkEntry]]] = {}
         self._clock = clock if clock is not None else itertools.count(1)
         self._lru: OrderedDict[ChunkEntry, None] = OrderedDict()  # least recently used first
@@ -128,14 +143,15 @@ class Registry:
             self.verify_failures += 1
         return None
 
-    def window_table(self, namespace: int) -> dict[int, list[tuple[ChunkEntry, int]]]:
-        """Window fingerprint -> (entry, offset) of one namespace, for fast membership probes."""
+    def window_table(self, namespace: int) -> dict[int, WindowHolders]:
+        """Window fingerprint -> its (entry, offset), or a list of them when several windows
+        share the fingerprint, of one namespace: for fast membership probes."""
         return self._windows.get(namespace, {})
 
     def lookup_window(self, namespace: int, fingerprint: int, tokens: np.ndarray) -> WindowHit | None:
         """A registered sub-window holding exactly ``tokens`` (one window) under this fingerprint."""
         content = _content(tokens)
-        for entry, offset in self.window_table(namespace).get(int(fingerprint), ()):
+        for entry, offset in _holders(self.window_table(namespace).get(int(fingerprint))):
             if entry.content[8 * offset:8 * (offset + tokens.size)] == content:
                 return WindowHit(entry, offset, int(tokens.size))
             self.verify_failures += 1
@@ -173,19 +189,71 @@ class Registry:
         if existing is not None:
             self.touch(existing)
             return existing
-        entry = ChunkEntry(namespace, int(fingerprint), _content(tokens), handles.copy(),
-                           int(p_source))
-        self._chunks.setdefault(namespace, {}).setdefault(entry.fingerprint, []).append(entry)
-        whole = tokens.size // self.window if probes else 0
-        if whole:
+        windows: list[int] = []
+        head = None
+        if probes:
+            windows = tiled_window_fingerprints(tokens, self.window, seed=namespace).tolist()
+            if self.head and tokens.size >= self.head:
+                head = self._head_key(namespace, tokens)
+        return self._add(namespace, int(fingerprint), _content(tokens), handles.copy(),
+                         int(p_source), windows, head)
+
+    def register_chunks(self, namespace: int, tokens: np.ndarray, handles: np.ndarray,
+                        chunks: Sequence[tuple[int, int, int]]) -> list[tuple[ChunkEntry, bool]]:
+        """:meth:`register` with probes of each ``(start, end, fingerprint)`` chunk of one token
+        array, in order, at its position: ``tokens[start:end]`` with ``handles[start:end]``.
+        Returns each chunk's entry and whether it is new. The windows and heads of all the chunks
+        are fingerprinted together (a few numpy calls per prompt, not per chunk)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        handles = np.asarray(handles, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.shape != handles.shape:
+            raise ValueError(f"tokens {tokens.shape} and handles {handles.shape} must be equal 1-D")
+        width = self.window
+        # Each chunk's whole windows, back to back: tiled as one array, they are its tiles.
+        tiles = [(end - start) // width for start, end, _ in chunks]
+        pieces = [tokens[start:start + n * width] for (start, _, _), n in zip(chunks, tiles) if n]
+        windows = (tiled_window_fingerprints(np.concatenate(pieces), width, seed=namespace)
+                   .tolist() if pieces else [])
+        head_of = Fingerprinter(tokens, namespace) if self.head else None
+        out, first = [], 0
+        for (start, end, fingerprint), n in zip(chunks, tiles):
+            keys, first = windows[first:first + n], first + n
+            content = _content(tokens[start:end])
+            existing = self.lookup(namespace, fingerprint, content)
+            if existing is not None:
+                self.touch(existing)
+                out.append((existing, False))
+                continue
+            head = head_of(start, start + self.head) if head_of and end - start >= self.head \
+                else None
+            out.append((self._add(namespace, int(fingerprint), content,
+                                  handles[start:end].copy(), start, keys, head), True))
+        return out
+
+    def _add(self, namespace: int, fingerprint: int, content: bytes, handles: np.ndarray,
+             p_source: int, windows: list[int], head: int | None) -> ChunkEntry:
+        """A new entry, indexed by its fingerprint, its windows' (at offsets 0, w, 2w, ...) and
+        its head's."""
+        entry = ChunkEntry(namespace, fingerprint, content, handles, p_source)
+        self._chunks.setdefault(namespace, {}).setdefault(fingerprint, []).append(entry)
+        if windows:
             table = self._windows.setdefault(namespace, {})
-            fps = tiled_window_fingerprints(tokens, self.window, seed=namespace)
-            for k, fp in enumerate(fps.tolist()):
-                table.setdefault(fp, []).append((entry, k * self.window))
-                entry.window_keys.append(fp)
-        if probes and self.head and tokens.size >= self.head:
-            entry.head_key = self._head_key(namespace, tokens)
-            self._heads.setdefault(namespace, {}).setdefault(entry.head_key, []).append(entry)
+            offsets = range(0, len(windows) * self.window, self.window)
+            if table.keys().isdisjoint(windows) and len(set(windows)) == len(windows):
+                table.update(zip(windows, zip(repeat(entry), offsets)))  # all new: in C
+            else:
+                for offset, fp in zip(offsets, windows):
+                    held = table.get(fp)
+                    if held is None:
+                        table[fp] = (entry, offset)
+                    elif type(held) is tuple:
+                        table[fp] = [held, (entry, offset)]
+                    else:
+                        held.append((entry, offset))
+            entry.window_keys = windows
+        if head is not None:
+            entry.head_key = head
+            self._heads.setdefault(namespace, {}).setdefault(head, []).append(entry)
         self.total_tokens += entry.size
         self._lru[entry] = None
         self.touch(entry)
@@ -255,10 +323,12 @@ class Registry:
             del table[entry.fingerprint]
         windows = self._windows.get(entry.namespace, {})
         for fp in set(entry.window_keys):  # a chunk may repeat a window: one key, two offsets
-            wbucket = windows[fp]
-            wbucket[:] = [(e, o) for e, o in wbucket if e is not entry]
-            if not wbucket:
+            held = windows[fp]
+            rest = [] if type(held) is tuple else [(e, o) for e, o in held if e is not entry]
+            if not rest:
                 del windows[fp]
+            else:
+                windows[fp] = rest[0] if len(rest) == 1 else rest
         if entry.head_key is not None:
             heads = self._heads[entry.namespace]
             heads[entry.head_key].remove(entry)

@@ -450,3 +450,48 @@ def test_a_run_holds_its_regions_tokens():
     reg.touch(b)
     reg.evict(1)  # the least recently used: the run
     assert not run.registered and a.run is run and a.registered
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), cuts=st.lists(st.integers(1, 30), min_size=1, max_size=12),
+       window=st.sampled_from([2, 4]), head=st.sampled_from([0, 3]))
+def test_register_chunks_indexes_every_chunk_at_its_position(seed, cuts, window, head):
+    """Chunks of one array registered together, from a tiny vocabulary (so chunks, windows and
+    heads repeat within the batch and across it): the entries are the distinct chunk contents
+    with the first occurrence's handles and position (later ones only refresh it, reported as not
+    new); every whole-window tile of every entry is found by the reference window fingerprint,
+    every head by its head, and the LRU order is the naive one."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 3, sum(cuts) + 5)
+    handles = np.arange(tokens.size) + 100
+    ends = np.cumsum(cuts).tolist()
+    def weak(piece: np.ndarray) -> int:  # a weak fingerprint: most chunks collide
+        return int(piece.sum()) % 2
+
+    chunks = [(s, e, weak(tokens[s:e])) for s, e in zip([0] + ends, ends)]
+    reg, model = Registry(window=window, head=head), NaiveRegistry()
+    # registered before: found again when the first chunk is these 4 tokens
+    reg.register(0, weak(tokens[:4]), tokens[:4], handles[:4] + 1000, 77)
+    model.register((0, tuple(tokens[:4].tolist())), (handles[:4] + 1000).tolist(), 77)
+    out = reg.register_chunks(0, tokens, handles, chunks)
+    for (start, end, _), (entry, new) in zip(chunks, out):
+        key = (0, tuple(tokens[start:end].tolist()))
+        assert new == (key not in model.entries)
+        model.register(key, handles[start:end].tolist(), start)
+        assert entry.tokens.tolist() == list(key[1])
+        assert (entry.handles.tolist(), entry.p_source) == tuple(model.entries[key][:2])
+    assert {(e.namespace, tuple(e.tokens.tolist())) for e in reg.entries()} == set(model.entries)
+    order = sorted(model.entries, key=lambda k: model.entries[k][2])
+    assert [h.tolist() for h in reg.evict(0)] == []
+    for entry in reg.entries():
+        toks = entry.tokens
+        for offset in range(0, toks.size - window + 1, window):
+            piece = toks[offset:offset + window]
+            hit = reg.lookup_window(0, window_fp(piece, 0), piece)
+            assert hit is not None and hit.entry.tokens[hit.offset:hit.offset + window].tolist() \
+                == piece.tolist()
+        if head and toks.size >= head:
+            assert reg.lookup_head(0, toks) is not None
+    freed = reg.evict(10**6)
+    assert [h.tolist() for h in freed] == [model.entries[k][0] for k in order]
+    assert reg.window_table(0) == {} and reg.total_tokens == 0
