@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..cache.cdc import chunk_boundaries, fingerprints
+from ..cache.cdc import chunk_boundaries_sweep, fingerprints
 from ..cache.planner import Planner
 from ..cache.radix import PrefixMatch
 from ..config import ALGORITHM1
@@ -49,12 +49,13 @@ class Recoverability:
         tail = tokens[start:]
         if tail.size:
             config = self._fallback.config
+            sweep = chunk_boundaries_sweep(tail, MASK_SWEEP, min_size=config.min_chunk,
+                                           max_size=config.max_chunk)
             for k, seen in self._chunks.items():
-                ends = chunk_boundaries(tail, mask_bits=k, min_size=config.min_chunk,
-                                        max_size=config.max_chunk)
-                fps = fingerprints(tail, ends).tolist()
-                sizes = np.diff(ends, prepend=0).tolist()
-                self._recovered[k] += sum(n for n, fp in zip(sizes, fps) if fp in seen)
+                ends = sweep[k].tolist()
+                fps = fingerprints(tail, sweep[k]).tolist()
+                self._recovered[k] += sum(end - begin for begin, end, fp
+                                          in zip([0] + ends, ends, fps) if fp in seen)
                 seen.update(fps)
         plan = self._fallback.plan_tail(tokens, prefix)
         self._recovered["cdc_fallback"] += plan.tokens_of("hit")

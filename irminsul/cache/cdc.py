@@ -150,12 +150,44 @@ def chunk_boundaries(tokens: Iterable[int] | np.ndarray, *, mask_bits: int = 7, 
         return np.zeros(0, dtype=np.int64)
     cuts = _normalise_resets(resets, n)
     state = _low_state_bits(arr, mask_bits, cuts)
+    return _cut(_candidates(state, mask_bits), cuts.tolist(), n, min_size, max_size)
+
+
+def chunk_boundaries_sweep(tokens: Iterable[int] | np.ndarray, mask_bits: Iterable[int], *,
+                           min_size: int = 32, max_size: int = 512) -> dict[int, np.ndarray]:
+    """:func:`chunk_boundaries` (no resets) for each of several ``mask_bits`` at once.
+
+    The low b bits of the Gear state are the same whichever wider state they are read from, so
+    one state at the widest mask gives every narrower mask's cut candidates (the chunker's state,
+    its most expensive part, is built once instead of once per mask)."""
+    arr = as_token_array(tokens)
+    widths = sorted(set(mask_bits))
+    if not widths or not 1 <= widths[0] <= widths[-1] <= 64:
+        raise ValueError(f"mask_bits must be in [1, 64], got {widths}")
+    if not 1 <= min_size <= max_size:
+        raise ValueError(f"need 1 <= min_size <= max_size, got {min_size}, {max_size}")
+    if not arr.size:
+        return {k: np.zeros(0, dtype=np.int64) for k in widths}
+    state = _low_state_bits(arr, widths[-1], np.zeros(0, dtype=np.int64))
+    return {k: _cut(_candidates(state, k), [], int(arr.size), min_size, max_size)
+            for k in widths}
+
+
+def _candidates(state: np.ndarray, mask_bits: int) -> list[int]:
+    """Offsets a chunk may end at: just after each token whose low ``mask_bits`` state bits are
+    zero."""
     mask = state.dtype.type((1 << mask_bits) - 1)
-    candidates = (np.flatnonzero((state & mask) == 0) + 1).tolist()
+    return (np.flatnonzero((state & mask) == 0) + 1).tolist()
+
+
+def _cut(candidates: list[int], cuts: list[int], n: int, min_size: int,
+         max_size: int) -> np.ndarray:
+    """Chunk ends from the candidates, clamped to [min_size, max_size], forced at every reset
+    ``cuts`` (sorted, inside (0, n)) and at ``n``."""
     bounds: list[int] = []
     append = bounds.append
     pos, i, count = 0, 0, len(candidates)
-    for seg_end in cuts.tolist() + [n]:
+    for seg_end in cuts + [n]:
         while i < count and (end := candidates[i]) <= seg_end:
             if end - pos < min_size:
                 # Skip candidates too close to the last cut in one step: candidates are distinct

@@ -19,6 +19,7 @@ from irminsul.cache.cdc import (
     Fingerprinter,
     as_offsets,
     chunk_boundaries,
+    chunk_boundaries_sweep,
     fingerprints,
     gear_values,
     namespace_seed,
@@ -118,6 +119,21 @@ def test_chunk_boundaries_equal_reference_every_width(mask_bits):
                                resets=resets)
         want = ref.chunk_boundaries(tokens.tolist(), mask_bits, min_size, max_size, tuple(resets))
         assert got.tolist() == want, (min_size, max_size)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_chunk_boundaries_sweep_equals_reference_per_mask(data):
+    """One sweep over several mask widths (sharing a state up to 64 bits wide) gives, for each
+    width, the reference's chunks of that width alone (no resets)."""
+    tokens = data.draw(token_arrays(max_len=800))
+    widths = data.draw(st.lists(st.one_of(st.integers(1, 16), st.integers(17, 64)), min_size=1,
+                                max_size=6))
+    _, min_size, max_size = data.draw(sizes())
+    got = chunk_boundaries_sweep(tokens, widths, min_size=min_size, max_size=max_size)
+    assert sorted(got) == sorted(set(widths))
+    for k, ends in got.items():
+        assert ends.tolist() == ref.chunk_boundaries(tokens.tolist(), k, min_size, max_size, ())
 
 
 def test_large_token_ids_match_reference():
