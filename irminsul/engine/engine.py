@@ -10,6 +10,7 @@ same engine.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,11 +19,20 @@ from ..config import EngineConfig, default_slots
 from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
-from .model_runner import ModelRunner, resolve_backend
+from .model_runner import ModelRunner, StagedForward, resolve_backend
 from .repair import LatentCheck
 from .sequence import Prefill, Sequence
 
 Work = list[tuple[Sequence, np.ndarray, np.ndarray]]  # (sequence, tokens, positions) items
+
+
+class Prepared(NamedTuple):
+    """A batch whose slots and graph inputs are ready but its token ids
+    (:meth:`Engine.prepare_batch`)."""
+
+    work: Work
+    appended: list[np.ndarray | None]
+    staged: StagedForward
 
 
 class Engine:
@@ -113,6 +123,40 @@ class Engine:
         finally:
             self.cache.end_batch(work, appended, ok)
         return logits
+
+    def prepare_batch(self, work: Work) -> Prepared | None:
+        """A batch of appended tokens (decode steps) made ready to replay from a CUDA graph —
+        slots allocated, inputs written — before its token ids are known: the host work of a
+        step done while the device still computes the one before. The tokens in ``work`` are
+        placeholders; :meth:`run_prepared` takes the real ones, :meth:`discard` gives the slots
+        back. None where the batch would not replay a graph. Nothing may run a forward between
+        this and :meth:`run_prepared`."""
+        if self.runner.graphs is None:
+            return None
+        batch, appended = self.cache.begin_batch(work)
+        try:
+            staged = self.runner.stage(batch)
+        except BaseException:
+            self.cache.end_batch(work, appended, False)
+            raise
+        if staged is None:
+            self.cache.end_batch(work, appended, False)
+            return None
+        return Prepared(work, appended, staged)
+
+    def run_prepared(self, prepared: Prepared, tokens: np.ndarray) -> list[torch.Tensor]:
+        """:meth:`run_batch` of a prepared batch, with its token ids (one per item)."""
+        ok = False
+        try:
+            logits = self.runner.replay(prepared.staged, np.asarray(tokens, dtype=np.int64))
+            ok = True
+        finally:
+            self.cache.end_batch(prepared.work, prepared.appended, ok)
+        return logits
+
+    def discard(self, prepared: Prepared) -> None:
+        """Give back what :meth:`prepare_batch` allocated, for a batch that will not run."""
+        self.cache.end_batch(prepared.work, prepared.appended, False)
 
     # -- decode ----------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -93,6 +93,16 @@ def capture(run: Callable[[], T], pool: tuple[int, int] | None = None
     return graph, out
 
 
+class Staged(NamedTuple):
+    """A batch written into a host mirror but its token ids (:meth:`CudaGraphs.stage`)."""
+
+    launch: tuple[int, int]  # (bucket, rows per block): the graph that replays it
+    tokens: int  # its new tokens
+    wanted: int  # the rows whose logits are wanted (0: all)
+    keys: int  # key slots written per kind
+    stamp: int  # which staging of the graphs' buffer it was: only the latest may replay
+
+
 class CudaGraphs:
     """Captured forwards per bucket over one engine's pool, and the buffer they read.
 
@@ -128,6 +138,7 @@ class CudaGraphs:
         self.forwards: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         # (bucket, rows per block) -> forwards served through that graph
         self.replays: Counter[tuple[int, int]] = Counter()
+        self._stamp = 0  # stagings of the buffer so far
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for launch in sorted(self.launches, reverse=True):  # largest first: the smaller reuse
             self.forwards[launch] = self._capture(*launch)  # its memory
@@ -143,17 +154,38 @@ class CudaGraphs:
         whose logits are wanted; None: all) on the device: ``spans`` (new tokens, and the pool
         handles of every key, its own rows last) in batch order, as the kernel takes them. The
         result lives in graph memory the buckets share: read it before the next call."""
-        n = len(tokens)
+        return self.replay(self.stage(positions, new_ckv, new_kr, spans, last), tokens)
+
+    def stage(self, positions: np.ndarray, new_ckv: np.ndarray, new_kr: np.ndarray,
+              spans: list[tuple[int, np.ndarray]], last: np.ndarray | None) -> Staged:
+        """Write a batch's inputs but its token ids into the next host mirror, sending
+        nothing: the bulk of a replay's host work, which can run while the device still
+        computes the forward that samples those tokens. :meth:`replay` must come next."""
+        n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         decode = all(count == 1 for count, _ in spans)
         launch = (bucket, block_rows(bucket, decode))
         if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket
             launch = (bucket, block_rows(bucket))
         last = np.zeros(0, dtype=np.int64) if last is None else last
-        self._fill(*launch, tokens, positions, new_ckv, new_kr, spans, last)
-        self.replays[launch] += 1
-        wanted = self._views(self.inputs.buffer, *launch)[1][:len(last)] if len(last) else None
-        return self.forwards[launch]()[:n], wanted
+        keys = self._fill(*launch, positions, new_ckv, new_kr, spans, last)
+        self._stamp += 1
+        return Staged(launch, n, len(last), keys, self._stamp)
+
+    def replay(self, staged: Staged, tokens: np.ndarray) -> tuple[torch.Tensor,
+                                                                  torch.Tensor | None]:
+        """:meth:`hidden` of a batch :meth:`stage` wrote: its token ids written, the inputs
+        sent, the bucket's graph replayed."""
+        if staged.stamp != self._stamp:
+            raise ValueError("a staged batch was written over by a later one")
+        if len(tokens) != staged.tokens:
+            raise ValueError(f"{len(tokens)} token ids for a batch of {staged.tokens}")
+        self._views(self.inputs.host(), *staged.launch)[0][0, :staged.tokens] = tokens
+        self.inputs.send((0, self._at[4] + staged.keys), (self._at[5], self._at[5] + staged.keys))
+        self.replays[staged.launch] += 1
+        wanted = (self._views(self.inputs.buffer, *staged.launch)[1][:staged.wanted]
+                  if staged.wanted else None)
+        return self.forwards[staged.launch]()[:staged.tokens], wanted
 
     def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int, rows: int) -> tuple:
         """A launch's regions of the buffer (or of a host mirror): rows [4, bucket], last rows
@@ -164,12 +196,13 @@ class CudaGraphs:
                 buffer[at[3]:at[3] + 4 * (bucket + 1)].reshape(4, bucket + 1),
                 buffer[at[4]:at[5]], buffer[at[5]:])
 
-    def _fill(self, bucket: int, block_m: int, tokens: np.ndarray, positions: np.ndarray,
+    def _fill(self, bucket: int, block_m: int, positions: np.ndarray,
               new_ckv: np.ndarray, new_kr: np.ndarray, spans: list[tuple[int, np.ndarray]],
-              last: np.ndarray) -> None:
-        """Write a batch, padded to ``bucket`` tokens, into the buffer (on a GPU through a
-        pinned mirror, sent in two copies ordered after the replay that read it last)."""
-        n = len(tokens)
+              last: np.ndarray) -> int:
+        """Write a batch, padded to ``bucket`` tokens, into the next host mirror (the buffer
+        itself off a GPU) but its token ids; returns the keys written, for the two copies that
+        send it, ordered after the replay that read the buffer last."""
+        n = len(positions)
         pad = bucket - n
         scratch_c, scratch_r = self.scratch
         new = [count for count, _ in spans] + ([pad] if pad else [])
@@ -178,7 +211,7 @@ class CudaGraphs:
         rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket,
                                                                   block_m)
         # Every value a replay reads is written: a mirror holds an older batch's values.
-        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = tokens, positions, new_ckv, new_kr
+        rows[1, :n], rows[2, :n], rows[3, :n] = positions, new_ckv, new_kr
         rows[:, n:] = np.array([0, 0, scratch_c, scratch_r])[:, None]  # padding: token 0 at 0
         wanted[:len(last)] = last
         # Unused blocks: the last request, from a row past every request's rows.
@@ -193,7 +226,7 @@ class CudaGraphs:
             np.right_shift(h, 32, out=keys_c[at:at + length])
             np.bitwise_and(h, HANDLE_LOW, out=keys_r[at:at + length])
             at += length
-        self.inputs.send((0, self._at[4] + at), (self._at[5], self._at[5] + at))
+        return at
 
     def _capture(self, bucket: int, block_m: int) -> Callable[[], torch.Tensor]:
         """A launch's forward over the buffer: on CUDA a graph's replay, captured after a run
@@ -213,7 +246,8 @@ class CudaGraphs:
         if not self.cuda:
             return forward
         empty = np.zeros(0, dtype=np.int64)
-        self._fill(bucket, block_m, empty, empty, empty, empty, [], empty)
+        keys = self._fill(bucket, block_m, empty, empty, empty, [], empty)
+        self.inputs.send((0, self._at[4] + keys), (self._at[5], self._at[5] + keys))
         graph, out = capture(forward, self.pool)
 
         def replay() -> torch.Tensor:

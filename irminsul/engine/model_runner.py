@@ -15,7 +15,7 @@ and everything off the GPU run in plain torch over context gathered from the poo
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
 
 if TYPE_CHECKING:
-    from .graphs import CudaGraphs
+    from .graphs import CudaGraphs, Staged
     from .rotation import Rotation
 
 
@@ -73,6 +73,13 @@ def resolve_backend(model: MLAModel, kernels: bool | None, graphs: bool | None
         raise ValueError(f"CUDA graphs need a bfloat16 model, not {weight.dtype}: grouped GEMM "
                          "in other dtypes reads the expert offsets on the host")
     return kernels, graphs
+
+
+class StagedForward(NamedTuple):
+    """A batch's graph inputs written ahead of its token ids (:meth:`ModelRunner.stage`)."""
+
+    graph: Staged
+    lengths: list[int]
 
 
 class ModelRunner:
@@ -143,9 +150,42 @@ class ModelRunner:
         (one launch per layer for all of them, context or not), the rest in torch over context
         gathered from the pool. A batch of kernel spans only replays a graph where there are
         graphs."""
-        device = self.ckv.device
-        kernel, gathered, offset = [], [], 0  # kernel: (batch rows, new tokens, key handles)
-        merged = []  # (batch rows, their positions, key handles of positions 0..last)
+        kernel, gathered, merged = self._route(batch)
+        last = None if all_logits else np.cumsum(batch.lengths) - 1
+        if self._graphed(batch, kernel, gathered, merged):
+            return self.replay(self._stage(batch, kernel, last), batch.tokens)
+        return self._eager(batch, kernel, gathered, merged, last)
+
+    def stage(self, batch: ForwardBatch) -> StagedForward | None:
+        """A batch's graph inputs but its token ids written ahead (its last token's logits
+        wanted), for :meth:`replay`; None where the batch would not replay a graph. Nothing
+        may run through the graphs between the two."""
+        kernel, gathered, merged = self._route(batch)
+        if not self._graphed(batch, kernel, gathered, merged):
+            return None
+        return self._stage(batch, kernel, np.cumsum(batch.lengths) - 1)
+
+    def replay(self, staged: StagedForward, tokens: np.ndarray) -> list[torch.Tensor]:
+        """The logits of a batch :meth:`stage` wrote, given its token ids."""
+        hidden, rows = self.graphs.replay(staged.graph, tokens)
+        return self.model.head(hidden, staged.lengths, rows)
+
+    def _graphed(self, batch: ForwardBatch, kernel: list, gathered: list, merged: list) -> bool:
+        return (self.graphs is not None and not gathered and not merged
+                and self.graphs.fits(batch.tokens.size, sum(len(h) for _, _, h in kernel)))
+
+    def _stage(self, batch: ForwardBatch, kernel: list, last: np.ndarray | None
+               ) -> StagedForward:
+        new_ckv, new_kr = unpack(batch.new)
+        graph = self.graphs.stage(np.concatenate(batch.positions), new_ckv, new_kr,
+                                  [(n, h) for _, n, h in kernel], last)
+        return StagedForward(graph, batch.lengths)
+
+    def _route(self, batch: ForwardBatch) -> tuple[list, list, list]:
+        """The batch's spans by where they attend: (kernel: batch rows, new tokens, key
+        handles), (gathered: batch rows, context handles), (merged: batch rows, positions, key
+        handles of positions 0..last)."""
+        kernel, gathered, merged, offset = [], [], [], 0
         # A decode step is one span of one token: skip looking for breaks in it.
         item_spans = [(np.arange(1),) if len(at) == 1 else
                       np.split(np.arange(len(at)), np.flatnonzero(np.diff(at) != 1) + 1)
@@ -175,15 +215,16 @@ class ModelRunner:
                 else:
                     gathered.append((span, seq_keys[:first]))
             offset += len(at)
+        return kernel, gathered, merged
+
+    def _eager(self, batch: ForwardBatch, kernel: list, gathered: list, merged: list,
+               last: np.ndarray | None) -> list[torch.Tensor]:
+        """The forward launched op by op: kernel spans in one launch per layer, the others in
+        torch over their context gathered from the pool."""
+        device = self.ckv.device
         lengths = batch.lengths
         at = np.concatenate(batch.positions)
-        last = None if all_logits else np.cumsum(lengths) - 1
         new_ckv, new_kr = unpack(batch.new)
-        if (self.graphs is not None and not gathered and not merged
-                and self.graphs.fits(len(at), sum(len(h) for _, _, h in kernel))):
-            hidden, rows = self.graphs.hidden(batch.tokens, at, new_ckv, new_kr,
-                                              [(n, h) for _, n, h in kernel], last)
-            return self.model.head(hidden, lengths, rows)
         layout = None
         if kernel:
             from ..kernels import PagedLayout  # needs triton: only with kernels

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .audit import PicAudit
-from .engine import Engine
+from .engine import Engine, Prepared
 from .kv_pool import PoolExhausted
 from .sampler import SamplingParams, sample
 from .sequence import Prefill, Sequence, ServeStats
@@ -104,6 +104,14 @@ class Load(NamedTuple):
     failed: int  # requests failed by an error of their own so far
 
 
+_PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a prepared decode step's token, written later
+
+
+class _Prepared(NamedTuple):
+    requests: list[Request]  # the running requests it was made for, in order
+    batch: Prepared
+
+
 class Scheduler:
     """Admits, batches and finishes requests over one :class:`Engine`: its cache manager plans
     and holds, its model runner computes (through :meth:`Engine.advance` and
@@ -134,6 +142,8 @@ class Scheduler:
         self.failed = 0
         # A sampled share of what live PIC served, recomputed when there is nothing else to do.
         self.audit = PicAudit(config.pic_audit_rate if config.mode == "live" else 0.0)
+        self._prepared: _Prepared | None = None  # the next step's batch, made ready ahead
+        self.prepared_steps = 0  # steps that ran a batch prepared ahead so far
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
             namespace: int = 0, request_id: str | None = None) -> str:
@@ -185,6 +195,7 @@ class Scheduler:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
         and free its slots. Returns whether it was found."""
+        self._discard_prepared()
         for request in self.waiting:
             if request.id == request_id:
                 self.waiting.remove(request)
@@ -201,6 +212,7 @@ class Scheduler:
         """Remove a request from the queues without touching the engine: the last resort when
         :meth:`abort` itself raised, so the loop does not fail on it forever (its slots may
         leak; ``Engine.check`` would say so)."""
+        self._discard_prepared()
         self.running = [r for r in self.running if r.id != request_id]
         self.waiting = [r for r in self.waiting if r.id != request_id]
         self._left += 1
@@ -274,9 +286,17 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one batch, sample, and report what changed (requests that
-        failed on their own included)."""
+        failed on their own included).
+
+        In a step where every running request decodes and none waits, the next step's batch is
+        prepared (:meth:`Engine.prepare_batch`: slots, graph inputs) after this one's forward
+        is launched and before its tokens are read back, while the device computes: the next
+        step then only writes its token ids and replays. It is given back if anything changed
+        in between (a request stopped, came or left)."""
         outputs: list[StepOutput] = []
-        self._admit(outputs)
+        prepared = self._claim_prepared()
+        if prepared is None:
+            self._admit(outputs)
         work: list[tuple[Request, np.ndarray, np.ndarray]] = []
         budget = self.batch_tokens
         for request in self.running:
@@ -297,7 +317,7 @@ class Scheduler:
         if not work:
             return outputs
         ready: list[tuple[Request, torch.Tensor]] = []  # requests to sample, and their logits
-        for (request, tokens, _), out in zip(work, self._forward(work, outputs)):
+        for (request, tokens, _), out in zip(work, self._forward(work, outputs, prepared)):
             if out is None:
                 continue  # failed in the forward
             try:
@@ -317,9 +337,56 @@ class Scheduler:
                 outputs.append(self._fail(request, err, "completing its prefill"))
                 continue
             ready.append((request, out[-1]))
+        self._prepare_next()
         for request, token in self._sample(ready, outputs):
             outputs.append(self._emit(request, token))
+        if self._prepared is not None and not self._unchanged(self._prepared):
+            self._discard_prepared()
         return outputs
+
+    def _prepare_next(self) -> None:
+        """Prepare the next step's batch: when every running request decodes and none waits,
+        the requests this step's tokens will not finish by length, each appending one token."""
+        if self.waiting or any(r.state != "decode" for r in self.running):
+            return
+        going = [r for r in self.running if len(r.output) + 1 < r.params.max_tokens]
+        if not going:
+            return
+        work = [(r.seq, _PLACEHOLDER, np.array([len(r.seq.tokens)])) for r in going]
+        try:
+            batch = self.engine.prepare_batch(work)
+        except Exception as err:  # e.g. no room now: the next step plans as usual
+            log.debug("preparing the next step failed: %r", err)
+            return
+        if batch is not None:
+            self._prepared = _Prepared(going, batch)
+
+    def _unchanged(self, prepared: _Prepared) -> bool:
+        """Whether the running requests are still exactly those ``prepared`` was made for."""
+        return (len(self.running) == len(prepared.requests)
+                and all(a is b for a, b in zip(self.running, prepared.requests)))
+
+    def _claim_prepared(self) -> Prepared | None:
+        """The prepared batch, if this step runs exactly it (else given back)."""
+        prepared = self._prepared
+        if prepared is None:
+            return None
+        if self.waiting or not self._unchanged(prepared):
+            self._discard_prepared()
+            return None
+        self._prepared = None
+        return prepared.batch
+
+    def check(self) -> None:
+        """The engine's slot accounting verified (:meth:`Engine.check`), a batch prepared
+        ahead given back first (its slots are held by no request yet)."""
+        self._discard_prepared()
+        self.engine.check()
+
+    def _discard_prepared(self) -> None:
+        if self._prepared is not None:
+            prepared, self._prepared = self._prepared, None
+            self.engine.discard(prepared.batch)
 
     def _sample(self, ready: list[tuple[Request, torch.Tensor]], outputs: list[StepOutput]
                 ) -> list[tuple[Request, int]]:
@@ -344,8 +411,18 @@ class Scheduler:
         return tokens
 
     def _forward(self, work: list[tuple[Request, np.ndarray, np.ndarray]],
-                 outputs: list[StepOutput]) -> list[torch.Tensor | None]:
-        """Each item's logits; None for a request the forward failed on (failed here)."""
+                 outputs: list[StepOutput], prepared: Prepared | None = None
+                 ) -> list[torch.Tensor | None]:
+        """Each item's logits; None for a request the forward failed on (failed here). A
+        prepared batch (``work``'s decode steps) replays with its token ids."""
+        if prepared is not None:
+            try:
+                logits = self.engine.run_prepared(
+                    prepared, np.concatenate([tokens for _, tokens, _ in work]))
+                self.prepared_steps += 1
+                return logits
+            except Exception as err:  # its slots are back: run the batch as usual below
+                log.debug("a prepared step did not run: %r", err)
         try:
             return self.engine.run_batch([(r.seq, tokens, at) for r, tokens, at in work])
         except Exception as err:

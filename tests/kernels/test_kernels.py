@@ -347,3 +347,54 @@ def test_graph_block_room_holds_every_batch_of_its_bucket(heads: int) -> None:
         assert worst <= room
         if heads % rows == 0:
             assert worst == room
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
+                    "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
+def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
+    """Decode steps whose batch was prepared during the step before (slots and graph inputs
+    ahead of the token ids) give the eager path's greedy tokens; a request stopped by a stop
+    token, one aborted between steps and one arriving late each make the prepared batch be given
+    back, and the slot accounting stays exact throughout."""
+    from irminsul.engine import Engine, SamplingParams, Scheduler
+
+    build("v2_lite_like", tmp_path, layers=1, heads=16)
+    model = load_model(tmp_path, device=DEVICE)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 97, int(rng.integers(10, 40))) for _ in range(5)]
+    late = rng.integers(0, 97, 25)
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=graphs))
+        scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=64)
+        ids = [scheduler.add(p, SamplingParams(max_tokens=8)) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        steps = 0
+        while scheduler.has_work():
+            for o in scheduler.step():
+                out.setdefault(o.request_id, []).extend(o.new_tokens)
+            steps += 1
+            if steps == 3:
+                scheduler.abort(ids[1])
+                engine.check()  # nothing held for the aborted request's prepared step
+            if steps == 5:
+                out[scheduler.add(late, SamplingParams(max_tokens=3))] = []
+        engine.check()
+        runs[graphs] = (out, scheduler.prepared_steps)
+    assert runs[False][1] == 0
+    assert runs[True][1] >= 4  # steady decode between the interruptions ran prepared
+    assert runs[True][0] == runs[False][0]
+    # A stop token: the first request's third token stops it (taken from the run above).
+    stop = runs[False][0][ids[0]][2]
+    engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=True))
+    scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=64)
+    first = scheduler.add(prompts[0], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+    other = scheduler.add(prompts[2], SamplingParams(max_tokens=8))
+    got: dict[str, list[int]] = {first: [], other: []}
+    while scheduler.has_work():
+        for o in scheduler.step():
+            got[o.request_id] += o.new_tokens
+    engine.check()
+    want = runs[False][0][ids[0]]
+    assert got[first] == want[:want.index(stop) + 1]
+    assert got[other] == runs[False][0][ids[2]]
