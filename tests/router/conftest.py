@@ -1,77 +1,13 @@
-"""Three servers of the embedded default model on loopback, and routers in front of them, all
-in this process (uvicorn on threads), so a test can stop a backend and start it again."""
+"""The router tests' fixtures: three servers of the embedded default model (router_servers.py
+starts them), one torch thread."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-import httpx
 import pytest
 import torch
-import uvicorn
-from fastapi import FastAPI
-
-from irminsul.config import EngineConfig, RouterConfig, ServerConfig
-from irminsul.loadgen.server import free_port
-from irminsul.model.default import default_model_dir
-from irminsul.router.app import build_router
-from irminsul.server import build_server
-
-MODEL = "default_model"
-
-
-@contextlib.contextmanager
-def served(app: FastAPI, port: int, *, timeout: float = 30.0) -> Iterator[str]:
-    """Serve ``app`` on ``port`` until the block ends; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
-
-
-@contextlib.contextmanager
-def backend(port: int | None = None) -> Iterator[str]:
-    """A live server of the embedded model (float32, CPU, no gate: the router is under test)."""
-    config = ServerConfig(model_name=MODEL, dtype="float32", device="cpu", gate=None,
-                          engine=EngineConfig(mode="live", slots=4096))
-    app, _ = build_server(default_model_dir(), config)
-    with served(app, port or free_port()) as url:
-        yield url
-
-
-@dataclass
-class Router:
-    url: str
-
-    def backends(self) -> list[dict]:
-        return httpx.get(f"{self.url}/irminsul/backends").json()["backends"]
-
-    def wait(self, ready: Callable[[list[dict]], bool], timeout: float = 10.0) -> None:
-        """Until ``ready`` holds of the backends' states."""
-        deadline = time.monotonic() + timeout
-        while not ready(self.backends()):
-            assert time.monotonic() < deadline, f"router never ready: {self.backends()}"
-            time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def router(backends: list[str], **fields: object) -> Iterator[Router]:
-    fields.setdefault("poll_interval_s", 0.05)
-    config = RouterConfig(backends=tuple(backends), **fields)
-    with served(build_router(config, default_model_dir()), free_port()) as url:
-        yield Router(url)
+from router_servers import backend
 
 
 @pytest.fixture(scope="module", autouse=True)

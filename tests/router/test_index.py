@@ -9,7 +9,7 @@ import secrets
 import httpx
 import numpy as np
 import xxhash
-from conftest import MODEL
+from router_servers import MODEL
 
 from irminsul.cache.cdc import namespace_seed
 from irminsul.model.default import default_model_dir

@@ -8,7 +8,7 @@ import secrets
 
 import httpx
 import numpy as np
-from conftest import MODEL, backend, router
+from router_servers import MODEL, backend, router
 
 from irminsul.loadgen.server import free_port
 
