@@ -34,12 +34,21 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 _POLY = 0xD6E8FEB86659FD93
 
 
+_GOLDEN = np.uint64(GOLDEN)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser, elementwise on a uint64 array (wrapping arithmetic)."""
-    z = x + np.uint64(GOLDEN)
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    """SplitMix64 finaliser, elementwise on a uint64 array (wrapping arithmetic: numpy does not
+    check integer arrays for overflow). In place on one new array: on the short arrays of a
+    registered chunk, numpy's per-call cost is most of the work."""
+    z = x + _GOLDEN
+    z ^= z >> _S30
+    z *= _MIX1
+    z ^= z >> _S27
+    z *= _MIX2
+    z ^= z >> _S31
+    return z
 
 
 class _GearTable:
@@ -56,6 +65,13 @@ class _GearTable:
         self._size = 0
 
     def lookup(self, tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """gear(id) of each of ``tokens`` (validated ids: non-negative) as ``dtype``."""
+        table = self._tables.get(np.dtype(dtype))
+        if table is not None:
+            try:  # an id past the table raises: no pass over the ids to find the largest first
+                return table[tokens]
+            except IndexError:
+                pass
         needed = int(tokens.max()) + 1 if tokens.size else 1
         if needed > self.LIMIT:
             return splitmix64(tokens.astype(np.uint64)).astype(dtype)
@@ -272,9 +288,9 @@ def tiled_window_fingerprints(tokens: Iterable[int] | np.ndarray, width: int, *,
     if not whole:
         return np.zeros(0, dtype=np.uint64)
     gear = _GEAR.lookup(arr[:whole * width], np.uint64).reshape(whole, width)
-    with np.errstate(over="ignore"):  # arithmetic mod 2**64, as the doubling's
-        h = (gear * _powers(width)).sum(axis=1, dtype=np.uint64)
-    return splitmix64(h ^ np.uint64(seed & (2**64 - 1)))
+    h = (gear * _powers(width)).sum(axis=1, dtype=np.uint64)  # mod 2**64, as the doubling's
+    h ^= np.uint64(seed & (2**64 - 1))
+    return splitmix64(h)
 
 
 _POWERS: dict[int, np.ndarray] = {}

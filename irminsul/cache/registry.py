@@ -204,30 +204,34 @@ class Registry:
         array, in order, at its position: ``tokens[start:end]`` with ``handles[start:end]``.
         Returns each chunk's entry and whether it is new. The windows and heads of all the chunks
         are fingerprinted together (a few numpy calls per prompt, not per chunk)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = np.asarray(tokens)  # converted chunk by chunk: most of a prompt is not missed
         handles = np.asarray(handles, dtype=np.int64)
         if tokens.ndim != 1 or tokens.shape != handles.shape:
             raise ValueError(f"tokens {tokens.shape} and handles {handles.shape} must be equal 1-D")
-        width = self.window
-        # Each chunk's whole windows, back to back: tiled as one array, they are its tiles.
+        width, head = self.window, self.head
+        # Each chunk's whole windows, back to back: tiled as one array, they are its tiles; its
+        # head likewise (a fingerprint is of the tokens alone, wherever they are).
         tiles = [(end - start) // width for start, end, _ in chunks]
         pieces = [tokens[start:start + n * width] for (start, _, _), n in zip(chunks, tiles) if n]
         windows = (tiled_window_fingerprints(np.concatenate(pieces), width, seed=namespace)
                    .tolist() if pieces else [])
-        head_of = Fingerprinter(tokens, namespace) if self.head else None
-        out, first = [], 0
+        heads = [tokens[start:start + head] for start, end, _ in chunks
+                 if head and end - start >= head]
+        head_of = Fingerprinter(np.concatenate(heads), namespace) if heads else None
+        out, first, at = [], 0, 0
         for (start, end, fingerprint), n in zip(chunks, tiles):
             keys, first = windows[first:first + n], first + n
+            key = None
+            if head and end - start >= head:
+                key, at = head_of(at, at + head), at + head
             content = _content(tokens[start:end])
             existing = self.lookup(namespace, fingerprint, content)
             if existing is not None:
                 self.touch(existing)
                 out.append((existing, False))
                 continue
-            head = head_of(start, start + self.head) if head_of and end - start >= self.head \
-                else None
             out.append((self._add(namespace, int(fingerprint), content,
-                                  handles[start:end].copy(), start, keys, head), True))
+                                  handles[start:end].copy(), start, keys, key), True))
         return out
 
     def _add(self, namespace: int, fingerprint: int, content: bytes, handles: np.ndarray,
