@@ -14,11 +14,12 @@ import lzma
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LogError", "Request", "read_requests", "sample_logs", "write_requests"]
+__all__ = ["LogError", "Request", "parse_line", "read_lines", "read_requests", "sample_logs",
+           "write_requests"]
 
 _log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class Request:
     messages: list[dict]
     tools: list[dict] | None
     source: str  # "path:line_no", for error messages
+    # Line number in the log (1-based; 0 when not read from a log): what ``source`` names, so
+    # not compared.
+    line: int = field(default=0, compare=False)
 
 
 class LogError(ValueError):
@@ -69,7 +73,14 @@ def _stem(path: str) -> str:
     return name
 
 
-def _parse(raw: bytes, source: str, fallback_session: str) -> Request:
+def parse_line(path: str | os.PathLike[str], line_no: int, raw: bytes) -> Request:
+    """The Request on line ``line_no`` (non-blank) of the log at ``path``, as
+    :func:`read_requests` reads it; a LogError naming file and line if it is malformed."""
+    name = os.fspath(path)
+    return _parse(raw, f"{name}:{line_no}", f"{_stem(name)}:{line_no}", line_no)
+
+
+def _parse(raw: bytes, source: str, fallback_session: str, line_no: int) -> Request:
     """Validate one non-blank line and build its Request; raise LogError if malformed."""
     try:
         obj: Any = json.loads(raw.decode("utf-8"))
@@ -107,11 +118,33 @@ def _parse(raw: bytes, source: str, fallback_session: str) -> Request:
     session = obj.get("session", fallback_session)
     if not isinstance(session, str):
         raise LogError(source, f"'session' is not a string: {session!r}")
-    return Request(session=session, call=call, messages=messages, tools=tools, source=source)
+    return Request(session=session, call=call, messages=messages, tools=tools, source=source,
+                   line=line_no)
 
 
 def _warn(err: LogError) -> None:  # default on_error
     _log.warning("%s", err)
+
+
+def read_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    """Every non-blank line of a JSON Lines log (plain, ``.gz`` or ``.xz``, chosen by suffix) as
+    (line number, raw bytes), unparsed. A truncated or corrupt compressed stream raises a
+    LogError naming the last good line, after the lines before it."""
+    name = os.fspath(path)
+    line_no = 0
+    with _open_binary(name) as f:
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except _STREAM_ERRORS as exc:
+                problem = f"compressed data truncated or corrupt after this line ({exc})"
+                raise LogError(f"{name}:{line_no}", problem) from exc
+            line_no += 1
+            if raw.strip():
+                yield line_no, raw
 
 
 def read_requests(
@@ -128,36 +161,27 @@ def read_requests(
     the last good line; it is raised in strict mode, otherwise reported and iteration stops.
     A request without a "session" field gets its own session, ``f"{file_stem}:{line_no}"``.
     """
-    name = os.fspath(path)
     report = on_error if on_error is not None else _warn
-    stem = _stem(name)
-    line_no = 0
-    with _open_binary(name) as f:
-        lines = iter(f)
-        while True:
-            try:
-                raw = next(lines)
-            except StopIteration:
-                return
-            except _STREAM_ERRORS as exc:
-                problem = f"compressed data truncated or corrupt after this line ({exc})"
-                err = LogError(f"{name}:{line_no}", problem)
-                if strict:
-                    raise err from exc
-                report(err)
-                return
-            line_no += 1
-            if not raw.strip():
-                continue
-            try:
-                request = _parse(raw, f"{name}:{line_no}", f"{stem}:{line_no}")
-            except LogError as err:
-                if strict:
-                    raise
-                report(err)
-                continue
-            # Yield outside the try so errors thrown into the generator are not swallowed.
-            yield request
+    lines = read_lines(path)
+    while True:
+        try:
+            line_no, raw = next(lines)
+        except StopIteration:
+            return
+        except LogError as err:  # the compressed stream is damaged: nothing more to read
+            if strict:
+                raise
+            report(err)
+            return
+        try:
+            request = parse_line(path, line_no, raw)
+        except LogError as err:
+            if strict:
+                raise
+            report(err)
+            continue
+        # Yield outside the try so errors thrown into the generator are not swallowed.
+        yield request
 
 
 def write_requests(path: str | os.PathLike[str], requests: Iterable[dict[str, Any]]) -> int:
