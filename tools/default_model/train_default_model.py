@@ -45,6 +45,13 @@ ARCHS = {
                     qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, intermediate_size=1024,
                     moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
                     num_experts_per_tok=2, max_position_embeddings=16384),
+    # The retrain (gpu_retrain.sh): ~26.6M parameters (53 MB in bf16), 8 layers with 8 heads, the
+    # same MLA head shape (kv_lora 128 : rope 16 = 8 : 1; qk 48 + 16 = v 64, one head size, so
+    # SDPA's flash kernel applies), 8 routed experts of width 192, top-2, 1 shared.
+    "sink": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=8, kv_lora_rank=128,
+                 qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, intermediate_size=1536,
+                 moe_intermediate_size=192, n_routed_experts=8, n_shared_experts=1,
+                 num_experts_per_tok=2, max_position_embeddings=16384),
     # For CPU smoke tests only.
     "micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16,
                   qk_rope_head_dim=2, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64,
@@ -82,6 +89,66 @@ class Batches:
         at_start = self.rng.random(batch) < 0.5
         offsets[at_start] = self.rng.choice(self.starts, int(at_start.sum()))
         rows = [self.tokens[o:o + self.seq_len + 1] for o in offsets]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def window_offsets(starts: np.ndarray, size: int, seq_len: int) -> np.ndarray:
+    """Offsets that tile a token file into windows of ``seq_len`` tokens, one pass: a window that
+    cuts a document in its second half is followed by one that starts at that document's BOS (so
+    most documents are seen from their start, as served prompts are), else by the next token."""
+    offsets, p = [], 0
+    while p + seq_len + 1 <= size:
+        offsets.append(p)
+        end = p + seq_len
+        i = int(np.searchsorted(starts, end, side="right")) - 1
+        p = int(starts[i]) if i >= 0 and starts[i] > p + seq_len // 2 else end
+    return np.asarray(offsets, dtype=np.int64)
+
+
+class BosWindows:
+    """Windows of ``seq_len + 1`` tokens that ALL start with BOS at position 0: at a document start
+    as stored, else BOS then the tokens from a mid-document offset. A constant first token is what
+    StreamingLLM (Xiao et al. 2023, §3.3: a dedicated sink token in every training sample) and Gu
+    et al. 2024 ("When Attention Sink Emerges in Language Models", ICLR 2025: the sink forms on
+    the first position, after effective optimisation on enough data) tie the sink to; every
+    served prompt starts with BOS too. The windows are visited in a seeded shuffle, one pass at
+    a time, so a run covers the data evenly."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, seq_len: int, bos: int,
+                 rng: np.random.Generator) -> None:
+        self.tokens, self.seq_len, self.bos, self.rng = tokens, seq_len, bos, rng
+        self.offsets = window_offsets(starts, tokens.size, seq_len)
+        if not self.offsets.size:
+            raise ValueError(f"{tokens.size} tokens: too few for one window of {seq_len}")
+        self.order, self.next_index, self.passes = rng.permutation(self.offsets.size), 0, 0
+
+    def take(self) -> np.ndarray:
+        """The next window [seq_len + 1] (uint16)."""
+        if self.next_index == self.order.size:
+            self.order, self.next_index = self.rng.permutation(self.offsets.size), 0
+            self.passes += 1
+        o = int(self.offsets[self.order[self.next_index]])
+        self.next_index += 1
+        if self.tokens[o] == self.bos:
+            return self.tokens[o:o + self.seq_len + 1]
+        return np.concatenate([[self.bos], self.tokens[o:o + self.seq_len]]).astype(np.uint16)
+
+    def progress(self) -> float:
+        """Passes over this source so far (fractional)."""
+        return self.passes + self.next_index / self.order.size
+
+
+class MixedBatches:
+    """Rows drawn from the main corpus, or from the agent corpus with probability ``share``."""
+
+    def __init__(self, sources: list[BosWindows], shares: list[float], seed: int) -> None:
+        self.sources, self.shares = sources, np.asarray(shares) / sum(shares)
+        self.rng = np.random.default_rng(seed + 1)
+
+    def next(self, batch: int) -> torch.Tensor:
+        """[batch, seq_len + 1] int64."""
+        picks = self.rng.choice(len(self.sources), size=batch, p=self.shares)
+        rows = [self.sources[i].take() for i in picks]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
@@ -145,6 +212,41 @@ def evaluate(model, tokens: np.ndarray, seq_len: int, windows: int, batch: int,
     return total / max(n, 1)
 
 
+@torch.no_grad()
+def evaluate_at_starts(model, tokens: np.ndarray, starts: np.ndarray, seq_len: int, windows: int,
+                       batch: int, device: torch.device, autocast: Callable) -> float:
+    """Mean next-token loss (nats) over ``windows`` windows that each open at a document start
+    (BOS at position 0, as in training and serving), evenly spread over the documents."""
+    usable = starts[starts + seq_len + 1 <= tokens.size]
+    if not usable.size:
+        return float("nan")
+    picks = usable[np.linspace(0, usable.size - 1, min(windows, usable.size)).astype(np.int64)]
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, picks.size, batch):
+        rows = np.stack([tokens[o:o + seq_len + 1] for o in picks[i:i + batch]])
+        x = torch.from_numpy(rows.astype(np.int64)).to(device)
+        with autocast():
+            logits = model(input_ids=x[:, :-1]).logits
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
+                                       reduction="sum"))
+        n += x[:, 1:].numel()
+    model.train()
+    return total / max(n, 1)
+
+
+def save_checkpoint(model, out: Path) -> None:
+    """A bf16 copy of the weights (and config) into ``out`` while training goes on: written beside
+    and renamed over, so a run cut off by its time limit leaves a whole checkpoint."""
+    tmp = out.with_name(out.name + ".tmp")
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, state_dict=state)
+    to_legacy_config(tmp / "config.json")
+    for f in tmp.iterdir():
+        f.replace(out / f.name)
+    tmp.rmdir()
+
+
 def probe_experts(model, x: torch.Tensor, autocast: Callable, log: Callable[[str], None]) -> None:
     """Keep grouped_mm experts if a forward and backward pass runs with them, else fall back to
     transformers' per-expert loop (a failed GPU run costs more than a slower one)."""
@@ -199,6 +301,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer dir (default DATA/tokenizer)")
+    parser.add_argument("--bos-windows", action="store_true",
+                        help="every window opens with BOS (BosWindows); eval windows at doc starts")
+    parser.add_argument("--agent-data", type=Path, help="second corpus dir (agent renders)")
+    parser.add_argument("--agent-share", type=float, default=0.2,
+                        help="fraction of training windows from --agent-data")
+    parser.add_argument("--deadline", type=float, help="epoch seconds training must end by")
+    parser.add_argument("--checkpoint-minutes", type=float, default=0.0,
+                        help="save the model into --out this often (0: only at the end)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser.parse_args(argv)
 
@@ -225,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    tokenizer = Tokenizer.from_file(str(args.data / "tokenizer" / "tokenizer.json"))
+    tokenizer_dir = args.tokenizer or args.data / "tokenizer"
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     bos = tokenizer.token_to_id(BOS)
     stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     config = model_config(args.arch, tokenizer.get_vocab_size(), bos, tokenizer.token_to_id(EOS))
@@ -239,8 +351,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     train = np.fromfile(args.data / "train.bin", dtype=np.uint16)
     val = np.fromfile(args.data / "val.bin", dtype=np.uint16)
-    batches = Batches(train, np.load(args.data / "train.starts.npy"), args.seq_len, args.seed)
     log(f"data: {train.size:,} train tokens, {val.size:,} val tokens")
+    windows: list[BosWindows] = []
+    if args.bos_windows or args.agent_data:
+        rng = np.random.default_rng(args.seed)
+        windows.append(BosWindows(train, np.load(args.data / "train.starts.npy"), args.seq_len, bos,
+                                  rng))
+        shares = [1.0]
+        if args.agent_data:
+            agent = np.fromfile(args.agent_data / "train.bin", dtype=np.uint16)
+            windows.append(BosWindows(agent, np.load(args.agent_data / "train.starts.npy"),
+                                      args.seq_len, bos, rng))
+            shares = [1 - args.agent_share, args.agent_share]
+            log(f"agent data: {agent.size:,} train tokens, {args.agent_share:.0%} of windows")
+        batches = MixedBatches(windows, shares, args.seed)
+    else:
+        batches = Batches(train, np.load(args.data / "train.starts.npy"), args.seq_len, args.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -258,7 +384,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or 10**9  # fixed after calibration when only a time budget is given
     budget = args.minutes * 60
     step, tokens_seen, window_t, window_tokens = 0, 0, time.time(), 0
-    train_start = time.time()
+    train_start = last_checkpoint = time.time()
+    if args.deadline:
+        budget = min(budget, args.deadline - train_start)
     while step < steps:
         x = batches.next(args.batch).to(device, non_blocking=True)
         lr = lr_at(step, steps, args.lr, args.warmup, args.min_lr_ratio)
@@ -281,23 +409,40 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.synchronize()
             per_step = (time.time() - train_start) / step
             steps = max(step + 1, int(budget / per_step))
-            log(f"calibration: {per_step * 1e3:.0f} ms/step -> {steps} steps in {args.minutes} min")
+            log(f"calibration: {per_step * 1e3:.0f} ms/step -> {steps} steps in "
+                f"{budget / 60:.2f} min")
         if step % args.log_every == 0 or step == steps:
             rate = window_tokens / (time.time() - window_t)
             log(f"step {step}/{steps} loss {loss.item():.4f} balance {balance.item():.4f} "
                 f"grad {float(grad_norm):.2f} lr {lr:.2e} {rate:,.0f} tok/s "
-                f"elapsed {time.time() - train_start:.0f}s")
+                f"elapsed {time.time() - train_start:.0f}s"
+                + "".join(f" passes[{i}] {w.progress():.2f}" for i, w in enumerate(windows)))
             window_t, window_tokens = time.time(), 0
+        if args.checkpoint_minutes and time.time() - last_checkpoint > 60 * args.checkpoint_minutes:
+            save_checkpoint(model, args.out)
+            last_checkpoint = time.time()
+            log(f"checkpoint at step {step} into {args.out}")
     train_seconds = time.time() - train_start
-    val_loss = evaluate(model, val, args.seq_len, args.eval_windows, args.batch, device, autocast)
+    if windows:
+        val_loss = evaluate_at_starts(model, val, np.load(args.data / "val.starts.npy"), args.seq_len,
+                                      args.eval_windows, args.batch, device, autocast)
+    else:
+        val_loss = evaluate(model, val, args.seq_len, args.eval_windows, args.batch, device, autocast)
+    val_losses = {"main": val_loss}
+    if args.agent_data:
+        val_losses["agent"] = evaluate_at_starts(
+            model, np.fromfile(args.agent_data / "val.bin", dtype=np.uint16),
+            np.load(args.agent_data / "val.starts.npy"), args.seq_len, args.eval_windows,
+            args.batch, device, autocast)
     log(f"done: {step} steps, {tokens_seen:,} tokens in {train_seconds:.0f}s; "
-        f"final train loss {loss.item():.4f}; val loss {val_loss:.4f} nats/token")
-    write_model_dir(model, args.out, args.data / "tokenizer", stops, bos)
+        f"final train loss {loss.item():.4f}; val loss {val_losses} nats/token")
+    write_model_dir(model, args.out, tokenizer_dir, stops, bos)
     manifest_file = args.data / "manifest.json"
     record = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "steps": step, "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
-        "final_train_loss": loss.item(), "val_loss": val_loss, "parameters": params,
+        "final_train_loss": loss.item(), "val_loss": val_loss, "val_losses": val_losses,
+        "passes": [w.progress() for w in windows], "parameters": params,
         "architecture": {**ARCHS[args.arch], **COMMON, "rope": ROPE},
         "corpus": json.loads(manifest_file.read_text("utf-8")) if manifest_file.is_file() else None,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Retrain the default model in ONE device call on one H200 (~8.5 min wall, the figures included).
+#
+#   bash tools/default_model/gpu_retrain.sh [--minutes 6] [--total-minutes 8.5] [retrain.py options]
+#
+# Needs, carried to the GPU machine: .retrain (the agent renders, from
+# `python tools/default_model/agent_corpus.py` here; ~26 MiB) beside the usual .whl.
+# The run builds the package corpus there (package_corpus.py), trains (train_default_model.py,
+# arch "sink"), measures the attention sink and the validation loss of the new and the current
+# model, and leaves in $OUT: model/ (checkpointed every 1.5 min, final at the end), data/,
+# retrain_eval.json, retrain_log.txt. --minutes caps training; --total-minutes cuts training
+# short so that corpus + training + figures end in time. Smoke test on CPU:
+#   OUT=/tmp/rt bash tools/default_model/gpu_retrain.sh --device cpu --arch micro --steps 3 \
+#     --batch 2 --seq-len 256 --sink-tokens 256 --packages idna,click --no-stdlib
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/irminsul-retrain-out}"
+mkdir -p "$OUT"
+if [ ! -f .retrain/agent/train.bin ]; then
+  echo "gpu_retrain.sh: .retrain/agent is missing: run tools/default_model/agent_corpus.py and carry .retrain" >&2
+  exit 2
+fi
+export PYTHONPATH="$PWD:$PWD/tools/default_model${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false
+"${PYTHON:-python3}" tools/default_model/retrain.py --out "$OUT" "$@"
