@@ -22,7 +22,8 @@ runs DeepSeek-V2-Lite's shapes with random weights (bf16; for the TTFT each sett
 GPU: its KL figures mean nothing).
 
     python benchmarks/cpu/repair.py [--heads 0 2 4 8 16 32] [--shares 0.05 0.10 0.15]
-                                    [--workloads agent_meta ...] [--requests 12] [--tokens 16]
+                                    [--check-layers 1] [--workloads agent_meta ...]
+                                    [--requests 12] [--tokens 16]
                                     [--model DIR | --random-weights] [--device cpu|cuda] [--out F]
 """
 
@@ -50,22 +51,26 @@ from irminsul.traffic.render import ChatRenderer  # noqa: E402
 from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 
 
-def settings(heads: list[int], shares: list[float]) -> list[dict[str, Any]]:
+def settings(heads: list[int], shares: list[float],
+             check_layers: list[int]) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
-    return out + [{"method": "cacheblend", "recompute_share": r} for r in shares]
+    return out + [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
+                  for layer in check_layers for r in shares]
 
 
 def label(setting: dict[str, Any]) -> str:
     if setting["method"] == "epic":
         return f"EPIC k={setting['recompute_head']}"
-    return f"CacheBlend r={setting['recompute_share']:.0%}"
+    layer = setting["check_layer"]
+    return f"CacheBlend r={setting['recompute_share']:.0%}" + (f" @L{layer}" if layer != 1 else "")
 
 
 def cache_config(setting: dict[str, Any]) -> CacheConfig:
     if setting["method"] == "epic":
         return CacheConfig(recompute_head=setting["recompute_head"])
-    return CacheConfig(recompute_share=setting["recompute_share"])
+    return CacheConfig(recompute_share=setting["recompute_share"],
+                       recompute_check_layer=setting["check_layer"])
 
 
 def timed_prefills(engine: Engine, times: list[float]) -> None:
@@ -180,6 +185,8 @@ def main() -> None:
                         help="values of recompute_head (k) for EPIC-style repair")
     parser.add_argument("--shares", type=float, nargs="*", default=[0.05, 0.10, 0.15],
                         help="values of recompute_share (r) for CacheBlend-style repair")
+    parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
+                        help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
     parser.add_argument("--requests", type=int, default=12, help="per workload")
     parser.add_argument("--tokens", type=int, default=16, help="continuation tokens")
@@ -201,7 +208,7 @@ def main() -> None:
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
-    repairs = settings(args.heads, args.shares)
+    repairs = settings(args.heads, args.shares, args.check_layers)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:
@@ -227,6 +234,10 @@ def main() -> None:
                                                 0.5},
               "workloads": workloads, "summary": summary(workloads, repairs, cap),
               "seconds": round(time.perf_counter() - started, 1), "meta": run_metadata(args.device)}
+    argv = sys.argv[1:]
+    if "--out" in argv:  # the command that reproduces the file, writing it anywhere
+        argv[argv.index("--out") + 1] = "F.json"
+    report["meta"]["command"] = " ".join(["python benchmarks/cpu/repair.py", *argv])
     print("\nover the workloads with hits (KL ratio: the worst workload's)")
     for s in report["summary"]:
         print(f"{s['label']:>18} recomputed {s['recomputed_share']:6.1%}  KL {s['kl']:.3e}  "
