@@ -218,12 +218,12 @@ class Planner:
         table = self.registry.window_table(namespace)
         if not self.config.s1 or end - start < width or not table:
             return [Segment("miss", start, end)]
-        fps = window_fingerprints(tokens[start:end], width, seed=namespace)
-        known = table.keys() & set(fps.tolist())  # set algebra in C, not a loop over offsets
-        if not known:
+        fps = window_fingerprints(tokens[start:end], width, seed=namespace).tolist()
+        # The offsets whose window is registered: one membership test per offset, iterated in C
+        candidates = np.flatnonzero(np.fromiter(map(table.__contains__, fps), dtype=bool,
+                                                count=len(fps)))
+        if not candidates.size:
             return [Segment("miss", start, end)]
-        candidates = np.flatnonzero(np.isin(fps, np.fromiter(known, dtype=np.uint64)))
-        fps = fps.tolist()
         out: list[Segment] = []
         pos = start
         for offset in candidates.tolist():
