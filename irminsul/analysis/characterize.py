@@ -33,6 +33,9 @@ class Characterisation:
 
     def __init__(self) -> None:
         self.radix = RadixTree()
+        # A match's node: the root (a node to lock; this tree is never locked, and the other
+        # passes read a match's length alone).
+        self._root = self.radix.match_prefix(np.zeros(0, dtype=np.int64)).node
         self._first_session: dict[int, int] = {}  # window fingerprint -> first session index
         self._sessions: dict[str, int] = {}
         # per session: [prompt, exact_prefix, within, cross] token counts
@@ -41,11 +44,15 @@ class Characterisation:
         self._by_role = np.zeros((2, len(ROLES) + 1), dtype=np.int64)  # within, cross
 
     def add(self, prompt: Prompt, roles: np.ndarray | None = None) -> PrefixMatch:
-        """Classify one prompt's tokens, then remember it. Returns its exact-prefix match.
+        """Classify one prompt's tokens, then remember it. Returns its exact-prefix match (its
+        length and handles; its node is the tree's root).
         ``roles``: the role code (index in ROLES) of each message, for the shifted tokens' roles."""
         session = self._sessions.setdefault(prompt.session, len(self._sessions))
         tokens, n = prompt.tokens, prompt.size
-        match = self.radix.match_prefix(tokens)
+        # One walk down the tree: inserting the prompt finds how much of it was there (the
+        # exact prefix; LRU order does not matter in a tree that never evicts).
+        length = self.radix.insert(tokens, np.zeros(n, dtype=np.int64))
+        match = PrefixMatch(length, np.zeros(length, dtype=np.int64), self._root)  # zeros held
         first = max(0, match.length - WINDOW + 1)  # windows that reach past the prefix
         fps = window_fingerprints(tokens[first:], WINDOW)
         owner = self._first_session
@@ -56,7 +63,6 @@ class Characterisation:
         cross &= ~within
         # Windows first seen here: all of this session, so one update keeps "first" semantics.
         owner.update(zip(fps[seen < 0].tolist(), repeat(session)))
-        self.radix.insert(tokens, np.zeros(n, dtype=np.int64))
         self._per_session[session] += (n, match.length, int(within.sum()), int(cross.sum()))
         if roles is not None and (within.any() or cross.any()):
             # The message each shifted token sits in (before the first message: the last slot)
@@ -104,6 +110,6 @@ def _covered(window_seen: np.ndarray, n: int) -> np.ndarray:
     """Tokens of [0, n) covered by at least one flagged window (window t covers [t, t + WINDOW))."""
     edges = np.zeros(n + 1, dtype=np.int32)
     starts = np.flatnonzero(window_seen)
-    np.add.at(edges, starts, 1)
-    np.add.at(edges, starts + WINDOW, -1)
+    edges[starts] += 1  # distinct offsets: plain fancy indexing adds once each
+    edges[starts + WINDOW] -= 1
     return np.cumsum(edges[:n]) > 0
