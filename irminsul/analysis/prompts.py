@@ -31,6 +31,7 @@ from ..traffic.render import ChatRenderer
 from .characterize import ROLES
 
 BATCH = 16  # prompts per message from a worker
+_ROLE_CODES = {role: code for code, role in enumerate(ROLES)}
 # Lines a worker reads without one of its own before it tells the caller how far it got (the
 # caller cannot hand on a line until every worker has read past it).
 PROGRESS = 256
@@ -46,8 +47,8 @@ def default_workers() -> int:
 
 def _render(renderer: ChatRenderer, request) -> tuple[Prompt, np.ndarray]:
     prompt = render_prompt(renderer, request.messages, request.tools, session=request.session)
-    roles = np.fromiter((ROLES.index(m["role"]) for m in request.messages), dtype=np.int8,
-                        count=len(request.messages))
+    roles = np.fromiter(map(_ROLE_CODES.__getitem__, [m["role"] for m in request.messages]),
+                        dtype=np.int8, count=len(request.messages))
     # The rendered request is dropped: the analyses need tokens, resets and roles only.
     return Prompt(prompt.session, prompt.tokens, prompt.message_starts, prompt.markers), roles
 

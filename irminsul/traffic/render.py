@@ -77,6 +77,9 @@ class _Memo:
         return len(self._items)
 
     def get(self, key: Hashable) -> object | None:
+        if self.max_bytes is None:  # no bound, no order to keep: one read (atomic under the GIL)
+            item = self._items.get(key)
+            return None if item is None else item[0]
         with self._lock:
             item = self._items.get(key)
             if item is None:
@@ -143,6 +146,35 @@ def _message_key(message: dict) -> tuple:
     calls = message.get("tool_calls")
     return (message["role"], message["content"], message.get("name"), message.get("tool_call_id"),
             json.dumps(calls) if calls else None)  # key order shows through tojson: keep it
+
+
+class _Messages:
+    """A request's messages, each normalised only when first needed: a log re-sends the whole
+    history on every call, and a message the memo holds is found by its key alone."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self._raw = messages
+        self._normalised: dict[int, dict] = {}
+
+    def __getitem__(self, i: int) -> dict:
+        message = self._normalised.get(i)
+        if message is None:
+            message = self._normalised[i] = _normalise(self._raw[i])
+        return message
+
+    def upto(self, last: int) -> list[dict]:
+        """Messages [0, last] normalised."""
+        return [self[i] for i in range(last + 1)]
+
+    def key(self, i: int) -> tuple:
+        """Message i's memo key, ``_message_key`` of it normalised: read off the raw message when
+        normalising changes nothing the key holds (text content, no tool calls)."""
+        message = self._raw[i]
+        content = message.get("content")
+        if (content is None or type(content) is str) and not message.get("tool_calls"):
+            return (message["role"], content or "", message.get("name"),
+                    message.get("tool_call_id"), None)
+        return _message_key(self[i])
 
 
 @dataclass
@@ -233,14 +265,13 @@ class ChatRenderer:
         """Token ids of the prompt and each message's token span. With ``remember=False`` what
         was rendered anew is kept only in the result, for :meth:`remember` to add later."""
         fresh: dict[Hashable, tuple[object, int]] = {}
-        normalised = [_normalise(m) for m in messages]
+        normalised = _Messages(messages)
         tools = tools or None
         root_key = ("tools", json.dumps(tools) if tools else None)  # key order matters too
-        node = self._prefix(root_key, None, [], tools, fresh)
+        node = self._prefix(root_key, None, normalised, -1, tools, fresh)
         parts, spans, offset = [node.piece], [], len(node.piece)
-        for i, message in enumerate(normalised):
-            node = self._prefix((node.id, _message_key(message)), node, normalised[:i + 1], tools,
-                                fresh)
+        for i in range(len(messages)):
+            node = self._prefix((node.id, normalised.key(i)), node, normalised, i, tools, fresh)
             parts.append(node.piece)
             spans.append((offset, offset + len(node.piece)))
             offset += len(node.piece)
@@ -250,7 +281,7 @@ class ChatRenderer:
             key = ("suffix", node.id)
             suffix = self._recall(key, fresh)
             if suffix is None:
-                full = self._render(normalised, tools, True)
+                full = self._render(normalised.upto(len(messages) - 1), tools, True)
                 if hash(full[:node.text_len]) != node.text_hash:
                     raise TemplateError("the generation prompt rewrites earlier text")
                 suffix = self._piece(full[node.text_len:], fresh)
@@ -272,16 +303,18 @@ class ChatRenderer:
         found = fresh.get(key)
         return found[0] if found is not None else self.memo.get(key)
 
-    def _prefix(self, key: tuple, parent: _Prefix | None, messages: list[dict],
+    def _prefix(self, key: tuple, parent: _Prefix | None, source: _Messages, last: int,
                 tools: list[dict] | None, fresh: dict[Hashable, tuple[object, int]]) -> _Prefix:
+        """The rendered prefix ``source[:last + 1]`` (the memo's, or rendered now)."""
         found = self._recall(key, fresh)
         if found is not None:
             return found
         if self._transcribed and parent is not None:
-            node = _Prefix(None, None, self._piece(self._message_text(messages, tools), fresh),
+            node = _Prefix(None, None, self._piece(self._message_text(source, last, tools), fresh),
                            next(self._ids))
             fresh[key] = (node, _size(key, node.piece))
             return node
+        messages = source.upto(last)
         text = self._render(messages, tools, False)
         start = 0
         if parent is not None:
@@ -295,14 +328,14 @@ class ChatRenderer:
         fresh[key] = (node, _size(key, node.piece))
         return node
 
-    def _message_text(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The built-in template's text for the last message: written out directly, or where
-        a field is of an unusual kind, the template's own (two renders, their difference)."""
-        text = deepseek_v3.message_text(messages[-1], len(messages) == 1, tools)
+    def _message_text(self, source: _Messages, i: int, tools: list[dict] | None) -> str:
+        """The built-in template's text for message i: written out directly, or where a field
+        is of an unusual kind, the template's own (two renders, their difference)."""
+        text = deepseek_v3.message_text(source[i], i == 0, tools)
         if text is not None:
             return text
-        before = self._render(messages[:-1], tools, False)
-        after = self._render(messages, tools, False)
+        before = self._render(source.upto(i - 1), tools, False)
+        after = self._render(source.upto(i), tools, False)
         if not after.startswith(before):  # cannot happen with this template; checked all the same
             raise TemplateError(f"chat template {self.name!r} is not incremental")
         return after[len(before):]
