@@ -371,16 +371,21 @@ def plot_hijack(result: HijackResult, path: Path) -> None:
     names = list(result.conditions)
     x = np.arange(len(names))
     refs = result.references
-    kl.bar(x, [max(result.conditions[n]["kl_clean"], 1e-12) for n in names], color="#4C72B0")
+    floor = 1e-6  # a condition served without reuse is float noise away from the clean prompt
+    kl.bar(x, [max(result.conditions[n]["kl_clean"], floor) for n in names], color="#4C72B0")
     kl.axhline(refs["kl_clean_attacked"], color="#C44E52", ls="--",
                label="preamble in the prompt")
     kl.set_yscale("log")
+    kl.set_ylim(bottom=floor)
     kl.set_ylabel("KL(p_clean ‖ p_served) per step (nats)")
-    target.bar(x, [result.conditions[n]["target_logprob"] for n in names], color="#4C72B0")
-    target.axhline(refs["target_logprob_clean"], color="#55A868", ls="--", label="clean prompt")
-    target.axhline(refs["target_logprob_attacked"], color="#C44E52", ls="--",
+    # The target reply's log-probability against the clean prompt's: what the attacker gained.
+    clean = refs["target_logprob_clean"]
+    target.bar(x, [result.conditions[n]["target_logprob"] - clean for n in names],
+               color="#4C72B0")
+    target.axhline(0.0, color="#55A868", ls="--", label="clean prompt")
+    target.axhline(refs["target_logprob_attacked"] - clean, color="#C44E52", ls="--",
                    label="preamble in the prompt")
-    target.set_ylabel("attacker's target: mean log p per token")
+    target.set_ylabel("target reply: Δ log p per token vs clean")
     for ax in (kl, target):
         ax.set_xticks(x, names, fontsize=7, rotation=30)
         ax.legend(fontsize=7)
