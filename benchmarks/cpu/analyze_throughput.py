@@ -22,6 +22,7 @@ import os
 import resource
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from irminsul.analysis.analyze import analyze_log
@@ -67,6 +68,8 @@ def main() -> None:
     own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
                                                          resource.RUSAGE_CHILDREN))
     figures = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "taskset -c 0,1 python benchmarks/cpu/analyze_throughput.py --out F.json",
         "log": Path(args.log).name,
         "requests": report["requests"],
         "prompt_tokens": report["prompt_tokens"],

@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,9 @@ def main() -> None:
         configs = {k: {f: getattr(v, f) for f in ("s1_window", "s1_extend", "head_probe",
                                                    "regions")} for k, v in OPTIONS.items()}
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"capacity": REPLAY_CAPACITY, "options": configs, "rows": rows}, f, indent=1)
+            json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "clock": "the planner thread's CPU time", "capacity": REPLAY_CAPACITY,
+                       "options": configs, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
