@@ -1,5 +1,5 @@
 """The server under test: the tiny model directory, served in-process by uvicorn on a thread (so
-tests can reach the engine thread to verify slot accounting with ``Engine.check``)."""
+tests can reach the engine thread to verify slot accounting with ``Scheduler.check``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Server:
         while self.engine.run_in_engine_thread(lambda s: s.has_work()).result(5):
             assert time.monotonic() < deadline, "engine still busy"
             time.sleep(0.01)
-        self.engine.run_in_engine_thread(lambda s: s.engine.check()).result(5)
+        self.engine.run_in_engine_thread(lambda s: s.check()).result(5)
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics").text

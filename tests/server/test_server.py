@@ -324,7 +324,7 @@ def test_async_engine_generate_abort_and_shutdown(model_dir: Path) -> None:
                 pass
 
     asyncio.run(main())
-    engine.scheduler.engine.check()  # the thread is gone: check from here
+    engine.scheduler.check()  # the thread is gone: check from here
     assert not engine.scheduler.has_work()
 
 
