@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -405,7 +406,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running, await_shared=args.await_shared,
                           pic_audit_rate=args.pic_audit_rate,
-                          graphs=False if args.no_graphs else ENGINE.graphs)
+                          graphs=False if args.no_graphs else ENGINE.graphs,
+                          cache=dataclasses.replace(ENGINE.cache,
+                                                    recompute_head=args.recompute_head,
+                                                    recompute_share=args.recompute_share))
     serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
                                          model_name=args.served_model_name, dtype=args.dtype,
                                          device=args.device, engine=engine,
@@ -614,6 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="R", help="live mode: the share of PIC-served requests "
                        "recomputed from scratch when the engine is idle, their first-token "
                        "KL exported as irminsul:pic_audit_kl (0: none)")
+    serve.add_argument("--recompute-head", type=int, default=ENGINE.cache.recompute_head,
+                       metavar="K", help="live mode, repair: compute the first K tokens of every "
+                       "reused run instead of reusing them (EPIC-style; docs/quality.md: K=32 "
+                       "lowers KL on every workload for <= 7.4%% of reused tokens; 0: none)")
+    serve.add_argument("--recompute-share", type=float, default=ENGINE.cache.recompute_share,
+                       metavar="R", help="live mode, repair: compute this share of each prompt's "
+                       "reused tokens, those whose latent deviates most from a fresh one at an "
+                       "early layer (CacheBlend-style; 0: none)")
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")
@@ -626,7 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients send (None: the directory's name)")
     serve.add_argument("--no-graphs", action="store_true",
                        help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
-                            "batches of short spans, bfloat16 models)")
+                            "decode steps, short spans and prefill chunks of up to 2K tokens, "
+                            "bfloat16 models)")
     serve.add_argument("--max-request-bytes", type=int, default=SERVER.max_request_bytes,
                        metavar="N", help="refuse larger request bodies (413) before reading "
                                          "them whole (None: 1 MiB + 32 bytes per token of "
