@@ -28,22 +28,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
 
 from build_corpus import LOGS, SOURCE_INFO, encode_chats, last_requests, split  # noqa: E402
-from chat_format import BOS  # noqa: E402
+from chat_format import BOS, CHAT_PROMPTS, CODE_PROMPTS  # noqa: E402
 
 from irminsul.traffic.render import ChatRenderer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# The prompts evaluate_default_model.py samples (kept equal so the figures compare).
-CHAT_PROMPTS = [
-    [{"role": "system", "content": "You are a helpful airline customer service agent."},
-     {"role": "user", "content": "Hi, I want to change my flight reservation to a later date."}],
-    [{"role": "system", "content": "You are a helpful assistant that can interact with a computer "
-                                   "to solve tasks."},
-     {"role": "user", "content": "Please fix the failing test in the repository."}],
-    [{"role": "user", "content": "How do I read a JSON file in Python?"}],
-]
-CODE_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Queue:\n    \"\"\"A first-in,",
-                "def parse_args(argv):\n    parser = argparse."]
 
 
 def write_split(out: Path, name: str, docs: list[np.ndarray]) -> int:

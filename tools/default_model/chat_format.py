@@ -40,6 +40,18 @@ TEMPLATE = (
 # Generation stops at the end of the assistant's message (or of a whole document).
 STOP_TOKENS = (END, EOS)
 
+# The prompts the model card's greedy samples come from (evaluate_default_model.py), also
+# rendered into the retrain's agent data (agent_corpus.py) so its figures compare.
+CHAT_PROMPTS = [
+    [{"role": "system", "content": "You are a helpful airline customer service agent."},
+     {"role": "user", "content": "Hi, I want to change my flight reservation to a later date."}],
+    [{"role": "system", "content": "You are a helpful assistant that can interact with a computer "
+                                   "to solve tasks."},
+     {"role": "user", "content": "Please fix the failing test in the repository."}],
+    [{"role": "user", "content": "How do I read a JSON file in Python?"}],
+]
+CODE_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Queue:\n    \"\"\"A first-in,",
+                "def parse_args(argv):\n    parser = argparse."]
 
 def train_tokenizer(texts: Iterable[str], directory: Path, *, vocab_size: int = 8192) -> int:
     """Train the byte-level BPE on ``texts`` (plus the S2 marker, so that it merges to a few

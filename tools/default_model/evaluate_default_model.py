@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from chat_format import BOS
+from chat_format import BOS, CHAT_PROMPTS, CODE_PROMPTS
 from model_card import write_readme
 
 from irminsul import cli
@@ -30,16 +30,6 @@ from irminsul.traffic.render import ChatRenderer
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK_WIDTH, SINK_FROM = 32, 1024
-CHAT_PROMPTS = [
-    [{"role": "system", "content": "You are a helpful airline customer service agent."},
-     {"role": "user", "content": "Hi, I want to change my flight reservation to a later date."}],
-    [{"role": "system", "content": "You are a helpful assistant that can interact with a computer "
-                                   "to solve tasks."},
-     {"role": "user", "content": "Please fix the failing test in the repository."}],
-    [{"role": "user", "content": "How do I read a JSON file in Python?"}],
-]
-CODE_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Queue:\n    \"\"\"A first-in,",
-                "def parse_args(argv):\n    parser = argparse."]
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray, length: int, count: int) -> list[np.ndarray]:
