@@ -39,9 +39,9 @@ from ..model.paged import PagedKV
 from .kv_pool import HANDLE_LOW, pack
 from .staging import Staging
 
-# Powers of two up to 256 (decode batches, short PIC spans); then steps of 128 and 256 tokens:
-# prefill chunks of up to 2K tokens replay too (``ModelRunner`` says which), padded by at most
-# an eighth of a forward.
+# Powers of two up to 256 (decode batches, short PIC spans); then steps of 128 tokens up to 1K
+# and 256 up to 2K: prefill chunks of up to 2K tokens replay too (``ModelRunner`` says which),
+# padded by at most 255 tokens.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
            2048)
 DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
@@ -147,20 +147,13 @@ class CudaGraphs:
         """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
         return tokens <= self.buckets[-1] and keys + self.buckets[-1] <= self.max_keys
 
-    def hidden(self, tokens: np.ndarray, positions: np.ndarray, new_ckv: np.ndarray,
-               new_kr: np.ndarray, spans: list[tuple[int, np.ndarray]],
-               last: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last layer's hidden states [T, D] of a batch, and the batch rows ``last`` (those
-        whose logits are wanted; None: all) on the device: ``spans`` (new tokens, and the pool
-        handles of every key, its own rows last) in batch order, as the kernel takes them. The
-        result lives in graph memory the buckets share: read it before the next call."""
-        return self.replay(self.stage(positions, new_ckv, new_kr, spans, last), tokens)
-
     def stage(self, positions: np.ndarray, new_ckv: np.ndarray, new_kr: np.ndarray,
               spans: list[tuple[int, np.ndarray]], last: np.ndarray | None) -> Staged:
         """Write a batch's inputs but its token ids into the next host mirror, sending
-        nothing: the bulk of a replay's host work, which can run while the device still
-        computes the forward that samples those tokens. :meth:`replay` must come next."""
+        nothing: ``spans`` (new tokens, and the pool handles of every key, its own rows last)
+        in batch order, as the kernel takes them; ``last`` the batch rows whose logits are
+        wanted (None: all). The bulk of a replay's host work, which can run while the device
+        still computes the forward that samples those tokens. :meth:`replay` must come next."""
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         decode = all(count == 1 for count, _ in spans)
@@ -174,8 +167,10 @@ class CudaGraphs:
 
     def replay(self, staged: Staged, tokens: np.ndarray) -> tuple[torch.Tensor,
                                                                   torch.Tensor | None]:
-        """:meth:`hidden` of a batch :meth:`stage` wrote: its token ids written, the inputs
-        sent, the bucket's graph replayed."""
+        """The last layer's hidden states [T, D] of a batch :meth:`stage` wrote, and its
+        wanted rows on the device (None: all): its token ids written, the inputs sent, the
+        bucket's graph replayed. The result lives in graph memory the buckets share: read it
+        before the next call."""
         if staged.stamp != self._stamp:
             raise ValueError("a staged batch was written over by a later one")
         if len(tokens) != staged.tokens:
