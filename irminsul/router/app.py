@@ -45,6 +45,7 @@ from ..server.protocol import (
     RequestError,
     decode_json,
     parse,
+    read_body,
 )
 from ..traffic.render import ChatRenderer, Rendered
 from .backends import Backend, Backends
@@ -170,26 +171,6 @@ def _no_backend(router: _Router) -> RequestError:
                         code="no_backend")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
-
-    def too_large(size: int) -> RequestError:
-        return RequestError(f"request body of {size} bytes or more exceeds the router's limit "
-                            f"of {limit} bytes (RouterConfig.max_request_bytes)", status=413,
-                            code="request_too_large")
-
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _analyse(router: _Router, raw: bytes, chat: bool, session: str | None,
              chunkings: set[Chunking]) -> _Analysis:
     """Render and chunk a body as the backends will (on a worker thread); a body that does
@@ -236,7 +217,8 @@ def _pick(router: _Router, analysis: _Analysis, tried: set[str]) -> tuple[Backen
 
 
 async def _proxy(router: _Router, request: Request, path: str, *, chat: bool) -> Response:
-    raw = await _read_body(request, router.config.max_request_bytes)
+    raw = await read_body(request, router.config.max_request_bytes,
+                           "the router's RouterConfig.max_request_bytes")
     start = time.perf_counter()
     chunkings = {b.view.chunking for b in router.backends if b.view.chunking is not None}
     session = request.headers.get(router.config.session_header) or None

@@ -48,7 +48,14 @@ from .generation import Generation
 from .index import IndexPublisher
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .prompts import PromptTokens, chat_prompt, completion_prompt, request_namespace
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_json, parse
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    decode_json,
+    parse,
+    read_body,
+)
 
 if TYPE_CHECKING:
     from ..quality import GateResult
@@ -237,7 +244,7 @@ async def _handle(server: _Server, request: Request, *, chat: bool) -> Response:
     ticket = server.admit()
     streaming = False
     try:
-        raw = await _read_body(request, server.max_request_bytes)
+        raw = await read_body(request, server.max_request_bytes, "--max-request-bytes")
         body, prompt = await asyncio.get_running_loop().run_in_executor(
             server.workers, _prepare, server, raw, chat)
         response = await _complete(server, request, body, prompt, ticket, chat)
@@ -252,25 +259,6 @@ async def _handle(server: _Server, request: Request, *, chat: bool) -> Response:
     finally:
         if not streaming:  # a stream gives its place back at its first token
             ticket.release()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
-
-    def too_large(size: int) -> RequestError:
-        return RequestError(f"request body of {size} bytes or more exceeds the limit of {limit} "
-                            "bytes (--max-request-bytes)", status=413, code="request_too_large")
-
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _prepare(server: _Server, raw: bytes, chat: bool
