@@ -4,17 +4,14 @@ process (uvicorn on threads), so a test can stop a backend and start it again.""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
-import uvicorn
-from fastapi import FastAPI
+from fixtures.served_app import served
 
 from irminsul.config import EngineConfig, RouterConfig, ServerConfig
-from irminsul.loadgen.server import free_port
 from irminsul.model.default import default_model_dir
 from irminsul.router.app import build_router
 from irminsul.server import build_server
@@ -23,29 +20,12 @@ MODEL = "default_model"
 
 
 @contextlib.contextmanager
-def served(app: FastAPI, port: int, *, timeout: float = 30.0) -> Iterator[str]:
-    """Serve ``app`` on ``port`` until the block ends; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
-
-
-@contextlib.contextmanager
 def backend(port: int | None = None) -> Iterator[str]:
     """A live server of the embedded model (float32, CPU, no gate: the router is under test)."""
     config = ServerConfig(model_name=MODEL, dtype="float32", device="cpu", gate=None,
                           engine=EngineConfig(mode="live", slots=4096))
     app, _ = build_server(default_model_dir(), config)
-    with served(app, port or free_port()) as url:
+    with served(app, port) as url:
         yield url
 
 
@@ -68,5 +48,5 @@ class Router:
 def router(backends: list[str], **fields: object) -> Iterator[Router]:
     fields.setdefault("poll_interval_s", 0.05)
     config = RouterConfig(backends=tuple(backends), **fields)
-    with served(build_router(config, default_model_dir()), free_port()) as url:
+    with served(build_router(config, default_model_dir())) as url:
         yield Router(url)
