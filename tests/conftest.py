@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,3 +32,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_triton)
         elif "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Torch on one intra-op thread for a module: small models gain nothing from more, and
+    spinning threads make tests many times slower when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -26,12 +26,7 @@ V = 97
 H1, H2, DOC_A, DOC_B, QUESTION = 40, 75, 300, 250, 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

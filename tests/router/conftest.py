@@ -6,17 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 from router_servers import backend
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A small model gains nothing from intra-op threads; spinning ones slow shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every module here on one torch thread (the shared fixture)."""
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 
 from irminsul.config import EngineConfig, StoreConfig
 from irminsul.engine import Engine
@@ -91,12 +90,8 @@ def model() -> MLAModel:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A small model gains nothing from intra-op threads; spinning ones slow shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every module here on one torch thread (the shared fixture)."""
 
 
 @pytest.fixture
