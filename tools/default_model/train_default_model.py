@@ -192,27 +192,14 @@ def lr_at(step: int, steps: int, peak: float, warmup: int, floor: float) -> floa
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@torch.no_grad()
 def evaluate(model, tokens: np.ndarray, seq_len: int, windows: int, batch: int,
              device: torch.device, autocast: Callable) -> float:
     """Mean next-token loss (nats) over ``windows`` evenly spaced, fixed windows of ``tokens``."""
-    model.eval()
     count = min(windows, (tokens.size - 1) // (seq_len + 1))
     offsets = np.linspace(0, tokens.size - seq_len - 1, count).astype(np.int64)
-    total, n = 0.0, 0
-    for i in range(0, count, batch):
-        rows = np.stack([tokens[o:o + seq_len + 1] for o in offsets[i:i + batch]])
-        x = torch.from_numpy(rows.astype(np.int64)).to(device)
-        with autocast():
-            logits = model(input_ids=x[:, :-1]).logits
-        total += float(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
-                                       reduction="sum"))
-        n += x[:, 1:].numel()
-    model.train()
-    return total / max(n, 1)
+    return _loss_at(model, tokens, offsets, seq_len, batch, device, autocast)
 
 
-@torch.no_grad()
 def evaluate_at_starts(model, tokens: np.ndarray, starts: np.ndarray, seq_len: int, windows: int,
                        batch: int, device: torch.device, autocast: Callable) -> float:
     """Mean next-token loss (nats) over ``windows`` windows that each open at a document start
@@ -221,10 +208,17 @@ def evaluate_at_starts(model, tokens: np.ndarray, starts: np.ndarray, seq_len: i
     if not usable.size:
         return float("nan")
     picks = usable[np.linspace(0, usable.size - 1, min(windows, usable.size)).astype(np.int64)]
+    return _loss_at(model, tokens, picks, seq_len, batch, device, autocast)
+
+
+@torch.no_grad()
+def _loss_at(model, tokens: np.ndarray, offsets: np.ndarray, seq_len: int, batch: int,
+             device: torch.device, autocast: Callable) -> float:
+    """Mean next-token loss (nats) over the windows of ``seq_len + 1`` tokens at ``offsets``."""
     model.eval()
     total, n = 0.0, 0
-    for i in range(0, picks.size, batch):
-        rows = np.stack([tokens[o:o + seq_len + 1] for o in picks[i:i + batch]])
+    for i in range(0, offsets.size, batch):
+        rows = np.stack([tokens[o:o + seq_len + 1] for o in offsets[i:i + batch]])
         x = torch.from_numpy(rows.astype(np.int64)).to(device)
         with autocast():
             logits = model(input_ids=x[:, :-1]).logits
