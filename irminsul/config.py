@@ -5,6 +5,7 @@ shows each default once, taken from here. Each layer takes the config of its own
 
     CacheConfig    the planner (chunking, carve-out, probes, regions, index capacity)
     EngineConfig   the engine (cache mode, KV slots, batch budgets, kernels, graphs) + its cache
+    ParallelConfig one engine over several GPUs (ranks, collective backend, failure timeout)
     GateConfig     the PIC correctness gate (thresholds, probe continuation, result cache)
     ServerConfig   the HTTP server (address, model name, dtype, device) + its engine and gate
     StoreConfig    the shared content store a server publishes to and fetches from (Redis)
@@ -134,6 +135,29 @@ class EngineConfig:
                              f"{self.batch_tokens}, {self.chunk_tokens}, {self.max_running}")
         if self.graphs and self.kernels is False:
             raise ValueError("graphs replay the kernel path: they need kernels")
+
+
+ParallelBackend = Literal["nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One engine over several processes, one per GPU (:mod:`irminsul.parallel`): attention
+    heads and dense MLPs split across the ranks, routed experts divided among them."""
+
+    world_size: int = 1  # ranks (GPUs); 1: no process group at all
+    backend: ParallelBackend | None = None  # None: nccl on CUDA, gloo elsewhere
+    # A collective that waits longer than this for a peer fails with RankFailure: a rank that
+    # died or hung stops the others with an error instead of a hang.
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"unknown backend {self.backend!r}; choose from nccl, gloo")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True)
