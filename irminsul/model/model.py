@@ -12,7 +12,7 @@ the context holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,19 +34,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoE(config) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))
+        # Tensor parallel (irminsul.parallel.shard): each rank's attention and MLP give a partial
+        # sum of the output; this sums them over the ranks. None on one process.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 contexts: Sequence[torch.Tensor | None], lengths: Sequence[int],
                 absorbed: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
         attn, rows = self.self_attn(self.input_layernorm(x), positions, contexts, lengths,
                                     absorbed=absorbed)
-        return self._mlp(x + attn), rows
+        return self._mlp(x + self._summed(attn)), rows
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
-        return self._mlp(x + self.self_attn.forward_paged(self.input_layernorm(x), positions, kv))
+        attn = self.self_attn.forward_paged(self.input_layernorm(x), positions, kv)
+        return self._mlp(x + self._summed(attn))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._summed(self.mlp(self.post_attention_layernorm(x)))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
 
 
 class Body(nn.Module):

@@ -114,6 +114,9 @@ class MoE(nn.Module):
         self.w13: nn.Parameter | None = None
         self.w2: nn.Parameter | None = None
         self.kernels = False
+        # Expert parallel (irminsul.parallel.shard): w13 / w2 hold the experts from this model-wide
+        # id on, and the other ranks the rest; None: every expert is here.
+        self.expert_first: int | None = None
 
     def fuse(self) -> None:
         """Stack the per-expert weights for grouped GEMM and drop the per-expert copies."""
@@ -129,33 +132,47 @@ class MoE(nn.Module):
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         weights, ids = self.gate(x)
-        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS:
+        # The fused kernel takes every expert's weights: under expert parallel the grouped GEMMs
+        # run, over this rank's experts.
+        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS and self.expert_first is None:
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
             out = fused_experts(x, self.w13, self.w2, weights, ids)
         else:
-            out = grouped_experts(x, self.w13, self.w2, weights, ids)
+            out = grouped_experts(x, self.w13, self.w2, weights, ids, first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, *, first: int | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype, in torch: the assignments sorted by expert,
     two grouped GEMMs over gathered copies of their rows, a float32 weighted sum. ``w13`` [E, 2I,
-    D] (gate rows, then up rows), ``w2`` [E, D, I], ``weights`` [T, k] float32, ``ids`` [T, k]."""
-    k = ids.shape[1]
+    D] (gate rows, then up rows), ``w2`` [E, D, I], ``weights`` [T, k] float32, ``ids`` [T, k].
+
+    ``first`` (expert parallel): ``w13`` / ``w2`` hold experts ``first .. first + E - 1`` of the
+    model's, and only assignments to those contribute; the output is this rank's share of the
+    sum, which the ranks' all-reduce completes."""
+    k, experts = ids.shape[1], w13.shape[0]
     flat = ids.reshape(-1)
+    if first is not None:
+        # Other ranks' assignments go to a bin past the local experts: sorted last, beyond the
+        # last group's end, so no GEMM computes them (no host sync to drop them).
+        flat = flat - first
+        flat = torch.where((flat >= 0) & (flat < experts), flat, experts)
     order = flat.argsort(stable=True)  # assignments grouped by expert
     # Counts by scatter-add, not bincount: bincount reads the largest id back to the host,
     # which would stall every MoE layer's launches behind the device.
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(experts + (first is not None), dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    ends = counts.cumsum(0, dtype=torch.int32)
+    ends = counts.cumsum(0, dtype=torch.int32)[:experts]
     tokens = order // k
     gate_up = torch._grouped_mm(x[tokens], w13.transpose(-2, -1), offs=ends)
     g, u = gate_up.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=ends)
     y = y.float() * weights.reshape(-1)[order, None]
+    if first is not None:
+        # Rows past the last group's end are whatever the GEMMs' output memory held: zero them.
+        y = torch.where((flat[order] < experts)[:, None], y, 0.0)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
     return out.to(x.dtype)
 

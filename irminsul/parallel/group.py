@@ -1,0 +1,102 @@
+"""The process group: one process per GPU, every rank running the same model runner on its shard.
+
+Two groups over the same ranks. The *device* group carries the forward's all-reduces (NCCL on
+GPUs, gloo on CPUs) and fails a collective that waits longer than ``ParallelConfig.timeout_s``.
+The *control* group (always gloo: it moves pickled host objects) carries the leader's one message
+per step to the followers; it has no practical timeout, because a follower waits on it for as long
+as the server is idle. A peer that dies closes its connections, which fails a collective waiting
+on it in either group at once; a peer that hangs inside a forward fails the others' next
+all-reduce after the timeout. Either way the survivors raise :class:`RankFailure`, naming the
+rank and what it was doing, rather than hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+
+# The control group's wait for the leader's next step: the server may be idle for days.
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: a peer rank died, raised or stopped answering. The group cannot be
+    used after it; the process stops serving."""
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """This process's place among the ranks and the two groups it talks over."""
+
+    rank: int
+    world_size: int
+    device_group: dist.ProcessGroup  # the forward's all-reduces
+    control_group: dist.ProcessGroup  # the leader's per-step messages (gloo, host objects)
+    timeout_s: float
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 runs the scheduler and the cache manager; the others follow it."""
+        return self.rank == 0
+
+
+def init(rank: int, config: ParallelConfig, address: str, *,
+         device: torch.device | str = "cpu") -> ParallelGroup:
+    """Join the group of ``config.world_size`` ranks at ``address`` (``tcp://HOST:PORT``; rank
+    0 listens there) as ``rank``; every rank calls this. The backend is ``config.backend``, or
+    NCCL when ``device`` is CUDA and gloo otherwise."""
+    if not 0 <= rank < config.world_size:
+        raise ValueError(f"rank {rank} is not in a world of {config.world_size}")
+    device = torch.device(device)
+    backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=config.timeout_s)
+    dist.init_process_group(backend, init_method=address, rank=rank,
+                            world_size=config.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return ParallelGroup(rank, config.world_size, dist.group.WORLD, control, config.timeout_s)
+
+
+def shutdown() -> None:
+    """Leave the group (after the last collective; a no-op where none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def guarded(group: ParallelGroup, what: str) -> Iterator[None]:
+    """Turn a backend's error inside the block (gloo's closed connection or timeout, NCCL's
+    DistBackendError) into a :class:`RankFailure` that says which rank saw it and why."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise RankFailure(f"rank {group.rank} of {group.world_size}: {what} failed: a peer "
+                          f"rank stopped, or did not answer within {group.timeout_s:g} s "
+                          f"({type(err).__name__}: {err})") from err
+
+
+def all_reduce(group: ParallelGroup, partial: torch.Tensor) -> torch.Tensor:
+    """The sum of ``partial`` over the ranks, in place; every rank gets the same bits (ring
+    and tree all-reduces reduce each element once, then copy it), so the ranks' replicated
+    state (hidden states, router choices, latent rows) never drifts apart."""
+    with guarded(group, "an all-reduce"):
+        dist.all_reduce(partial, group=group.device_group)
+    return partial
+
+
+def broadcast(group: ParallelGroup, message: Any = None) -> Any:
+    """The leader's ``message`` on every rank (pickled, over the control group); followers pass
+    nothing and get it."""
+    box = [message if group.leader else None]
+    what = "sending a step to the followers" if group.leader else "waiting for the leader's step"
+    with guarded(group, what):
+        dist.broadcast_object_list(box, src=0, group=group.control_group)
+    return box[0]

@@ -1,0 +1,132 @@
+"""Split a loaded :class:`MLAModel` across ranks in place: attention heads and dense MLPs tensor
+parallel, routed experts expert parallel; embeddings, norms, routers and the LM head replicated.
+
+What each rank keeps of a layer (W ranks, rank r):
+
+* attention: heads ``r·H/W ..`` — their rows of ``q_proj`` / ``q_b_proj`` (Q is head-major,
+  ``[H·(P+R), ·]``) and of ``kv_b_proj`` (``[H·(P+V), L]``: each head's W_UK and W_UV), and the
+  matching input columns of ``o_proj``. ``q_a_proj`` and ``kv_a_proj_with_mqa`` stay whole: in
+  MLA every head reads the same latent row ``[c_KV | k_r]``, so every rank computes the same
+  rows and keeps the whole latent pool, and reuse (δ-rotation of ``k_r``) is the same on every
+  rank. Splitting the pool instead would need the rows gathered for every head on every layer.
+* dense MLP and shared experts: ``I/W`` of the intermediate width (rows of ``gate_proj`` /
+  ``up_proj``, columns of ``down_proj``).
+* routed experts: experts ``r·E/W ..``. Attention leaves the hidden states replicated, so every
+  rank routes every token the same way (the router is replicated and float32) and computes only
+  its own experts' share for all tokens; no token is sent anywhere. The shares are summed by the
+  same all-reduce that sums the shared experts' partial output: one all-reduce after attention
+  and one after the MLP or MoE, per layer, and nothing else in the forward.
+
+So each layer's output is the single-process sum regrouped into W partial sums: the same logits
+up to float rounding. The fused Triton MoE kernel takes every expert, so expert-parallel layers
+run the torch grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..model import MLAModel
+from ..model.mla import MLAttention
+from ..model.moe import MLP, MoE
+from .group import ParallelGroup, all_reduce
+
+
+def shard_model(model: MLAModel, group: ParallelGroup) -> MLAModel:
+    """Keep ``group.rank``'s share of ``model``'s weights and sum every layer's partial outputs
+    over ``group``; returns the model. Call it on every rank, after :func:`load_model` (the
+    experts must be fused)."""
+    shard_weights(model, group.rank, group.world_size)
+    if group.world_size > 1:
+        for layer in model.model.layers:
+            layer.reduce = lambda partial: all_reduce(group, partial)
+    return model
+
+
+def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
+    """Drop every weight but rank ``rank`` of ``world``'s share (the module docstring lists the
+    shares), in place. ``model.config.num_attention_heads`` becomes the heads this rank computes:
+    the model runner sizes its attention kernel's layout from it."""
+    config = model.config
+    _check_divisible(config, world)
+    if world == 1:
+        return model
+    for layer in model.model.layers:
+        _shard_attention(layer.self_attn, rank, world)
+        if isinstance(layer.mlp, MoE):
+            _shard_moe(layer.mlp, rank, world)
+        else:
+            _shard_mlp(layer.mlp, rank, world)
+    model.config = dataclasses.replace(config, num_attention_heads=config.num_attention_heads
+                                       // world)
+    return model
+
+
+def _check_divisible(config, world: int) -> None:
+    """Every split must be even: refuse, naming the field, rather than drop a remainder."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    widths = {"num_attention_heads": config.num_attention_heads}
+    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        widths["intermediate_size"] = config.intermediate_size
+    if config.n_routed_experts is not None:
+        widths["n_routed_experts"] = config.n_routed_experts
+        if config.n_shared_experts:
+            widths["moe_intermediate_size × n_shared_experts"] = (
+                config.moe_intermediate_size * config.n_shared_experts)
+    for name, value in widths.items():
+        if value % world:
+            raise ValueError(f"{name} ({value}) does not split evenly over {world} ranks")
+
+
+def _share(size: int, rank: int, world: int) -> slice:
+    part = size // world
+    return slice(rank * part, (rank + 1) * part)
+
+
+def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+    """An output-split (column-parallel) linear: its rows ``rows`` (and bias)."""
+    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: nn.Linear, columns: slice, rank: int) -> None:
+    """An input-split (row-parallel) linear: its columns ``columns``. Its output is a partial
+    sum, so a bias is added by rank 0 alone (the all-reduce would add it once per rank)."""
+    linear.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
+    if linear.bias is not None and rank != 0:
+        linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+
+
+def _shard_attention(attn: MLAttention, rank: int, world: int) -> None:
+    heads = _share(attn.heads, rank, world)
+    qk, kv = attn.nope + attn.rope_dim, attn.nope + attn.v_dim
+    q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+    _keep_rows(q, slice(heads.start * qk, heads.stop * qk))
+    _keep_rows(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv))
+    _keep_columns(attn.o_proj, slice(heads.start * attn.v_dim, heads.stop * attn.v_dim), rank)
+    attn.heads = heads.stop - heads.start
+
+
+def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
+    part = _share(mlp.gate_proj.out_features, rank, world)
+    _keep_rows(mlp.gate_proj, part)
+    _keep_rows(mlp.up_proj, part)
+    _keep_columns(mlp.down_proj, part, rank)
+
+
+def _shard_moe(moe: MoE, rank: int, world: int) -> None:
+    if moe.w13 is None or moe.w2 is None:
+        raise ValueError("shard the model after its experts are fused (load_model fuses them)")
+    experts = _share(moe.w13.shape[0], rank, world)
+    moe.w13 = nn.Parameter(moe.w13.data[experts].clone(), requires_grad=False)
+    moe.w2 = nn.Parameter(moe.w2.data[experts].clone(), requires_grad=False)
+    moe.expert_first = experts.start
+    if moe.shared_experts is not None:
+        _shard_mlp(moe.shared_experts, rank, world)

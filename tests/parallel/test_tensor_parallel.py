@@ -1,0 +1,95 @@
+"""Tensor-parallel attention and expert-parallel MoE on 2 and 4 gloo ranks give the logits of one
+process (1e-5, fp32), through the full forward and through the paged forward the engine drives,
+for tiny DeepSeek-V2 and V3 models; every rank holds the same latent pool as one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_ranks import run_ranks, values
+from tiny_parallel import paged_logits, tiny_model
+
+from irminsul.parallel import ParallelGroup, shard_model, shard_weights
+
+CASES = {
+    "v2": ("v2_lite_like", {}),  # q_proj, YaRN, greedy routing
+    "v3": ("v3_like", {}),  # q_lora, YaRN, noaux_tc grouped routing
+    # o_proj bias, group-limited routing (its scaling factor of 16 would put fp32 rounding itself
+    # at 2e-5 on these logits: naive and absorbed forms of one process differ that much)
+    "v2_bias": ("v2_qlora_group", {"attention_bias": True, "routed_scaling_factor": 1.0}),
+}
+TOKENS = 24
+
+
+def compare(group: ParallelGroup) -> dict:
+    """Each case's largest differences from the unsharded model on this rank."""
+    out = {}
+    for name, (case, overrides) in CASES.items():
+        model = tiny_model(case, seed=1, **overrides)
+        ids = torch.randint(0, 97, (TOKENS,), generator=torch.Generator().manual_seed(2))
+        full = model.logits(ids)
+        paged, ckv, kr = paged_logits(model, ids, prefill=12, span=6)
+        shard_model(model, group)
+        tp_full = model.logits(ids)
+        tp_paged, tp_ckv, tp_kr = paged_logits(model, ids, prefill=12, span=6)
+        # The same shards without their all-reduce: the control that shows a wrong sum shows.
+        reduce = [layer.reduce for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.reduce = None
+        unsummed = model.logits(ids)
+        for layer, r in zip(model.model.layers, reduce):
+            layer.reduce = r
+        out[name] = dict(
+            full=float((tp_full - full).abs().max()),
+            paged=float((tp_paged - paged).abs().max()),
+            paged_vs_full=float((paged - full).abs().max()),
+            pool=float(max((tp_ckv - ckv).abs().max(), (tp_kr - kr).abs().max())),
+            unsummed=float((unsummed - full).abs().max()),
+            spread=float(full.std()),
+            heads=model.config.num_attention_heads,
+            logits=tp_full)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_ranks_match_one_process(world: int) -> None:
+    ranks = values(run_ranks(compare, world, timeout_s=300))
+    for name in CASES:
+        for rank, result in enumerate(ranks):
+            r = result[name]
+            assert r["spread"] > 0.5, (name, r["spread"])  # 1e-5 is a meaningful bound
+            assert r["paged_vs_full"] <= 1e-4, (name, rank, r)  # naive vs absorbed form
+            assert r["full"] <= 1e-5, (name, rank, r)
+            assert r["paged"] <= 1e-5, (name, rank, r)
+            assert r["pool"] <= 1e-5, (name, rank, r)
+            assert r["unsummed"] > 1e-2, (name, rank, r)
+            assert r["heads"] == 4 // world
+        # The all-reduce gives every rank the same bits: the replicated state cannot drift.
+        for result in ranks[1:]:
+            assert torch.equal(result[name]["logits"], ranks[0][name]["logits"]), name
+
+
+def test_shard_refuses_uneven_splits() -> None:
+    model = tiny_model("v3_like", layers=2)
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) does not split evenly"):
+        shard_weights(model, 0, 3)
+
+
+def test_shard_keeps_each_ranks_share() -> None:
+    """Rank 1 of 2 keeps heads 2-3, experts 4-7 and the second half of each MLP's width; the
+    latent projections, routers, embeddings and LM head stay whole."""
+    whole = tiny_model("v3_like", layers=2)
+    model = shard_weights(tiny_model("v3_like", layers=2), 1, 2)
+    attn, full_attn = model.model.layers[0].self_attn, whole.model.layers[0].self_attn
+    qk = attn.nope + attn.rope_dim
+    assert attn.heads == 2 and model.config.num_attention_heads == 2
+    assert torch.equal(attn.q_b_proj.weight, full_attn.q_b_proj.weight[2 * qk:])
+    assert torch.equal(attn.o_proj.weight, full_attn.o_proj.weight[:, 2 * attn.v_dim:])
+    assert torch.equal(attn.kv_a_proj_with_mqa.weight, full_attn.kv_a_proj_with_mqa.weight)
+    dense, full_dense = model.model.layers[0].mlp, whole.model.layers[0].mlp
+    assert torch.equal(dense.down_proj.weight, full_dense.down_proj.weight[:, 48:])
+    moe, full_moe = model.model.layers[1].mlp, whole.model.layers[1].mlp
+    assert moe.expert_first == 4 and torch.equal(moe.w13, full_moe.w13[4:])
+    assert torch.equal(moe.gate.weight, full_moe.gate.weight)
+    assert torch.equal(moe.shared_experts.up_proj.weight, full_moe.shared_experts.up_proj.weight[12:])
+    assert torch.equal(model.lm_head.weight, whole.lm_head.weight)
