@@ -218,6 +218,28 @@ def test_break_even_run_and_rule(tmp_path: Path) -> None:
     assert break_even.break_even(cells(1.0, 2.0)) is None
 
 
+def test_repair_ttft_runs_every_setting(tmp_path: Path) -> None:
+    """The repair TTFT benchmark on the tiny model: every setting timed, the body served by PIC
+    only live, and each repair computing what its knob says instead (agent_meta's body is one
+    reused run, so k tokens per request for head k; floor(r · reused) for share r)."""
+    results = _script("repair_ttft", "--tokens", "512", "--requests", "1", "--heads", "4", "16",
+                      "--shares", "0.1", "--threads", "1", tmp_path=tmp_path)
+    rows = {s["setting"]: s for s in results["settings"]}
+    assert list(rows) == ["off", "live", "head 4", "head 16", "share 10%"]
+    assert all(s["ttft_ms"] > 0 for s in rows.values())
+    assert rows["off"]["pic_tokens"] == 0 and rows["off"]["recomputed_tokens"] is None
+    live = rows["live"]["pic_tokens"]
+    assert live > 400 and rows["live"]["recomputed_tokens"] == 0
+    assert rows["head 4"]["recomputed_tokens"] == 4 and rows["head 16"]["recomputed_tokens"] == 16
+    # Repair picks among live's reused tokens and the last one, which is computed anyway: one
+    # fewer is recomputed when it is among them.
+    picked = int(0.1 * (live + 1))
+    assert rows["share 10%"]["recomputed_tokens"] in (picked, picked - 1)
+    for s in rows.values():
+        if s["recomputed_tokens"] is not None:
+            assert s["pic_tokens"] == live - s["recomputed_tokens"]
+
+
 def test_moe_kernel_against_its_floor_runs(tmp_path: Path) -> None:
     """The MoE benchmark on the tiny experts (float32, the kernel under Triton's interpreter):
     both paths and the sweep timed, the fused kernel agreeing with the grouped GEMMs, the floor
