@@ -2,21 +2,24 @@
 
 Two groups over the same ranks. The *device* group carries the forward's all-reduces (NCCL on
 GPUs, gloo on CPUs) and fails a collective that waits longer than ``ParallelConfig.timeout_s``.
-The *control* group (always gloo: it moves pickled host objects) carries the leader's one message
-per step to the followers; it has no practical timeout, because a follower waits on it for as long
-as the server is idle. A peer that dies closes its connections, which fails a collective waiting
-on it in either group at once; a peer that hangs inside a forward fails the others' next
-all-reduce after the timeout. Either way the survivors raise :class:`RankFailure`, naming the
+The *control* group (always gloo: it moves pickled host objects) carries the leader's one
+message per step to the followers; a follower waits on it for as long as the server is idle, the
+leader's sends fail after the timeout. A peer that dies closes its connections, which fails a
+collective waiting on it in either group at once; a peer that hangs fails the others' next
+collective with it after the timeout. Either way the survivors raise :class:`RankFailure`, naming the
 rank and what it was doing, rather than hang.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -66,9 +69,19 @@ def init(rank: int, config: ParallelConfig, address: str, *,
 
 
 def shutdown() -> None:
-    """Leave the group (after the last collective; a no-op where none was joined)."""
+    """Leave the group (after the last collective; a no-op where none was joined). Not after a
+    :class:`RankFailure`: that process ends with :func:`abort`."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort(code: int = 1) -> NoReturn:
+    """End this process at once, after a :class:`RankFailure` has been reported: tearing the
+    group down, or even an orderly interpreter exit, waits for the failed operation's peer,
+    which may never answer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextmanager
@@ -94,9 +107,19 @@ def all_reduce(group: ParallelGroup, partial: torch.Tensor) -> torch.Tensor:
 
 def broadcast(group: ParallelGroup, message: Any = None) -> Any:
     """The leader's ``message`` on every rank (pickled, over the control group); followers pass
-    nothing and get it."""
-    box = [message if group.leader else None]
+    nothing and get it. A follower waits for it as long as it takes (the server may be idle);
+    the leader's send fails after ``timeout_s`` (gloo sends only once the receiver has posted
+    its receive, so a hung follower would otherwise block the leader for good)."""
+    wait = timedelta(seconds=group.timeout_s) if group.leader else CONTROL_TIMEOUT
     what = "sending a step to the followers" if group.leader else "waiting for the leader's step"
     with guarded(group, what):
-        dist.broadcast_object_list(box, src=0, group=group.control_group)
-    return box[0]
+        if group.leader:
+            payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=group.control_group, async_op=True).wait(wait)
+        if not group.leader:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=group.control_group, async_op=True).wait(wait)
+    return message if group.leader else pickle.loads(payload.numpy().tobytes())

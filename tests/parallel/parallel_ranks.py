@@ -13,14 +13,14 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from irminsul.config import ParallelConfig
-from irminsul.parallel import ParallelGroup, init, shutdown
+from irminsul.parallel import ParallelGroup, RankFailure, abort, init, shutdown
 
 
 @dataclass
@@ -45,19 +45,28 @@ def _rank_main(fn: Callable, rank: int, config: ParallelConfig, address: str, ar
     try:
         group = init(rank, config, address)
         value = fn(group, *args)
-        results.put((rank, value, None))
+    except RankFailure as err:  # the group is broken: report, then end as a server would
+        results.put((rank, None, f"{type(err).__name__}: {err}"))
+        traceback.print_exc()
+        results.close()
+        results.join_thread()  # the report is sent before the process ends
+        abort(1)
     except BaseException as err:  # reported, not raised: the parent checks every rank
         results.put((rank, None, f"{type(err).__name__}: {err}"))
         traceback.print_exc()
-    finally:
-        shutdown()
+    else:
+        results.put((rank, value, None))
+    shutdown()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
-              collective_timeout_s: float = 30.0) -> list[Outcome]:
+              collective_timeout_s: float = 30.0,
+              wait_for: Collection[int] | None = None) -> list[Outcome]:
     """``fn(group, *args)`` on ``world`` ranks; each rank's :class:`Outcome`, by rank. ``fn``
-    must be importable by name (a module-level function). Fails if any rank is still running
-    after ``timeout_s``."""
+    must be importable by name (a module-level function). Fails if a rank of ``wait_for``
+    (default: all) is still running after ``timeout_s``; the others are killed once those
+    have reported."""
+    wait_for = set(range(world) if wait_for is None else wait_for)
     context = mp.get_context("spawn")
     results = context.Queue()
     config = ParallelConfig(world_size=world, backend="gloo", timeout_s=collective_timeout_s)
@@ -70,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     outcomes = {r: Outcome(r) for r in range(world)}
     reported: set[int] = set()
     try:
-        while len(reported) < world:
+        while not wait_for <= reported:
             alive = any(p.is_alive() for p in procs)
             try:
                 rank, value, error = results.get(timeout=0.2)
@@ -78,13 +87,14 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                 if not alive:  # every process ended; those that did not report died
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - reported)} of "
+                    raise TimeoutError(f"ranks {sorted(wait_for - reported)} of "
                                        f"{world} still running after {timeout_s:g} s") from None
                 continue
             outcomes[rank].value, outcomes[rank].error = value, error
             reported.add(rank)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        for r, p in enumerate(procs):
+            if r in wait_for:
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():
