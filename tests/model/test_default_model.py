@@ -32,10 +32,14 @@ def test_shipped_files() -> None:
     nothing else."""
     names = {p.name for p in default_model_dir().iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "README.md",
-            "LICENSE.cpython-stdlib", "LICENSE.tau-bench", "LICENSE.mini-swe-agent"} <= names
+            "generation_config.json", "README.md", "licenses"} <= names
     # The training record stays in the repository (tools/default_model), out of the wheel.
     assert not names & {"train_config.json", "train_log.txt", "eval.json"}
+    # Every corpus source's license text ships, and the card names each one it ships.
+    licenses = {p.name for p in (default_model_dir() / "licenses").iterdir()}
+    assert {"LICENSE.cpython-stdlib", "LICENSE.tau-bench", "LICENSE.mini-swe-agent"} <= licenses
+    card = (default_model_dir() / "README.md").read_text("utf-8")
+    assert all(f"licenses/{name}" in card for name in licenses)
 
 
 def test_chat_template_renders_as_transformers_does() -> None:

@@ -7,7 +7,8 @@ positions >= 1024 of long validation documents, transformers' eager attention); 
 difference between Irminsul's runtime and transformers (fp32); and the output-consistency study
 (``irminsul consistency``) on its default workload, agent_meta built from the shipped samples.
 
-Usage: ``python tools/default_model/evaluate_default_model.py MODEL_DIR`` (reads ``.train/`` for the splits).
+Usage: ``python tools/default_model/evaluate_default_model.py MODEL_DIR [--data DIR] [--agent-data DIR]``
+(``--data`` defaults to ``.train/``; the GPU retrain's ``data/`` holds its code validation split).
 """
 
 from __future__ import annotations
@@ -41,11 +42,22 @@ def windows(tokens: np.ndarray, starts: np.ndarray, length: int, count: int) -> 
     return [tokens[s:s + length].astype(np.int64) for s in picks]
 
 
+def train_counts(data: Path, vocab_size: int) -> np.ndarray:
+    """Token counts of the training split: ``train.counts.npy`` where the corpus builder left
+    them (the GPU retrain returns counts, not its 260 MB train.bin), else counted from train.bin."""
+    if (data / "train.counts.npy").is_file():
+        counts = np.load(data / "train.counts.npy")
+    else:
+        counts = np.bincount(np.fromfile(data / "train.bin", dtype=np.uint16))
+    out = np.zeros(vocab_size, np.float64)
+    out[:min(vocab_size, counts.size)] = counts[:vocab_size]
+    return out
+
+
 def loss_figures(model: MLAModel, data: Path, length: int, count: int) -> dict:
     """Validation loss (nats/token) of the model and of the unigram baseline."""
-    train = np.fromfile(data / "train.bin", dtype=np.uint16)
     val = np.fromfile(data / "val.bin", dtype=np.uint16)
-    counts = np.bincount(train, minlength=model.config.vocab_size) + 1.0
+    counts = train_counts(data, model.config.vocab_size) + 1.0
     unigram = float(-np.log(counts / counts.sum())[val].mean())
     offsets = np.linspace(0, val.size - length - 1, count).astype(np.int64)
     losses = []
@@ -122,7 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
     """Evaluate, write MODEL_DIR/eval.json and MODEL_DIR/README.md; returns the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
-    parser.add_argument("--data", type=Path, default=ROOT / ".train")
+    parser.add_argument("--data", type=Path, default=ROOT / ".train",
+                        help="the corpus the loss, unigram baseline and sink prompts come from")
+    parser.add_argument("--agent-data", type=Path,
+                        help="also the loss on this agent corpus' validation split (.retrain/agent)")
     parser.add_argument("--loss-windows", type=int, default=16)
     parser.add_argument("--loss-tokens", type=int, default=2048)
     parser.add_argument("--sink-prompts", type=int, default=4)
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
                            args.sink_prompts)
     figures = {
         "loss": loss_figures(model, args.data, args.loss_tokens, args.loss_windows),
+        **({"agent_loss": loss_figures(model, args.agent_data, args.loss_tokens, args.loss_windows)}
+           if args.agent_data else {}),
         "attention_sink": sink_share(args.model, long_prompts, model),
         "samples": samples(model, renderer, set(generation["eos_token_id"]), args.sample_tokens),
         "consistency": consistency_study(args.model, args.consistency_requests,

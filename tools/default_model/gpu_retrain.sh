@@ -8,7 +8,8 @@
 # The run builds the package corpus there (package_corpus.py), trains (train_default_model.py,
 # arch "sink"), measures the attention sink and the validation loss of the new and the current
 # model, and leaves in $OUT: model/ (checkpointed every 1.5 min, final at the end), data/,
-# retrain_eval.json, retrain_log.txt. --minutes caps training; --total-minutes cuts training
+# retrain_eval.json, retrain_log.txt (model/ and data/ packed as bundle.tar.part-*, unless
+# KEEP_DIRS=1). --minutes caps training; --total-minutes cuts training
 # short so that corpus + training + figures end in time. Smoke test on CPU:
 #   OUT=/tmp/rt bash tools/default_model/gpu_retrain.sh --device cpu --arch micro --steps 3 \
 #     --batch 2 --seq-len 256 --sink-tokens 256 --packages idna,click --no-stdlib
@@ -23,3 +24,8 @@ fi
 export PYTHONPATH="$PWD:$PWD/tools/default_model${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 "${PYTHON:-python3}" tools/default_model/retrain.py --out "$OUT" "$@"
+# The device returns at most 8 files of at most 16 MiB each: model/ and data/ travel as one tar cut
+# into 15 MiB parts. Here: cat bundle.tar.part-* | tar xf -
+if [ -z "${KEEP_DIRS:-}" ]; then
+  (cd "$OUT" && tar cf - model data | split -b 15M - bundle.tar.part- && rm -rf model data)
+fi

@@ -13,8 +13,8 @@ Steps, all on the machine that trains (see gpu_retrain.sh for the command and th
    ``evaluate_default_model.py`` measures it), the validation loss on document-start windows
    and greedy samples, for the new model and, on the same windows, the current default model.
 
-OUT holds afterwards: ``model/`` (the checkpoint with LICENSE.* for every corpus source, train_config
-.json, train_log.txt), ``data/`` (the package corpus' validation split, unigram counts and
+OUT holds afterwards: ``model/`` (the checkpoint with licenses/LICENSE.* for every corpus source,
+train_config.json, train_log.txt), ``data/`` (the package corpus' validation split, unigram counts and
 manifest, for ``evaluate_default_model.py --data`` on CPU), ``retrain_eval.json``, ``retrain_log.txt``.
 """
 
@@ -139,12 +139,12 @@ def measure(model_dir: Path, sets: dict, prompts: list[dict], device: torch.devi
 
 
 def merge_corpus(model_dir: Path, corpus: dict, agent: dict, agent_share: float) -> None:
-    """train_config.json's corpus: every source (packages, stdlib, agent) with the LICENSE.<name>
-    file beside the weights, in the form model_card.py reads."""
+    """train_config.json's corpus: every source (packages, stdlib, agent) with its
+    licenses/LICENSE.<name> beside the weights, in the form model_card.py reads."""
     record = json.loads((model_dir / "train_config.json").read_text("utf-8"))
     sources = {}
     for name, s in {**corpus["sources"], **agent["sources"]}.items():
-        sources[name] = {**s, "license_file": str(model_dir / f"LICENSE.{name}")}
+        sources[name] = {**s, "license_file": str(model_dir / "licenses" / f"LICENSE.{name}")}
     record["corpus"] = {"vocab_size": 8192,
                         "train_tokens": corpus["train_tokens"] + agent["train_tokens"],
                         "val_tokens": corpus["val_tokens"] + agent["val_tokens"],
@@ -221,10 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"train: {' '.join(train_args)} (corpus took {time.time() - started:.0f}s)")
     record = train_default_model.main(train_args)
     agent = json.loads((args.agent_data / "manifest.json").read_text("utf-8"))
+    licenses = model_dir / "licenses"
+    licenses.mkdir(exist_ok=True)
     for license_file in (corpus_dir / "licenses").iterdir():
-        shutil.copyfile(license_file, model_dir / license_file.name)
+        shutil.copyfile(license_file, licenses / license_file.name)
     for name in agent["sources"]:
-        shutil.copyfile(args.agent_data / f"LICENSE.{name}", model_dir / f"LICENSE.{name}")
+        shutil.copyfile(args.agent_data / f"LICENSE.{name}", licenses / f"LICENSE.{name}")
     merge_corpus(model_dir, corpus, agent, args.agent_share)
     data_out = args.out / "data"
     data_out.mkdir(exist_ok=True)
