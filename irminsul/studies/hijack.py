@@ -215,7 +215,7 @@ def along(model: MLAModel, prompt: np.ndarray, continuation: list[int] | np.ndar
     """The distributions [len(continuation), vocab] predicting each continuation token after the
     prompt, teacher-forced, by full recomputation."""
     ids = np.concatenate([prompt, np.asarray(continuation, dtype=np.int64)])
-    return forward_logits(model, ids)[prompt.size - 1:-1]
+    return forward_logits(model, ids)[prompt.size - 1:-1].cpu()
 
 
 def target_logprob(logits: torch.Tensor, target: np.ndarray) -> float:
@@ -249,7 +249,8 @@ def serve_victim(engine: Engine, prompt: Prompt, namespace: int, continuation: l
     finally:
         for s in (seq, *runs):
             engine.finish(s, remember=False)
-    return {"clean_logits": clean, "target_logits": aimed, "greedy": out,
+    # Host tensors, as along() returns: the comparisons mix them (the model may be on a GPU).
+    return {"clean_logits": clean.cpu(), "target_logits": aimed.cpu(), "greedy": out,
             "pic_tokens": seq.stats.pic_tokens, "prefix_tokens": seq.stats.prefix_tokens}
 
 
@@ -274,7 +275,7 @@ def row_deviation(model: MLAModel, case: Case, source: Prompt) -> np.ndarray:
         latents = model.forward(ids, torch.arange(ids.shape[0])).latents
         rows.append(torch.stack([layer[case.document(prompt), :rank].float()
                                  for layer in latents]))
-    return (rows[0] - rows[1]).pow(2).mean(-1).sqrt().double().numpy()
+    return (rows[0] - rows[1]).pow(2).mean(-1).sqrt().double().cpu().numpy()
 
 
 def bucketed(deviations: list[np.ndarray]) -> list[list[float | None]]:
@@ -338,11 +339,11 @@ def hijack_study(model: MLAModel, renderer: ChatRenderer, settings: HijackSettin
                 "kl_clean": kl_clean,
                 "kl_attacked": float(kl_per_step(p_attacked, got["clean_logits"]).mean()),
                 "carried": kl_clean / row["kl_clean_attacked"] if row["kl_clean_attacked"] else None,
-                "argmax_clean": float((got["clean_logits"].argmax(-1).cpu() == torch.tensor(c))
+                "argmax_clean": float((got["clean_logits"].argmax(-1) == torch.tensor(c))
                                       .double().mean()),
                 "first_divergence": first_divergence(got["greedy"], c),
                 "follows_attacked": first_divergence(got["greedy"], attacked_greedy),
-                "target_logprob": target_logprob(got["target_logits"].cpu(), case.target),
+                "target_logprob": target_logprob(got["target_logits"], case.target),
                 "pic_tokens": got["pic_tokens"]}
         result.cases.append(row)
         deviations["hijack"].append(row_deviation(model, case, case.attacker))

@@ -194,7 +194,7 @@ def anchoring(model: MLAModel, text: AgentText, settings: SinkSettings, chunks: 
             tokens = np.r_[bos, chunk[:-1]] if p == 0 else chunk
             context = None if p == 0 else [r[:p] for r in rows]
             for layer, sums in enumerate(probe(model, tokens, p, context, anchoring_sums(p))):
-                sums = sums.double().mean(0)  # over attention heads: [T, 3]
+                sums = sums.double().mean(0).cpu()  # over attention heads: [T, 3]
                 w[i, j, layer] = (sums[:, 0] / sums[:, 1]).numpy()
                 s[i, j, layer] = sums[:, 2].numpy()
     return Anchoring(w, s)
