@@ -125,7 +125,8 @@ def write_readme(model_dir: Path, figures: dict) -> None:
         "",
         "## Figures",
         "",
-        f"Measured by `python3 tools/default_model/evaluate_default_model.py irminsul/default_model` (CPU, "
+        "Measured by `python3 tools/default_model/evaluate_default_model.py MODEL_DIR --data "
+        "DATA --agent-data .retrain/agent` (DATA: the retrain's data/; CPU, "
         f"{figures['environment']['threads']} threads, torch {figures['environment']['torch']}, "
         f"transformers {figures['environment']['transformers']}, "
         f"{figures['environment']['seconds']:.0f} s); every figure is in eval.json.",
