@@ -10,8 +10,11 @@ deterministic and the all-reduces give every rank the same bits, so every rank's
 holds the same rows in the same slots, and the slot accounting lives on the leader alone.
 
 Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
-message per step), and the repair's latent check (``recompute_share``), which runs the model
-outside the runner and would leave the followers out of its all-reduces.
+message per step); the live-PIC audit and the repair's latent check (``recompute_share``), which
+run the model outside the runner and would leave the followers out of its all-reduces
+(:func:`leader_engine` turns the first off and refuses the second). The message carries each
+item's key handles (8 bytes per context token per step); mirroring them on the followers, so
+that a step sends only its new tokens' handles, is the next step for long-context decoding.
 """
 
 from __future__ import annotations
@@ -67,8 +70,15 @@ def leader_runner(group: ParallelGroup) -> Callable[..., LeaderRunner]:
 
 
 def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup) -> Engine:
-    """The leader's engine over its shard of the model (``config``'s graphs off)."""
-    return Engine(model, dataclasses.replace(config, graphs=False), runner=leader_runner(group))
+    """The leader's engine over its shard of the model: ``config`` with graphs off and the
+    live-PIC audit off (it recomputes a prompt with the model directly, outside the runner, so
+    the followers would miss its all-reduces); the repair's latent check is refused for the
+    same reason."""
+    if config.cache.recompute_share:
+        raise ValueError("recompute_share runs the model outside the runner: not built under "
+                         "tensor parallel yet")
+    return Engine(model, dataclasses.replace(config, graphs=False, pic_audit_rate=0.0),
+                  runner=leader_runner(group))
 
 
 def follower_engine(model: MLAModel, config: EngineConfig) -> Engine:

@@ -10,7 +10,7 @@ import pytest
 from parallel_ranks import run_ranks
 from tiny_parallel import tiny_model
 
-from irminsul.config import EngineConfig
+from irminsul.config import CacheConfig, EngineConfig
 from irminsul.parallel import ParallelGroup, RankFailure, follow, follower_engine, leader_engine
 from irminsul.parallel.shard import shard_model
 
@@ -101,5 +101,9 @@ def test_leader_and_follower_roles_are_checked() -> None:
     group = ParallelGroup(1, 2, None, None, 1.0)
     with pytest.raises(ValueError, match="rank 1 is a follower"):
         leader_engine(model, CONFIG, group)
+    leader = ParallelGroup(0, 2, None, None, 1.0)
     with pytest.raises(ValueError, match="rank 0 leads"):
-        follow(follower_engine(model, CONFIG).runner, ParallelGroup(0, 2, None, None, 1.0))
+        follow(follower_engine(model, CONFIG).runner, leader)
+    # The repair's latent check runs the model outside the runner: refused, not left to hang.
+    with pytest.raises(ValueError, match="recompute_share"):
+        leader_engine(model, EngineConfig(cache=CacheConfig(recompute_share=0.1)), leader)
