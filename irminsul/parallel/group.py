@@ -97,9 +97,9 @@ def guarded(group: ParallelGroup, what: str) -> Iterator[None]:
 
 
 def all_reduce(group: ParallelGroup, partial: torch.Tensor) -> torch.Tensor:
-    """The sum of ``partial`` over the ranks, in place; every rank gets the same bits (ring
-    and tree all-reduces reduce each element once, then copy it), so the ranks' replicated
-    state (hidden states, router choices, latent rows) never drifts apart."""
+    """The sum of ``partial`` over the ranks, in place. Every rank gets the same bits (gloo's,
+    tested; NCCL's ring and tree algorithms likewise reduce each element once, then copy it),
+    so the ranks' replicated state (hidden states, router choices, latent rows) never drifts."""
     with guarded(group, "an all-reduce"):
         dist.all_reduce(partial, group=group.device_group)
     return partial
