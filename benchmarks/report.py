@@ -739,11 +739,13 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
     """KL, argmax and first divergence against the share of reused tokens each repair setting
     recomputes (EPIC-style heads, CacheBlend-style on c_KV), over the five workloads."""
     command = r["meta"].get("command", "python benchmarks/cpu/repair.py --out F.json")
-    variant = name.removeprefix("cpu-repair").removesuffix(".json").strip("-")
-    lines = ["## CPU: repair on the latent (EPIC heads and CacheBlend on c_KV"
-             + (f", {variant.replace('-', ' ')})" if variant else ")"), "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"]), "",
-             "```bash", command, "```", "",
+    on_cpu = r["device"] == "cpu"
+    variant = name.removeprefix("cpu-repair").removeprefix("gpu-repair").removesuffix(
+        ".json").strip("-")
+    lines = [f"## {'CPU' if on_cpu else 'GPU'}: repair on the latent (EPIC heads and CacheBlend "
+             "on c_KV" + (f", {variant.replace('-', ' ')})" if variant else ")"), "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], model=r["meta"].get("about", "")),
+             "", "```bash", command, "```", "",
              f"Model `{r['model']}`; per workload, its first {r['requests']} requests served in "
              "order by a persistent live engine per setting, against full recomputation over "
              f"{r['tokens']} teacher-forced tokens (first divergence: free-running greedy). "
@@ -754,8 +756,9 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
              "the requests with registry hits. *Compute*: the token-layers the hit requests' "
              "prefills ran (computed tokens × layers, plus the check forward's tokens × the layers "
              "below the check layer) against no repair. *Prefill*: their mean prefill wall time "
-             "against no repair, on this shared CPU (one thread; noisy, and not the GPU's TTFT). "
-             f"*Target*: KL at most {r['target']['kl_vs_none_at_most']} × no repair's on every "
+             "against no repair" + (", on this shared CPU (one thread; noisy, and not the GPU's "
+                                    "TTFT). " if on_cpu else " (a small model: host-bound). ")
+             + f"*Target*: KL at most {r['target']['kl_vs_none_at_most']} × no repair's on every "
              f"workload, recomputing at most {r['target']['recomputed_at_most']:.0%}.", ""]
     rows = [[s["label"], f"{s['recomputed_share']:.1%} / {s['recomputed_share_max']:.1%}",
              f"{s['kl']:.3e}", f"{s['kl_vs_none_max']:.3f}", f"{s['argmax']:.3f}",
@@ -776,11 +779,32 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def repair_ttft(r: dict[str, Any], name: str) -> list[str]:
+    """The TTFT each repair setting costs on agent_meta prompts whose header changed."""
+    meta = r["meta"]
+    lines = ["## GPU: the TTFT each repair setting costs", "",
+             f"`docs/results/{name}`. " + _run_line(meta, about=meta.get("about", "")), "",
+             "```bash", meta["command"], "```", "",
+             f"{r['model']}; agent_meta prompts of {r['tokens']:,} tokens (H {r['header']}) whose "
+             "body sits at a shifted position, so only live PIC reuses it; median TTFT over "
+             f"{r['requests']} requests after {r['warmup']} warm-ups, a fresh engine per setting. "
+             "*Recomputed*: the tokens live PIC reused that the setting computed instead.", ""]
+    live = next(s["ttft_ms"] for s in r["settings"] if s["setting"] == "live")
+    rows = [[s["setting"], f"{s['ttft_ms']:.1f}",
+             "—" if s["mode"] == "off" else f"{s['ttft_ms'] - live:+.1f}",
+             f"{s['pic_tokens']:,.0f}",
+             "—" if s["recomputed_tokens"] is None else f"{s['recomputed_tokens']:,.0f}"]
+            for s in r["settings"]]
+    return lines + _table(("setting", "TTFT ms (median)", "vs live, ms", "PIC tokens",
+                           "recomputed tokens"), rows)
+
+
 def replicas(r: dict[str, Any], name: str) -> list[str]:
     """Replicas behind the router against one engine: prompt tokens from cache, TTFT."""
     meta = r["meta"]
     lines = ["## CPU: replicas behind the router", "",
-             f"`docs/results/{name}`. " + _run_line(meta, machine=meta.get("machine", "")), "",
+             f"`docs/results/{name}`. " + _run_line(meta, machine=meta.get("machine", ""),
+                                                    model=meta.get("about", "")), "",
              "```bash", meta["command"], "```", "",
              f"The embedded model (float32), {r['sessions']} sessions of {r['calls']} calls per "
              f"workload, {r['concurrency']} sessions at a time, replies cut to "
@@ -840,6 +864,8 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-planner-options.json", lambda p: planner_options(_load(p), p.name)),
         ("cpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
+        ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
+        ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),
     ]
     sections, used = [], set()
