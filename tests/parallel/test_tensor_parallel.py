@@ -9,6 +9,7 @@ import torch
 from parallel_ranks import run_ranks, values
 from tiny_parallel import paged_logits, tiny_model
 
+from irminsul.model.moe import grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
 
 CASES = {
@@ -93,3 +94,20 @@ def test_shard_keeps_each_ranks_share() -> None:
     assert torch.equal(moe.gate.weight, full_moe.gate.weight)
     assert torch.equal(moe.shared_experts.up_proj.weight, full_moe.shared_experts.up_proj.weight[12:])
     assert torch.equal(model.lm_head.weight, whole.lm_head.weight)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_shares_sum_to_all_experts(world: int) -> None:
+    """The routed experts' output is the sum of each rank's share (``first``): assignments to
+    other ranks' experts contribute nothing, whatever their ids."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 16, generator=generator)
+    w13, w2 = torch.randn(8, 24, 16, generator=generator), torch.randn(8, 16, 12, generator=generator)
+    ids = torch.rand(40, 8, generator=generator).argsort(-1)[:, :3]  # 3 distinct experts each
+    weights = torch.rand(40, 3, generator=generator)
+    whole = grouped_experts(x, w13, w2, weights, ids)
+    part = 8 // world
+    shares = [grouped_experts(x, w13[r * part:(r + 1) * part], w2[r * part:(r + 1) * part],
+                              weights, ids, first=r * part) for r in range(world)]
+    torch.testing.assert_close(sum(shares), whole, atol=1e-5, rtol=1e-5)
+    assert all(float(s.abs().max()) > 0.1 for s in shares)
