@@ -240,11 +240,28 @@ def cmd_gate(args: argparse.Namespace) -> int:
     renderer = _model_renderer(args)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype), device=args.device)
     config = GateConfig(tokens=args.tokens, cache_dir=args.cache_dir)
-    result = run_gate(model, renderer, checkpoint_hash(model_dir), config, fresh=args.fresh)
+    # Repair changes what is served, so the gate measures the engine as it would serve: the
+    # measurement is cached per setting (the planner config is part of the key).
+    engine = dataclasses.replace(ENGINE, cache=dataclasses.replace(
+        ENGINE.cache, recompute_head=args.recompute_head, recompute_share=args.recompute_share))
+    result = run_gate(model, renderer, checkpoint_hash(model_dir), config, engine=engine,
+                      fresh=args.fresh)
     print(render_gate(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
     return 0 if result.passed else 1
+
+
+def _repair_options(parser: argparse.ArgumentParser) -> None:
+    """--recompute-head and --recompute-share (CacheConfig's repair knobs), for serve and gate."""
+    parser.add_argument("--recompute-head", type=int, default=ENGINE.cache.recompute_head,
+                        metavar="K", help="live mode, repair: compute the first K tokens of "
+                        "every reused run instead of reusing them (EPIC-style; docs/quality.md "
+                        "measures each K; 0: none)")
+    parser.add_argument("--recompute-share", type=float, default=ENGINE.cache.recompute_share,
+                        metavar="R", help="live mode, repair: compute this share of each "
+                        "prompt's reused tokens, those whose latent deviates most from a fresh "
+                        "one at an early layer (CacheBlend-style; 0: none)")
 
 
 def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
@@ -528,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--cache-dir", metavar="DIR", default=GATE.cache_dir,
                       help="where results are cached per checkpoint hash (default "
                            "$XDG_CACHE_HOME/irminsul/gate, else ~/.cache/irminsul/gate)")
+    _repair_options(gate)
     _run_model_options(gate)
     gate.set_defaults(func=cmd_gate)
 
@@ -618,14 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="R", help="live mode: the share of PIC-served requests "
                        "recomputed from scratch when the engine is idle, their first-token "
                        "KL exported as irminsul:pic_audit_kl (0: none)")
-    serve.add_argument("--recompute-head", type=int, default=ENGINE.cache.recompute_head,
-                       metavar="K", help="live mode, repair: compute the first K tokens of every "
-                       "reused run instead of reusing them (EPIC-style; docs/quality.md: K=32 "
-                       "lowers KL on every workload for <= 7.4%% of reused tokens; 0: none)")
-    serve.add_argument("--recompute-share", type=float, default=ENGINE.cache.recompute_share,
-                       metavar="R", help="live mode, repair: compute this share of each prompt's "
-                       "reused tokens, those whose latent deviates most from a fresh one at an "
-                       "early layer (CacheBlend-style; 0: none)")
+    _repair_options(serve)
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")

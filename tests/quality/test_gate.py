@@ -171,3 +171,23 @@ def test_cli_refuses_the_unsafe_checkpoint(unsafe_dir: Path, gate_config: GateCo
 def test_cli_gate_takes_no_tokenizer(capsys: pytest.CaptureFixture) -> None:
     assert main(["--tokenizer", "elsewhere", "gate"]) == 2
     assert "--tokenizer does not apply" in capsys.readouterr().err
+
+
+def test_cli_gate_measures_with_the_repair_it_is_given(monkeypatch: pytest.MonkeyPatch,
+                                                       default_result: GateResult,
+                                                       gate_config: GateConfig) -> None:
+    """--recompute-head / --recompute-share reach the engine the gate measures (and so its cache
+    key), as they reach the served engine; a bad value is refused before anything runs."""
+    seen: list[EngineConfig] = []
+
+    def fake_run_gate(model, renderer, checkpoint, config, *, engine, fresh):  # noqa: ANN001
+        seen.append(engine)
+        return default_result
+
+    monkeypatch.setattr("irminsul.quality.run_gate", fake_run_gate)
+    assert main(["gate", "--cache-dir", gate_config.cache_dir, "--recompute-head", "32",
+                 "--recompute-share", "0.1"]) == 0
+    assert seen[-1].cache.recompute_head == 32 and seen[-1].cache.recompute_share == 0.1
+    assert main(["gate", "--cache-dir", gate_config.cache_dir]) == 0
+    assert seen[-1].cache == EngineConfig().cache  # no flags: the default engine, as before
+    assert main(["gate", "--recompute-share", "1.5"]) == 2
