@@ -775,6 +775,9 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
                             f"{w['reused_tokens']:,})" for w in workloads]
     rows = [[s["label"]] + [f"{w['rows'][i]['kl']:.2e} / {w['rows'][i]['argmax']:.3f}"
                             for w in workloads] for i, s in enumerate(r["summary"])]
+    if all(w.get("floor_kl") is not None for w in workloads):
+        # The same requests with PIC off: the served path's own arithmetic, below reach of repair.
+        rows.append(["no reuse (floor)"] + [f"{w['floor_kl']:.2e} / —" for w in workloads])
     lines += _table(header, rows)
     return lines
 

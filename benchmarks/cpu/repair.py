@@ -15,7 +15,10 @@ full recomputation, as ``irminsul consistency`` does: KL(full ‖ served) and ar
 teacher-forced continuation, the first divergence of free-running greedy decoding; beside them
 the share of the unrepaired reused tokens that repair computed instead, and the prefill's wall
 time (the TTFT of a request served alone: the check forward and the recomputed tokens are what
-repair adds). Over the requests whose prompt got a registry hit without repair.
+repair adds). Over the requests whose prompt got a registry hit without repair. Per workload
+also the floor: KL of the same requests served by an engine with PIC off (no reuse), what the
+served path's own arithmetic costs against the reference; no repair can go below it. The
+embedded model runs in float32 on a CPU and in bfloat16 on a GPU.
 
 The model is the embedded default unless ``--model`` names a checkpoint; ``--random-weights``
 runs DeepSeek-V2-Lite's shapes with random weights (bf16; for the TTFT each setting costs on a
@@ -132,6 +135,13 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
             row["prefill_s"] = seconds
         engine.check()
         served_by.append(served)
+    # The floor: the same requests served with no reuse (PIC off), so all that differs from the
+    # reference is the served path's arithmetic (kernels, summation order, a router's near-ties),
+    # not reuse. No repair can go below it.
+    engine = Engine(model, EngineConfig(slots=slots, mode="off"))
+    floor = [serve(engine, prompt, continuation, logits)["kl"]
+             for (_, prompt), (continuation, logits) in zip(prompts, references)]
+    engine.check()
     hit = [i for i, s in enumerate(served_by[0]) if s["pic_tokens"]]
     reused = sum(served_by[0][i]["pic_tokens"] for i in hit)
     rows = []
@@ -155,7 +165,8 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
         row["compute_vs_none"] = (row["token_layers"] / base["token_layers"]
                                   if base["token_layers"] else None)
     return {"workload": workload, "requests": len(prompts), "requests_with_hits": len(hit),
-            "reused_tokens": reused, "rows": rows}
+            "reused_tokens": reused,
+            "floor_kl": statistics.fmean(floor[i] for i in hit) if hit else None, "rows": rows}
 
 
 def summary(workloads: list[dict], repairs: list[dict], cap: float) -> list[dict[str, Any]]:
@@ -217,8 +228,10 @@ def main() -> None:
         if args.out:  # what is measured so far, in case a long run is stopped
             Path(args.out).write_text(json.dumps({"workloads": workloads}, indent=1),
                                       encoding="utf-8")
+        floor = "" if result["floor_kl"] is None else \
+            f"; KL with no reuse (the floor) {result['floor_kl']:.3e}"
         print(f"\n{workload}: {result['requests']} requests, {result['requests_with_hits']} with "
-              f"hits, {result['reused_tokens']} reused tokens without repair")
+              f"hits, {result['reused_tokens']} reused tokens without repair{floor}")
         print(f"{'setting':>18} {'recomputed':>11} {'KL(full||PIC)':>14} {'vs none':>8} "
               f"{'argmax':>7} {'first div.':>10} {'compute':>9} {'prefill':>9}")
         for r in result["rows"]:
