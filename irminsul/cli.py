@@ -23,6 +23,7 @@ from .config import (
     ROUTING_POLICIES,
     EngineConfig,
     GateConfig,
+    ParallelConfig,
     RouterConfig,
     ServerConfig,
     StoreConfig,
@@ -405,7 +406,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(payload, indent=1), encoding="utf-8")
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the model over an OpenAI-compatible HTTP API until interrupted."""
     if args.tokenizer:
         # The server renders with the checkpoint's own tokenizer and template; taking the option
@@ -419,25 +420,38 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if random_weights and getattr(args, "model", None):
         raise ValueError("--random-weights serves random weights with the embedded model's "
                          "tokenizer; it does not take --model")
+    # The audit is not built under tensor parallel: off there unless asked for (then refused).
+    audit = getattr(args, "pic_audit_rate",
+                    ENGINE.pic_audit_rate if args.tensor_parallel == 1 else 0.0)
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running, await_shared=args.await_shared,
-                          pic_audit_rate=args.pic_audit_rate,
+                          pic_audit_rate=audit,
                           graphs=False if args.no_graphs else ENGINE.graphs,
                           cache=dataclasses.replace(ENGINE.cache,
                                                     recompute_head=args.recompute_head,
                                                     recompute_share=args.recompute_share))
-    serve(_model_dir(args), ServerConfig(host=args.host, port=args.port,
-                                         model_name=args.served_model_name, dtype=args.dtype,
-                                         device=args.device, engine=engine,
-                                         max_request_bytes=args.max_request_bytes,
-                                         max_waiting=args.max_waiting,
-                                         kv_memory=args.kv_memory,
-                                         gate=None if args.no_gate else SERVER.gate,
-                                         store=StoreConfig(
-                                             url=args.store,
-                                             prefill_tokens_per_second=args.store_prefill_rate)),
-          **random_weights)
+    server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
+                          dtype=args.dtype, device=args.device, engine=engine,
+                          max_request_bytes=args.max_request_bytes,
+                          max_waiting=args.max_waiting, kv_memory=args.kv_memory,
+                          gate=None if args.no_gate else SERVER.gate,
+                          store=StoreConfig(url=args.store,
+                                            prefill_tokens_per_second=args.store_prefill_rate))
+    return serve(_model_dir(args), server, parallel=ParallelConfig(world_size=args.tensor_parallel),
+                 **random_weights)
+
+
+def _ranks(text: str) -> int:
+    """--tensor-parallel: a whole number of ranks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of ranks, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (1: one process, no parallelism), got "
+                                         f"{value}")
+    return value
 
 
 def cmd_router(args: argparse.Namespace) -> None:
@@ -632,14 +646,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=ENGINE.max_running,
                        help="requests admitted at once (None: no cap but the KV pool's room "
                             "and --batch-tokens)")
-    serve.add_argument("--pic-audit-rate", type=float, default=ENGINE.pic_audit_rate,
-                       metavar="R", help="live mode: the share of PIC-served requests "
-                       "recomputed from scratch when the engine is idle, their first-token "
-                       "KL exported as irminsul:pic_audit_kl (0: none)")
+    serve.add_argument("--pic-audit-rate", type=float, default=argparse.SUPPRESS,
+                       metavar="R", help=f"live mode: the share of PIC-served requests "
+                       f"recomputed from scratch when the engine is idle, their first-token "
+                       f"KL exported as irminsul:pic_audit_kl (0: none; default "
+                       f"{ENGINE.pic_audit_rate}, and 0 under --tensor-parallel)")
     _repair_options(serve)
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")
+    serve.add_argument("--tensor-parallel", type=_ranks, default=1, metavar="N",
+                       help="ranks: this process serves as rank 0 and starts N-1 more, one per "
+                            "GPU (cuda:0 .. N-1 from --device's index; on a CPU, gloo), each "
+                            "keeping 1/N of the attention heads, MLP widths and routed experts "
+                            "(docs/multi-gpu.md); a rank that fails stops the server")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default=SERVER.dtype,
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")

@@ -105,12 +105,14 @@ def all_reduce(group: ParallelGroup, partial: torch.Tensor) -> torch.Tensor:
     return partial
 
 
-def broadcast(group: ParallelGroup, message: Any = None) -> Any:
+def broadcast(group: ParallelGroup, message: Any = None, *, timeout_s: float | None = None) -> Any:
     """The leader's ``message`` on every rank (pickled, over the control group); followers pass
     nothing and get it. A follower waits for it as long as it takes (the server may be idle);
-    the leader's send fails after ``timeout_s`` (gloo sends only once the receiver has posted
-    its receive, so a hung follower would otherwise block the leader for good)."""
-    wait = timedelta(seconds=group.timeout_s) if group.leader else CONTROL_TIMEOUT
+    the leader's send fails after ``timeout_s`` (default: the group's; gloo sends only once the
+    receiver has posted its receive, so a hung follower would otherwise block the leader for
+    good)."""
+    wait = (timedelta(seconds=timeout_s or group.timeout_s) if group.leader
+            else CONTROL_TIMEOUT)
     what = "sending a step to the followers" if group.leader else "waiting for the leader's step"
     with guarded(group, what):
         if group.leader:

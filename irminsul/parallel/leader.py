@@ -38,10 +38,19 @@ ROTATE, FORWARD, STOP = "rotate", "forward", "stop"
 
 class LeaderRunner(ModelRunner):
     """Rank 0's model runner: each rotation and forward goes to the followers, then runs here.
-    :meth:`stop` must end its life (it releases the followers)."""
+    :meth:`stop` must end its life (it releases the followers).
+
+    Any error inside a step (a rank failed, or this one raised between the broadcast and the
+    end of its forward, where a follower may be waiting in an all-reduce this rank will never
+    join) leaves the ranks out of step: the runner keeps it as :attr:`failure`, tells
+    ``on_failure`` (on the engine's thread), and from then on every step raises
+    :class:`RankFailure` at once, without touching the group. :attr:`doing` names the step in
+    progress (None between steps), for the message that reports a failure."""
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, graphs: bool, **kwargs: Any) -> None:
+                 group: ParallelGroup, graphs: bool,
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 **kwargs: Any) -> None:
         if not group.leader:
             raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
         if graphs:
@@ -49,36 +58,59 @@ class LeaderRunner(ModelRunner):
                              "graphs off")
         super().__init__(model, ckv, kr, graphs=False, **kwargs)
         self.group = group
+        self.on_failure = on_failure
+        self.failure: BaseException | None = None
+        self.doing: str | None = None
 
     def rotate(self, reuse: Reuse) -> None:
-        broadcast(self.group, (ROTATE, reuse))
-        super().rotate(reuse)
+        self._step("a rotation", (ROTATE, reuse), lambda: super(LeaderRunner, self).rotate(reuse))
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
-        broadcast(self.group, (FORWARD, batch, all_logits))
-        return super().forward(batch, all_logits=all_logits)
+        return self._step("a forward", (FORWARD, batch, all_logits),
+                          lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
+
+    def _step(self, what: str, message: tuple, run: Callable[[], Any]) -> Any:
+        if self.failure is not None:
+            raise RankFailure(f"rank 0 of {self.group.world_size}: the ranks failed earlier "
+                              f"({self.failure}); nothing more runs on them")
+        self.doing = what
+        try:
+            broadcast(self.group, message)
+            return run()
+        except BaseException as err:
+            self.failure = err
+            if self.on_failure is not None:
+                self.on_failure(err)
+            raise
+        finally:
+            self.doing = None
 
     def stop(self, error: str | None = None) -> None:
         """Release the followers: they return from :func:`follow`, or, given ``error`` (why the
-        leader is stopping), raise :class:`RankFailure` with it."""
-        broadcast(self.group, (STOP, error))
+        leader is stopping), raise :class:`RankFailure` with it. A no-op after a failure (the
+        group is broken; the followers learn of it by themselves)."""
+        if self.failure is None:
+            broadcast(self.group, (STOP, error))
 
 
-def leader_runner(group: ParallelGroup) -> Callable[..., LeaderRunner]:
+def leader_runner(group: ParallelGroup,
+                  on_failure: Callable[[BaseException], None] | None = None
+                  ) -> Callable[..., LeaderRunner]:
     """The ``runner`` argument of :class:`~irminsul.engine.Engine` on the leader."""
-    return partial(LeaderRunner, group=group)
+    return partial(LeaderRunner, group=group, on_failure=on_failure)
 
 
-def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup) -> Engine:
+def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,
+                  on_failure: Callable[[BaseException], None] | None = None) -> Engine:
     """The leader's engine over its shard of the model: ``config`` with graphs off and the
     live-PIC audit off (it recomputes a prompt with the model directly, outside the runner, so
     the followers would miss its all-reduces); the repair's latent check is refused for the
-    same reason."""
+    same reason. ``on_failure``: see :class:`LeaderRunner`."""
     if config.cache.recompute_share:
         raise ValueError("recompute_share runs the model outside the runner: not built under "
                          "tensor parallel yet")
     return Engine(model, dataclasses.replace(config, graphs=False, pic_audit_rate=0.0),
-                  runner=leader_runner(group))
+                  runner=leader_runner(group, on_failure))
 
 
 def follower_engine(model: MLAModel, config: EngineConfig) -> Engine:

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..model import MLAModel
+from ..model import MLAConfig, MLAModel
 from ..model.mla import MLAttention
 from ..model.moe import MLP, MoE
 from .group import ParallelGroup, all_reduce
@@ -51,7 +51,7 @@ def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
     shares), in place. ``model.config.num_attention_heads`` becomes the heads this rank computes:
     the model runner sizes its attention kernel's layout from it."""
     config = model.config
-    _check_divisible(config, world)
+    check_divisible(config, world)
     if world == 1:
         return model
     for layer in model.model.layers:
@@ -65,8 +65,9 @@ def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
     return model
 
 
-def _check_divisible(config, world: int) -> None:
-    """Every split must be even: refuse, naming the field, rather than drop a remainder."""
+def check_divisible(config: MLAConfig, world: int) -> None:
+    """Every split must be even: refuse (ValueError), naming the field, rather than drop a
+    remainder. A server checks a checkpoint's config with it before starting any rank."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     widths = {"num_attention_heads": config.num_attention_heads}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ import torch
 from fastapi import FastAPI
 
 from .. import __version__
-from ..config import EngineConfig, ServerConfig
+from ..config import EngineConfig, ParallelConfig, ServerConfig
 from ..engine import Engine, Scheduler
 from ..engine.kv_pool import free_device_memory, slots_for_memory
 from ..model import MLAModel, load_config, load_model
@@ -66,12 +66,15 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
 
 
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
-                 random_weights: str | os.PathLike | None = None
+                 random_weights: str | os.PathLike | None = None,
+                 make_engine: Callable[[MLAModel, EngineConfig], Engine] = Engine
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
     config.json; benchmark-only) the model is :func:`random_model` of it and ``model_dir``
-    gives only the tokenizer, chat template and stop tokens."""
+    gives only the tokenizer, chat template and stop tokens. ``make_engine`` builds the engine
+    from the loaded (and gated) model and the sized engine config: tensor parallel's leader
+    shards the model there (:mod:`irminsul.parallel.serving`)."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
@@ -92,7 +95,7 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     gate, note = pic_gate(path, model, renderer, config, random_weights=random_weights is not None)
     if gate is not None and not gate.passed:
         config = replace(config, engine=replace(config.engine, mode="off"))
-    scheduler = Scheduler(Engine(model, _sized_pool(config, model, device)))
+    scheduler = Scheduler(make_engine(model, _sized_pool(config, model, device)))
     if config.store.url is not None:
         from ..store import attach  # the Redis client loads only with a store
 
@@ -183,13 +186,21 @@ def startup_line(name: str, path: Path | str, config: ServerConfig, scheduler: S
 
 
 def serve(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
-          random_weights: str | os.PathLike | None = None) -> None:
-    """Build the server (see :func:`build_server`) and run it until interrupted."""
+          random_weights: str | os.PathLike | None = None,
+          parallel: ParallelConfig | None = None) -> int:
+    """Build the server (see :func:`build_server`) and run it until interrupted; returns the
+    exit status. ``parallel`` with more than one rank: this process is rank 0 of a
+    tensor-parallel server (:func:`irminsul.parallel.serving.serve_tensor_parallel`)."""
     import uvicorn
 
     config = config or ServerConfig()
     logging.getLogger("irminsul").setLevel(logging.INFO)  # the startup line, at least
+    if parallel is not None and parallel.world_size > 1:
+        from ..parallel.serving import serve_tensor_parallel
+
+        return serve_tensor_parallel(model_dir, config, parallel, random_weights=random_weights)
     app, _ = build_server(model_dir, config, random_weights=random_weights)
     uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    return 0
 
 

@@ -1,0 +1,168 @@
+"""A follower rank of ``irminsul serve --tensor-parallel N``: its own process, started by the leader
+(:mod:`.ranks`) as ``python -m irminsul.parallel.follower``.
+
+The leader writes the rank's :class:`FollowerSpec` (pickled) to the follower's stdin and keeps the
+pipe open for the follower's whole life: when the leader's process ends, however it ends (killed
+included), the pipe closes and the follower exits at once: no orphans. The follower joins the
+group, loads the checkpoint as the leader does, keeps its shard, takes the engine config from the
+leader (the pool's size is the leader's decision) and follows the leader's steps until it is told
+to stop. If anything fails, it writes one line — what it was doing and the error — to its
+``report`` file for the leader's log, and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ..config import ParallelConfig, ServerConfig
+
+log = logging.getLogger("irminsul.parallel.follower")
+
+STARTUP_TIMEOUT_S = 3600.0  # the leader's wait for the followers' loads (a large checkpoint's)
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What a follower needs to build its shard of the leader's model."""
+
+    rank: int
+    parallel: ParallelConfig
+    address: str  # tcp://HOST:PORT, where rank 0 listens
+    model_dir: str
+    config: ServerConfig  # its device is this rank's
+    threads: int  # torch's intra-op threads (the host's cores shared among the ranks)
+    report: str  # a file: why this rank failed, one line, for the leader's log
+    random_weights: str | None = None  # benchmark-only: the config.json of random weights
+    vocab: int = 0  # random weights: the tokenizer's ids (the rows past them are zero)
+    never: tuple[int, ...] = ()  # random weights: the stop tokens' ids (zero rows)
+
+
+def write_spec(pipe: BinaryIO, spec: FollowerSpec) -> None:
+    """The leader's side: the spec, length-prefixed, on the follower's stdin (left open)."""
+    data = pickle.dumps(spec)
+    pipe.write(len(data).to_bytes(8, "little") + data)
+    pipe.flush()
+
+
+def read_spec(pipe: BinaryIO) -> FollowerSpec:
+    size = int.from_bytes(_read_exactly(pipe, 8), "little")
+    return pickle.loads(_read_exactly(pipe, size))
+
+
+def _read_exactly(pipe: BinaryIO, size: int) -> bytes:
+    data = pipe.read(size)
+    if data is None or len(data) != size:
+        raise EOFError("the leader closed the pipe before sending this rank's spec")
+    return data
+
+
+class Follower:
+    """One follower's life; :attr:`doing` says what it is doing, for its failure report."""
+
+    def __init__(self, spec: FollowerSpec) -> None:
+        self.spec = spec
+        self.doing = "starting"
+        self.stopping = False  # the leader said stop: its pipe closing is no longer a failure
+
+    def run(self) -> int:
+        """Join, load, shard, follow; returns the forwards run. Raises what failed."""
+        from . import broadcast, follow, follower_engine, init, shard_model
+
+        spec = self.spec
+        device = spec.config.device or "cpu"
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        self.doing = "joining the process group"
+        group = init(spec.rank, spec.parallel, spec.address, device=device)
+        self.doing = "loading the checkpoint"
+        model = self._load(device)
+        self.doing = "sharding the model"
+        shard_model(model, group)
+        self.doing = "waiting for the leader's engine config"
+        config = broadcast(group)
+        self.doing = "building its engine"
+        engine = follower_engine(model, config)
+        log.info("rank %d of %d following the leader (%s, KV pool %d slots)", spec.rank,
+                 spec.parallel.world_size, device, engine.pool.num_slots)
+        self.doing = "following the leader's steps"
+        forwards = follow(engine.runner, group)
+        self.stopping = True
+        return forwards
+
+    def _load(self, device: str) -> torch.nn.Module:
+        spec = self.spec
+        dtype = spec.config.dtype
+        dtype = getattr(torch, dtype if dtype != "auto" else (
+            "bfloat16" if device.startswith("cuda") else "float32"))
+        if spec.random_weights is not None:
+            from ..server.launch import random_model  # the web stack loads only for this
+
+            return random_model(spec.random_weights, vocab=spec.vocab, device=device,
+                                dtype=dtype, never=spec.never)
+        from ..model import load_model
+
+        return load_model(spec.model_dir, dtype=dtype, device=device)
+
+    def fail(self, err: BaseException) -> None:
+        """Report ``err`` (log and report file) and end the process (``parallel.abort``)."""
+        from .group import RankFailure, abort
+
+        line = (f"rank {self.spec.rank} failed while {self.doing}: "
+                f"{type(err).__name__}: {err}")
+        # A rank's failure says all there is to say; anything else is a bug: its traceback
+        log.error("%s", line, exc_info=not isinstance(err, (RankFailure, KeyboardInterrupt)))
+        try:
+            Path(self.spec.report).write_text(line + "\n", encoding="utf-8")
+        except OSError:
+            pass
+        abort(1)
+
+
+def _exit_with_the_leader(follower: Follower, pipe: BinaryIO) -> None:
+    """Block on the leader's pipe; its end (the leader's process ended) ends this one."""
+    try:
+        while pipe.read(1 << 16):
+            pass
+    except (OSError, ValueError):
+        pass
+    if not follower.stopping:
+        log.error("the leader's process ended while this rank was %s; exiting",
+                  follower.doing)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def main() -> None:
+    """The process: read the spec from stdin, then run the follower until the leader stops."""
+    spec = read_spec(sys.stdin.buffer)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(levelname)s irminsul rank {spec.rank}: %(message)s")
+    torch.set_num_threads(spec.threads)
+    follower = Follower(spec)
+    threading.Thread(target=_exit_with_the_leader, args=(follower, sys.stdin.buffer),
+                     name="irminsul-leader-pipe", daemon=True).start()
+    try:
+        forwards = follower.run()
+    except BaseException as err:  # every failure is reported, then the process ends
+        follower.fail(err)
+    from .group import shutdown
+
+    shutdown()
+    log.info("stopped by the leader after %d forwards", forwards)
+    # Not an interpreter exit: the thread reading the leader's pipe would block it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
