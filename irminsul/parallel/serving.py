@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -294,6 +295,10 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
             server.should_exit = True
 
         leader.serving(engine, stop_server)
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn stops on SIGTERM, then raises it again once it has restored this handler:
+            # a KeyboardInterrupt here, so the followers are released rather than orphaned.
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         log.info("tensor parallel: %d ranks over %s (%s); rank 0 serves HTTP", world,
                  parallel.backend or ("nccl" if devices[0].startswith("cuda") else "gloo"),
                  ", ".join(devices))
