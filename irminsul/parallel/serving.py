@@ -174,8 +174,7 @@ class Leader:
                 parts.append(f"{rank} while the leader was {self.doing}")
         if cause is not None:
             parts.append(cause if exited else
-                         f"{cause}; ranks {self.followers.running()} are still running: one "
-                         f"did not answer (hung?)")
+                         f"{cause} (ranks {self.followers.running()} are still running)")
         return f"tensor parallel: {'; '.join(parts)}. Stopping the server"
 
     def _stop(self, message: str) -> None:
@@ -307,7 +306,7 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         if leader.doing != "serving":
             leader.fail(f"rank 0 was interrupted while {leader.doing}")
     except BaseException as err:
-        if not isinstance(err, (ValueError, OSError)):  # a bug: its traceback helps
+        if not isinstance(err, (ValueError, OSError, RankFailure)):  # a bug: its traceback helps
             log.error("tensor parallel: rank 0 failed while %s", leader.doing, exc_info=True)
         leader.fail(f"rank 0 failed while {leader.doing}: {type(err).__name__}: {err}")
     return leader.close()
