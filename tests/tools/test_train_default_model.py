@@ -107,3 +107,29 @@ def test_train_writes_a_checkpoint_both_runtimes_read(corpus, tmp_path) -> None:
         expected = reference(ids.long()[None]).logits[0]
     got = load_model(out).logits(ids.long())
     assert (got - expected).abs().max() <= 1e-4
+
+
+def test_a_schedule_resumed_from_its_state_trains_as_one_run(corpus, tmp_path) -> None:
+    """Two calls sharing a --state file (2 steps, then the other 2) end with the weights of one
+    uninterrupted 4-step run: the model, the optimizer's moments, the schedule's step and the
+    data order all carry over."""
+    data, _ = corpus
+    common = ["--data", str(data), "--arch", "micro", "--steps", "4", "--seq-len", "32",
+              "--batch", "2", "--warmup", "1", "--eval-windows", "2", "--bos-windows",
+              "--device", "cpu"]
+    whole = train_default_model.main([*common, "--out", str(tmp_path / "whole"),
+                                      "--state", str(tmp_path / "whole.pt")])
+    state = tmp_path / "split.pt"
+    first = train_default_model.main([*common, "--out", str(tmp_path / "first"), "--state",
+                                      str(state), "--call-steps", "2"])
+    assert (first["steps"], first["calls"]) == (2, 1) and state.is_file()
+    second = train_default_model.main([*common, "--out", str(tmp_path / "second"), "--state",
+                                       str(state), "--call-steps", "2"])
+    assert (second["steps"], second["calls"], second["tokens_seen"]) == (4, 2, whole["tokens_seen"])
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "second"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The first call's weights are not the end's: the second call trained.
+    c = load_file(tmp_path / "first" / "model.safetensors")
+    assert any(not torch.equal(a[k], c[k]) for k in a)

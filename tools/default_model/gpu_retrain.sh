@@ -10,7 +10,14 @@
 # model, and leaves in $OUT: model/ (checkpointed every 1.5 min, final at the end), data/,
 # retrain_eval.json, retrain_log.txt (model/ and data/ packed as bundle.tar.part-*, unless
 # KEEP_DIRS=1). --minutes caps training; --total-minutes cuts training
-# short so that corpus + training + figures end in time. Smoke test on CPU:
+# short so that corpus + training + figures end in time.
+# A schedule longer than one call (the issue allows 20 min of training; a call, ~7): give it a
+# state and a work dir that stay on the GPU machine (git-ignored paths there are kept while it is
+# held, so issue the calls back to back), and repeat the same command until the log says
+# "state at step N of N"; every call returns the model so far:
+#   bash tools/default_model/gpu_retrain.sh --minutes 18 --total-minutes 9.3 \
+#     --state .retrain_state/state.pt --work .retrain_state/work
+# Smoke test on CPU:
 #   OUT=/tmp/rt bash tools/default_model/gpu_retrain.sh --device cpu --arch micro --steps 3 \
 #     --batch 2 --seq-len 256 --sink-tokens 256 --packages idna,click --no-stdlib
 set -euo pipefail

@@ -173,6 +173,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--steps", type=int, help="fixed step count (smoke tests, exact re-runs)")
     parser.add_argument("--checkpoint-minutes", type=float, default=1.5)
+    parser.add_argument("--state", type=Path,
+                        help="resumable training across device calls: the state file (keep it, "
+                        "and --work, on the GPU machine between back-to-back calls, e.g. under "
+                        "the git-ignored .retrain_state/); --minutes is then the whole schedule")
     parser.add_argument("--packages", help="comma-separated distributions only (smoke tests)")
     parser.add_argument("--no-stdlib", action="store_true")
     parser.add_argument("--max-tokens", type=int, help="cap on package training tokens (smoke)")
@@ -202,10 +206,16 @@ def main(argv: list[str] | None = None) -> dict:
     corpus_dir, model_dir = args.work / "corpus", args.out / "model"
     only = ({package_corpus.re.sub(r"[-_.]+", "-", p.lower()) for p in args.packages.split(",")}
             if args.packages else None)
-    corpus = package_corpus.build(corpus_dir, only=only, stdlib=not args.no_stdlib,
-                                  workers=args.workers or os.cpu_count() or 1,
-                                  max_tokens=args.max_tokens, seed=0, log=log,
-                                  val_fraction=args.val_fraction)
+    if args.state and (corpus_dir / "manifest.json").is_file() and args.state.is_file():
+        # A resumed schedule trains on the corpus its first call built (same machine, kept in
+        # --work): rebuilding could change the data order the saved state points into.
+        corpus = json.loads((corpus_dir / "manifest.json").read_text("utf-8"))
+        log(f"corpus: reusing {corpus_dir} ({corpus['train_tokens']:,} train tokens)")
+    else:
+        corpus = package_corpus.build(corpus_dir, only=only, stdlib=not args.no_stdlib,
+                                      workers=args.workers or os.cpu_count() or 1,
+                                      max_tokens=args.max_tokens, seed=0, log=log,
+                                      val_fraction=args.val_fraction)
     log(package_corpus.summary(corpus))
     deadline = started + 60 * args.total_minutes - args.reserve_seconds
     train_args = ["--data", str(corpus_dir), "--tokenizer", str(ROOT / "irminsul" / "default_model"),
@@ -218,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "--eval-windows", str(args.loss_windows), "--device", args.device]
     if args.steps:
         train_args += ["--steps", str(args.steps)]
+    if args.state:
+        train_args += ["--state", str(args.state)]
     log(f"train: {' '.join(train_args)} (corpus took {time.time() - started:.0f}s)")
     record = train_default_model.main(train_args)
     agent = json.loads((args.agent_data / "manifest.json").read_text("utf-8"))

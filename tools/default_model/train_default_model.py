@@ -137,6 +137,14 @@ class BosWindows:
         """Passes over this source so far (fractional)."""
         return self.passes + self.next_index / self.order.size
 
+    def state(self) -> dict:
+        """Where the visit stands (the shared generator is saved by :class:`MixedBatches`)."""
+        return {"order": self.order.copy(), "next_index": self.next_index, "passes": self.passes}
+
+    def restore(self, state: dict) -> None:
+        self.order, self.next_index, self.passes = (state["order"], state["next_index"],
+                                                    state["passes"])
+
 
 class MixedBatches:
     """Rows drawn from the main corpus, or from the agent corpus with probability ``share``."""
@@ -144,6 +152,18 @@ class MixedBatches:
     def __init__(self, sources: list[BosWindows], shares: list[float], seed: int) -> None:
         self.sources, self.shares = sources, np.asarray(shares) / sum(shares)
         self.rng = np.random.default_rng(seed + 1)
+
+    def state(self) -> dict:
+        """Everything the next batches depend on: both generators and each source's place."""
+        return {"rng": self.rng.bit_generator.state,
+                "windows_rng": self.sources[0].rng.bit_generator.state,
+                "sources": [s.state() for s in self.sources]}
+
+    def restore(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.sources[0].rng.bit_generator.state = state["windows_rng"]  # one shared generator
+        for source, saved in zip(self.sources, state["sources"], strict=True):
+            source.restore(saved)
 
     def next(self, batch: int) -> torch.Tensor:
         """[batch, seq_len + 1] int64."""
@@ -276,6 +296,15 @@ def write_model_dir(model, out: Path, tokenizer_dir: Path, stops: list[int], bos
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1), "utf-8")
 
 
+def save_state(path: Path, model, optimizer, batches: MixedBatches, progress: dict) -> None:
+    """Everything a later call needs to go on as if training had not stopped; written to a
+    temporary name and renamed over, so a call cut off mid-write leaves the previous state."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "batches": batches.state(), "torch_rng": torch.get_rng_state(), **progress}, tmp)
+    tmp.replace(path)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT / ".train")
@@ -304,6 +333,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, help="epoch seconds training must end by")
     parser.add_argument("--checkpoint-minutes", type=float, default=0.0,
                         help="save the model into --out this often (0: only at the end)")
+    parser.add_argument("--state", type=Path,
+                        help="a training state file (model, optimizer, schedule, data order): "
+                        "resumed from if it exists, written when training stops. With it, "
+                        "--minutes is the whole schedule's budget over every call and --deadline "
+                        "ends this call's share of it (BOS windows only)")
+    parser.add_argument("--call-steps", type=int,
+                        help="with --state: train at most this many steps in this call")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser.parse_args(argv)
 
@@ -370,6 +406,18 @@ def main(argv: list[str] | None = None) -> dict:
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
 
+    if args.state and not windows:
+        raise ValueError("--state needs --bos-windows or --agent-data (their order is saved)")
+    resumed = None
+    if args.state and args.state.is_file():
+        resumed = torch.load(args.state, map_location=device, weights_only=False)
+        model.load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        batches.restore(resumed["batches"])
+        torch.set_rng_state(resumed["torch_rng"])
+        log(f"resumed from {args.state}: step {resumed['step']} of {resumed['steps']}, "
+            f"{resumed['train_seconds']:.0f} s trained in {resumed['calls']} call(s)")
+
     if cuda:
         probe_experts(model, torch.from_numpy(train[None, :256].astype(np.int64)).to(device), autocast,
                       log)
@@ -378,10 +426,25 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or 10**9  # fixed after calibration when only a time budget is given
     budget = args.minutes * 60
     step, tokens_seen, window_t, window_tokens = 0, 0, time.time(), 0
+    trained_before, calls = 0.0, 1
+    if resumed:
+        step, steps, tokens_seen = resumed["step"], resumed["steps"], resumed["tokens_seen"]
+        trained_before, calls = resumed["train_seconds"], resumed["calls"] + 1
     train_start = last_checkpoint = time.time()
-    if args.deadline:
+    if args.deadline and not args.state:
         budget = min(budget, args.deadline - train_start)
-    while step < steps:
+
+    first_step = step
+
+    def out_of_time() -> bool:
+        # With a state the schedule spans calls: this call stops at its deadline (or after
+        # --call-steps), mid-schedule.
+        if args.state and args.call_steps and step - first_step >= args.call_steps:
+            return True
+        return bool(args.state and args.deadline and time.time() >= args.deadline)
+
+    loss = balance = torch.tensor(float("nan"))  # a call that starts past its deadline trains none
+    while step < steps and not out_of_time():
         x = batches.next(args.batch).to(device, non_blocking=True)
         lr = lr_at(step, steps, args.lr, args.warmup, args.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -398,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
         step += 1
         tokens_seen += x[:, :-1].numel()
         window_tokens += x[:, :-1].numel()
-        if not args.steps and step == args.calibration_steps:
+        if not args.steps and not resumed and step == args.calibration_steps:
             if cuda:
                 torch.cuda.synchronize()
             per_step = (time.time() - train_start) / step
@@ -416,7 +479,12 @@ def main(argv: list[str] | None = None) -> dict:
             save_checkpoint(model, args.out)
             last_checkpoint = time.time()
             log(f"checkpoint at step {step} into {args.out}")
-    train_seconds = time.time() - train_start
+    train_seconds = time.time() - train_start + trained_before
+    if args.state:
+        save_state(args.state, model, optimizer, batches,
+                   {"step": step, "steps": steps, "tokens_seen": tokens_seen,
+                    "train_seconds": train_seconds, "calls": calls})
+        log(f"state at step {step} of {steps} saved to {args.state}")
     if windows:
         val_loss = evaluate_at_starts(model, val, np.load(args.data / "val.starts.npy"), args.seq_len,
                                       args.eval_windows, args.batch, device, autocast)
@@ -434,7 +502,8 @@ def main(argv: list[str] | None = None) -> dict:
     manifest_file = args.data / "manifest.json"
     record = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "steps": step, "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
+        "steps": step, "planned_steps": steps, "calls": calls,
+        "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
         "final_train_loss": loss.item(), "val_loss": val_loss, "val_losses": val_losses,
         "passes": [w.progress() for w in windows], "parameters": params,
         "architecture": {**ARCHS[args.arch], **COMMON, "rope": ROPE},
