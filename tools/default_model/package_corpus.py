@@ -168,8 +168,9 @@ def stdlib_source(stdlib: Path) -> dict:
     """The standard library as one source (PSF-2.0), with its license text."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     files = sorted(p for p in stdlib.rglob("*") if p.is_file() and wanted(p.relative_to(stdlib.parent)))
+    shipped = ROOT / "irminsul" / "default_model" / "licenses" / "LICENSE.cpython-stdlib"
     candidates = [stdlib / "LICENSE.txt", Path(sys.base_prefix) / "share/doc" / f"python{version}" /
-                  "copyright", ROOT / "irminsul" / "default_model" / "LICENSE.cpython-stdlib"]
+                  "copyright", shipped]
     text = next((p.read_text("utf-8", errors="replace") for p in candidates if p.is_file()), "")
     return {"name": "cpython-stdlib", "version": sys.version.split()[0], "license": "PSF-2.0",
             "decided_by": "CPython", "what": f"CPython {version} standard library ({stdlib})",
