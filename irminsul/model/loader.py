@@ -2,8 +2,9 @@
 
 Single-file or sharded (``model.safetensors.index.json``) safetensors, bf16/fp16/fp32, and FP8
 block-quantized weights (``X.weight`` float8_e4m3fn with ``X.weight_scale_inv``), dequantized
-on load. Tensors of multi-token-prediction layers (index >= num_hidden_layers) are skipped. A
-missing, unexpected or mis-shaped tensor is an error naming it.
+on load — or, with ``keep_fp8``, kept float8 in :class:`~irminsul.model.fp8.FP8Linear` modules.
+Tensors of multi-token-prediction layers (index >= num_hidden_layers) are skipped. A missing,
+unexpected or mis-shaped tensor is an error naming it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import MLAConfig, QuantConfig, load_config
+from .fp8 import FP8Linear, dequantize_blocks, scale_grid
 from .model import MLAModel
 from .rope import audit_rotary
 
@@ -27,6 +30,10 @@ FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # routers
 FLOAT8_DTYPES = tuple(getattr(torch, name) for name in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name))
+# Linears whose float8 weights keep_fp8 still dequantizes at load, because code outside their
+# forward reads ``.weight`` as a dense matrix: the routed experts (stacked into w13 / w2 for the
+# grouped GEMMs by MoE.fuse) and kv_b_proj (split into W_UK / W_UV by the absorbed attention).
+DENSE_ONLY = (".mlp.experts.", ".self_attn.kv_b_proj.")
 
 
 class CheckpointError(ValueError):
@@ -56,29 +63,74 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
-                name: str = "weight") -> torch.Tensor:
-    """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols].
-
-    ``scale_inv`` must be exactly [ceil(M / block_rows), ceil(N / block_cols)]: a scale grid of
+def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
+                 name: str = "weight") -> None:
+    """``scale_inv`` must be exactly [ceil(M / block_rows), ceil(N / block_cols)]: a scale grid of
     another shape (a block size in config.json that is not the one the checkpoint was quantized
     with, a truncated tensor) would otherwise be silently cropped or broadcast into wrong weights.
     """
     rows, cols = quant.block
     if weight.dim() != 2:
         raise CheckpointError(f"{name} is float8 but {weight.dim()}-D; expected a 2-D weight")
-    expected = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+    expected = scale_grid(weight.shape, quant.block)
     if tuple(scale_inv.shape) != expected:
         raise CheckpointError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}, but {name} "
                               f"{tuple(weight.shape)} with weight_block_size [{rows}, {cols}] "
                               f"needs {expected}")
-    scale = scale_inv.float().repeat_interleave(rows, 0)[: weight.shape[0]]
-    scale = scale.repeat_interleave(cols, 1)[:, : weight.shape[1]]
-    return weight.float() * scale
 
 
-def read_tensors(path: str | os.PathLike, config: MLAConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor the model uses, FP8 dequantized, MTP layers skipped."""
+def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
+                name: str = "weight") -> torch.Tensor:
+    """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols], float32, after
+    :func:`_check_scale`."""
+    _check_scale(weight, scale_inv, quant, name)
+    return dequantize_blocks(weight, scale_inv, quant.block)
+
+
+def _float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
+    """The checkpoint's float8 tensors outside MTP layers, from the shard headers (no data read)."""
+    names = set()
+    for shard in _shards(Path(path)):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                layer = _layer_index(name)
+                if ((layer is None or layer < config.num_hidden_layers)
+                        and f.get_slice(name).get_dtype().startswith("F8")):
+                    names.add(name)
+    return names
+
+
+def _keep_fp8(model: MLAModel, float8: set[str], quant: QuantConfig | None) -> set[str]:
+    """Swap each nn.Linear of ``model`` whose checkpoint weight is float8 (but not those of
+    :data:`DENSE_ONLY`) for an :class:`FP8Linear`; the weight names now to be loaded as float8.
+
+    Without a quantization config nothing is swapped: :func:`read_tensors` refuses the float8
+    tensors then, with the message it gives without ``keep_fp8``."""
+    kept: set[str] = set()
+    if quant is None:
+        return kept
+    for weight in sorted(float8):
+        module_name = weight.removesuffix(".weight")
+        if module_name == weight or any(part in weight for part in DENSE_ONLY):
+            continue
+        try:
+            linear = model.get_submodule(module_name)
+        except AttributeError:
+            continue  # not a module of the model: the usual "unexpected tensor" error follows
+        if type(linear) is not nn.Linear:
+            continue
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                FP8Linear.like(linear, quant.block))
+        kept.add(weight)
+    return kept
+
+
+def read_tensors(path: str | os.PathLike, config: MLAConfig,
+                 keep: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor the model uses, MTP layers skipped, FP8 dequantized —
+    except the float8 weights named in ``keep``, given as they are and followed by their
+    ``weight_scale_inv`` (float32, shape checked)."""
     shards = _shards(Path(path))
     home: dict[str, Path] = {}  # tensor name -> shard holding it (a scale may sit in another)
     for shard in shards:
@@ -110,27 +162,45 @@ def read_tensors(path: str | os.PathLike, config: MLAConfig) -> Iterator[tuple[s
                     else:
                         with safe_open(str(scale_shard), framework="pt") as g:
                             scale = g.get_tensor(scale_name)
+                    if name in keep:
+                        _check_scale(tensor, scale, config.quantization, f"{shard}: {name}")
+                        yield name, tensor
+                        yield scale_name, scale.float()
+                        continue
                     tensor = _dequantize(tensor, scale, config.quantization, f"{shard}: {name}")
                 yield name, tensor
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> MLAModel:
-    """Build the model from ``path``/config.json and load its safetensors weights."""
+               device: str | torch.device = "cpu", keep_fp8: bool = False) -> MLAModel:
+    """Build the model from ``path``/config.json and load its safetensors weights.
+
+    ``keep_fp8``: an FP8 checkpoint's linear weights stay float8_e4m3fn with their block scales in
+    :class:`FP8Linear` modules (half of bf16's bytes), dequantized per forward; the routed
+    experts and kv_b_proj are still dequantized at load (:data:`DENSE_ONLY`). Logits equal the
+    dequantize-at-load model's. A checkpoint without float8 weights loads as without it.
+    """
     config = load_config(path)
     with torch.device("meta"):
         model = MLAModel(config)
+    kept = (_keep_fp8(model, _float8_names(path, config), config.quantization) if keep_fp8
+            else set())
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in read_tensors(path, config):
+    for name, tensor in read_tensors(path, config, kept):
         if name not in expected:
             raise CheckpointError(f"{path}: unexpected tensor {name} {tuple(tensor.shape)}")
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {expected[name]}")
-        target = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+        if name in kept:
+            target = tensor.dtype  # float8 as stored
+        elif name.endswith(FP32_PARAMS) or name.endswith(".weight_scale_inv"):
+            target = torch.float32
+        else:
+            target = dtype
         state[name] = tensor.to(device=device, dtype=target)
     missing = sorted(set(expected) - set(state))
     if missing:
