@@ -84,7 +84,8 @@ def test_commands_default_to_the_embedded_model(tmp_path: Path,
     import irminsul.server
 
     served = {}
-    monkeypatch.setattr(irminsul.server, "serve", lambda model_dir, config: served.update(
-        model_dir=model_dir))
+    monkeypatch.setattr(irminsul.server, "serve", lambda model_dir, config, parallel: served.update(
+        model_dir=model_dir, parallel=parallel))
     assert cli.main(["serve", "--device", "cpu"]) == 0
     assert served["model_dir"] == default_model_dir()
+    assert served["parallel"].world_size == 1  # one process unless --tensor-parallel says more
