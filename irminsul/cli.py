@@ -21,6 +21,7 @@ from .config import (
     MODES,
     REPLAY_CAPACITY,
     ROUTING_POLICIES,
+    CacheConfig,
     EngineConfig,
     GateConfig,
     ParallelConfig,
@@ -243,8 +244,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     config = GateConfig(tokens=args.tokens, cache_dir=args.cache_dir)
     # Repair changes what is served, so the gate measures the engine as it would serve: the
     # measurement is cached per setting (the planner config is part of the key).
-    engine = dataclasses.replace(ENGINE, cache=dataclasses.replace(
-        ENGINE.cache, recompute_head=args.recompute_head, recompute_share=args.recompute_share))
+    engine = dataclasses.replace(ENGINE, cache=_repair_cache(args))
     result = run_gate(model, renderer, checkpoint_hash(model_dir), config, engine=engine,
                       fresh=args.fresh)
     print(render_gate(result))
@@ -263,6 +263,12 @@ def _repair_options(parser: argparse.ArgumentParser) -> None:
                         metavar="R", help="live mode, repair: compute this share of each "
                         "prompt's reused tokens, those whose latent deviates most from a fresh "
                         "one at an early layer (CacheBlend-style; 0: none)")
+
+
+def _repair_cache(args: argparse.Namespace) -> CacheConfig:
+    """The default planner config with the repair knobs of :func:`_repair_options`."""
+    return dataclasses.replace(ENGINE.cache, recompute_head=args.recompute_head,
+                               recompute_share=args.recompute_share)
 
 
 def _model_renderer(args: argparse.Namespace) -> ChatRenderer:
@@ -428,9 +434,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_running=args.max_running, await_shared=args.await_shared,
                           pic_audit_rate=audit,
                           graphs=False if args.no_graphs else ENGINE.graphs,
-                          cache=dataclasses.replace(ENGINE.cache,
-                                                    recompute_head=args.recompute_head,
-                                                    recompute_share=args.recompute_share))
+                          cache=_repair_cache(args))
     server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           dtype=args.dtype, device=args.device, engine=engine,
                           max_request_bytes=args.max_request_bytes,
