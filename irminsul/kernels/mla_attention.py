@@ -252,6 +252,43 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows' outputs [rows, rank] in ``dtype`` from the key splits' partial outputs
     [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max), a
-    fully masked split's 0."""
-    weights = torch.softmax(lse * 0.6931471805599453, dim=0)
-    return (out * weights[..., None]).sum(0).to(dtype)
+    fully masked split's 0.
+
+    One launch: in torch this was a softmax, a product, a sum and a cast — four kernels per
+    layer, ~12 µs of a batch-1 decode step's ~160 µs per layer on an H200."""
+    splits, rows, rank = out.shape
+    merged = torch.empty(rows, rank, dtype=dtype, device=out.device)
+    if rows == 0:
+        return merged
+    # Many splits (short batches): few rows, so small blocks keep enough programs streaming the
+    # partials; few splits (large batches): larger blocks, fewer programs.
+    block_r = 2 if splits >= 16 else 8
+    block_d = min(64, triton.next_power_of_2(rank))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(rank, block_d))
+    _merge_kernel[grid](out, lse, merged, rows, rank, SPLITS=splits,
+                        S_P2=triton.next_power_of_2(splits), BLOCK_R=block_r, BLOCK_D=block_d,
+                        num_warps=2)
+    return merged
+
+
+@triton.jit
+def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok, d_ok = r < rows, d < rank
+    s = tl.arange(0, S_P2)
+    lse = tl.load(LSE + s[:, None] * rows + r[None, :],
+                  mask=(s[:, None] < SPLITS) & row_ok[None, :], other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
+    total = tl.sum(tl.exp2(lse - top[None, :]), 0)
+    total = tl.where(total > 0, total, 1.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        weight = tl.exp2(tl.load(LSE + sp * rows + r, mask=row_ok, other=float("-inf")) - top)
+        part = tl.load(OUT + (sp * rows + r)[:, None].to(tl.int64) * rank + d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += part * (weight / total)[:, None]
+    tl.store(DST + r[:, None].to(tl.int64) * rank + d[None, :], acc.to(DST.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])

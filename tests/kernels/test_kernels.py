@@ -398,3 +398,24 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
     want = runs[False][0][ids[0]]
     assert got[first] == want[:want.index(stop) + 1]
     assert got[other] == runs[False][0][ids[2]]
+
+
+@pytest.mark.parametrize("splits,rows,rank", [(2, 17, 512), (5, 3, 64), (64, 16, 128)])
+def test_merge_splits_matches_float64(splits: int, rows: int, rank: int) -> None:
+    """The split merge against the log-sum-exp weighting in float64: out = Σ_s 2^lse_s · out_s /
+    Σ_s 2^lse_s, a split that saw no key (lse −inf) weighing nothing."""
+    from irminsul.kernels.mla_attention import merge_splits
+
+    gen = torch.Generator().manual_seed(splits * 1000 + rows)
+    out = torch.randn(splits, rows, rank, generator=gen)
+    lse = torch.randn(splits, rows, generator=gen) * 4
+    lse[0, 1] = float("-inf")  # one split of one row saw nothing
+    if splits > 2:
+        lse[-1] = float("-inf")  # a whole split saw nothing
+    weights = torch.exp2(lse.double())
+    want = (out.double() * (weights / weights.sum(0))[..., None]).sum(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        got = merge_splits(out.to(DEVICE), lse.to(DEVICE), dtype)
+        assert got.dtype == dtype and got.shape == (rows, rank)
+        err = (got.double().cpu() - want).abs().max()
+        assert err <= tol * want.abs().max(), float(err)
