@@ -1,0 +1,282 @@
+"""Fused elementwise steps of a decoder layer: residual add + RMSNorm, the latent rows' norm +
+RoPE + pool store, and the absorbed query's RoPE + concatenation.
+
+A decode step moves a few kilobytes per token through each of these, so what it pays is kernel
+launches, not bytes. In the torch path each step is a chain of small kernels:
+
+* :func:`add_rms_norm` — ``residual + delta`` then ``F.rms_norm`` (an add, and the norm's own
+  cast / square / mean / rsqrt / multiply kernels, or its fused kernel): one launch that writes
+  both the new residual and its normed copy.
+* :func:`store_latent` — ``MLAttention.latent`` then ``PagedKV.store``: a split, kv_a_layernorm,
+  the rotary's float cast, complex multiply and cast back, a ``cat``, and two ``index_copy_``
+  into the pool: one launch that reads the kv_a_proj_with_mqa row once and writes the normed
+  c_KV and the rotated k_r straight into their slots.
+* :func:`assemble_query` — the rotary on q_rope (cast, complex multiply, cast back) and the
+  ``cat`` of the absorbed query with it: one launch that writes the attention kernel's
+  [T, H, rank + rope] query.
+
+Each matches its torch chain's arithmetic: statistics and rotations in float32 and one rounding
+of each output to its dtype (torch's F.rms_norm rounds x·rsqrt·weight once as well; its bf16 add
+adds in float32 and rounds). Nothing is read back to the host, and every output's size follows
+from the inputs' shapes, so a CUDA graph captures these launches. Inputs are indexed through
+their strides: views (a split of a projection, a transposed bmm output) need no copy.
+
+The kernels take tensors and numbers only: this module imports nothing from the model. The
+rotation's phasors come in as ``torch.view_as_real`` of the rotary's complex ``cis`` (float32
+[T, rope/2, 2]: cos·magnitude, sin·magnitude), so YaRN's magnitude is applied exactly as
+``Rotary.apply`` applies it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rotate import pair_layout
+
+# A normed row is held whole in one program's registers (one pass: read once, write once).
+# DeepSeek-V3's 7168 pads to 8192; 16 warps keep that at 16 float32 values per thread per input.
+MAX_NORM_DIM = 16384
+QUERY_TILE = 4096  # elements of latent query per program: heads per program = this / rank
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
+    """float32 x rounded to DTYPE, to nearest even (torch's rounding). Triton's CPU interpreter
+    truncates float32 → bfloat16 (the GPU rounds): ``BY_HAND`` rounds the bits first there, so
+    the cast after it is exact."""
+    if BY_HAND and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # a carry bumps the exponent
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, dim, delta_s0, delta_s1,
+                         residual_s0, residual_s1, eps, BLOCK: tl.constexpr,
+                         BY_HAND: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    d = tl.load(DELTA + row * delta_s0 + cols * delta_s1, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(RESIDUAL + row * residual_s0 + cols * residual_s1, mask=ok,
+                other=0.0).to(tl.float32)
+    # torch adds half-precision tensors in float32 and rounds the sum once; the norm then sees
+    # the rounded sum — the residual the next layer adds to — so its statistics do too.
+    dtype = SUMMED.dtype.element_ty
+    summed = _round(r + d, dtype, BY_HAND)
+    tl.store(SUMMED + row * dim + cols, summed, mask=ok)
+    x = summed.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / dim + eps)  # masked lanes are 0: they add nothing
+    # F.rms_norm gets weight.to(x.dtype): round the weight the same way before it multiplies.
+    w = _round(tl.load(WEIGHT + cols, mask=ok, other=0.0).to(tl.float32), dtype,
+               BY_HAND).to(tl.float32)
+    tl.store(NORMED + row * dim + cols, _round(x * inv * w, dtype, BY_HAND), mask=ok)
+
+
+@triton.jit
+def _phasors(CIS, t, cis_s0, cis_s1, cis_s2, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """Pair indices [HALF_P2], their mask, and token t's cos and sin (float32) per pair."""
+    pairs = tl.arange(0, HALF_P2)
+    ok = pairs < HALF
+    at = CIS + t * cis_s0 + pairs * cis_s1
+    return pairs, ok, tl.load(at, mask=ok, other=1.0), tl.load(at + cis_s2, mask=ok, other=0.0)
+
+
+@triton.jit
+def _rotate_pairs(SRC, src_col, DST, dst_col, pairs, ok, cos, sin, STEP: tl.constexpr,
+                  SHIFT: tl.constexpr, BY_HAND: tl.constexpr):
+    """DST's pairs = SRC's pairs (a, b) rotated: (a cos − b sin, b cos + a sin) in float32, one
+    rounding to DST's dtype. Pair i is (i·STEP, i·STEP + SHIFT) (``rotate.pair_layout``); SRC and
+    DST are row pointers, broadcast against ``pairs`` (several rows at once: one per head)."""
+    first = pairs * STEP
+    second = first + SHIFT
+    a = tl.load(SRC + first * src_col, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(SRC + second * src_col, mask=ok, other=0.0).to(tl.float32)
+    out = DST.dtype.element_ty
+    tl.store(DST + first * dst_col, _round(a * cos - b * sin, out, BY_HAND), mask=ok)
+    tl.store(DST + second * dst_col, _round(b * cos + a * sin, out, BY_HAND), mask=ok)
+
+
+@triton.jit
+def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS,
+                         kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
+                         RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
+                         HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
+                         BY_HAND: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = KV_A + t * kv_s0
+    # c_KV: RMSNorm of the first RANK columns, written to this token's c_KV slot.
+    cols = tl.arange(0, RANK_P2)
+    ok = cols < RANK
+    c = tl.load(row + cols * kv_s1, mask=ok, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
+    # RMSNorm multiplies by weight.to(x.dtype): the weight rounds to kv_a's dtype first.
+    w = _round(tl.load(WEIGHT + cols, mask=ok, other=0.0).to(tl.float32), KV_A.dtype.element_ty,
+               BY_HAND).to(tl.float32)
+    ckv_slot = tl.load(CKV_SLOTS + t).to(tl.int64)
+    tl.store(CKV + ckv_slot * ckv_s0 + cols * ckv_s1,
+             _round(c * inv * w, CKV.dtype.element_ty, BY_HAND), mask=ok)
+    # k_r: the remaining columns rotated to the token's position, written to its k_r slot.
+    pairs, pair_ok, cos, sin = _phasors(CIS, t, cis_s0, cis_s1, cis_s2, HALF, HALF_P2)
+    kr_slot = tl.load(KR_SLOTS + t).to(tl.int64)
+    _rotate_pairs(row + RANK * kv_s1, kv_s1, KR + kr_slot * kr_s0, kr_s1, pairs, pair_ok, cos,
+                  sin, STEP, SHIFT, BY_HAND)
+
+
+@triton.jit
+def _assemble_query_kernel(Q_LATENT, Q_ROPE, CIS, OUT, heads,
+                           lat_s0, lat_s1, lat_s2, rope_s0, rope_s1, rope_s2,
+                           cis_s0, cis_s1, cis_s2,
+                           RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
+                           HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BY_HAND: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    head_ok = h < heads
+    out_row = OUT + (t * heads + h) * (RANK + 2 * HALF)  # OUT is contiguous [T, H, RANK + ROPE]
+    # The latent part: a strided copy of BLOCK_H heads' rows (OUT has q_latent's dtype).
+    cols = tl.arange(0, RANK_P2)[None, :]
+    ok = head_ok & (cols < RANK)
+    x = tl.load(Q_LATENT + t * lat_s0 + h * lat_s1 + cols * lat_s2, mask=ok, other=0.0)
+    tl.store(out_row + cols, x, mask=ok)
+    # The rope part: every head of the token rotates by the same phasors.
+    pairs, pair_ok, cos, sin = _phasors(CIS, t, cis_s0, cis_s1, cis_s2, HALF, HALF_P2)
+    _rotate_pairs(Q_ROPE + t * rope_s0 + h * rope_s1, rope_s2, out_row + RANK, 1,
+                  pairs[None, :], head_ok & pair_ok[None, :], cos[None, :], sin[None, :],
+                  STEP, SHIFT, BY_HAND)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_devices(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
+
+
+def _check_cis(cis: torch.Tensor, tokens: int, rope: int) -> None:
+    """``cis`` must be view_as_real of a complex [T, rope/2]: float32 [T, rope/2, 2]."""
+    if rope % 2:
+        raise ValueError(f"rope dim {rope} is odd: rotation pairs need an even dim")
+    if cis.dtype != torch.float32 or tuple(cis.shape) != (tokens, rope // 2, 2):
+        raise ValueError(f"cis is {cis.dtype} {tuple(cis.shape)}, want torch.float32 "
+                         f"{(tokens, rope // 2, 2)} (torch.view_as_real of the complex phasors)")
+
+
+def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, summed): ``summed = residual + delta`` rounded to their dtype, and ``normed =
+    F.rms_norm(summed, (D,), weight.to(summed.dtype), eps)`` — statistics in float32 over the
+    rounded sum, times the weight, rounded once. Both new contiguous [T, D] tensors.
+
+    ``delta`` and ``residual``: [T, D] of one floating dtype, any strides; ``weight``: [D], any
+    floating dtype. D up to :data:`MAX_NORM_DIM`."""
+    if delta.dim() != 2 or delta.shape != residual.shape:
+        raise ValueError(f"delta {tuple(delta.shape)} and residual {tuple(residual.shape)} must "
+                         f"be one [T, D] shape")
+    tokens, dim = residual.shape
+    if delta.dtype != residual.dtype or not residual.dtype.is_floating_point:
+        raise ValueError(f"delta ({delta.dtype}) and residual ({residual.dtype}) must share a "
+                         f"floating dtype")
+    if tuple(weight.shape) != (dim,) or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight is {weight.dtype} {tuple(weight.shape)}, want a floating [{dim}]")
+    if not 0 < dim <= MAX_NORM_DIM:
+        raise ValueError(f"hidden size {dim} outside 1..{MAX_NORM_DIM} (one row per program)")
+    _check_devices(delta, residual, weight)
+    # Not empty_like: that would copy a transposed input's layout; the kernel writes rows.
+    normed, summed = (torch.empty(tokens, dim, dtype=residual.dtype, device=residual.device)
+                      for _ in range(2))
+    if tokens == 0:
+        return normed, summed
+    block = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(tokens,)](
+        delta, residual, weight.contiguous(), normed, summed, dim, *delta.stride(),
+        *residual.stride(), eps, BLOCK=block, BY_HAND=_interpreted(),
+        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    return normed, summed
+
+
+def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis: torch.Tensor,
+                 interleaved: bool, ckv: torch.Tensor, kr: torch.Tensor, ckv_slots: torch.Tensor,
+                 kr_slots: torch.Tensor) -> None:
+    """Store the new tokens' latent rows in one layer of the pool: ``ckv[ckv_slots[t]] =
+    rms_norm(kv_a[t, :rank]) · norm_weight`` and ``kr[kr_slots[t]] = kv_a[t, rank:]`` rotated
+    by ``cis[t]`` — ``MLAttention.latent`` followed by ``PagedKV.store``.
+
+    ``kv_a`` [T, rank + rope]: kv_a_proj_with_mqa's output (any strides); ``norm_weight``
+    [rank]: kv_a_layernorm's weight (rounded to kv_a's dtype first, as RMSNorm does); ``cis``
+    float32 [T, rope/2, 2]: ``torch.view_as_real`` of the rotary's phasors at the tokens'
+    positions, magnitude included; ``interleaved``: rotation pairs (2i, 2i+1), else (i, i +
+    rope/2). ``ckv`` [slots, rank] and ``kr`` [kr_slots, rope]: one layer's pool (any strides);
+    ``ckv_slots`` / ``kr_slots``: integer [T], each token's slot (not range-checked: that
+    would read them on the host). The norm and the rotation compute in float32 and round once
+    to the pool's dtype — the torch path's roundings when the pool has kv_a's dtype, as the
+    engine's does (with another dtype the torch path rounds twice)."""
+    if kv_a.dim() != 2 or ckv.dim() != 2 or kr.dim() != 2:
+        raise ValueError(f"kv_a {tuple(kv_a.shape)}, ckv {tuple(ckv.shape)} and kr "
+                         f"{tuple(kr.shape)} must be 2-D (one layer's pool slices)")
+    tokens = kv_a.shape[0]
+    rank, rope = ckv.shape[1], kr.shape[1]
+    if kv_a.shape[1] != rank + rope:
+        raise ValueError(f"kv_a rows of {kv_a.shape[1]} columns, want rank {rank} + rope {rope}")
+    if tuple(norm_weight.shape) != (rank,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)}, want ({rank},)")
+    for name, t in (("kv_a", kv_a), ("norm_weight", norm_weight), ("ckv", ckv), ("kr", kr)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} is {t.dtype}, want a floating dtype")
+    for name, slots in (("ckv_slots", ckv_slots), ("kr_slots", kr_slots)):
+        if slots.dtype not in (torch.int32, torch.int64) or tuple(slots.shape) != (tokens,):
+            raise ValueError(f"{name} is {slots.dtype} {tuple(slots.shape)}, want int64 (or "
+                             f"int32) ({tokens},)")
+    _check_cis(cis, tokens, rope)
+    _check_devices(kv_a, norm_weight, cis, ckv, kr, ckv_slots, kr_slots)
+    if tokens == 0:
+        return
+    step, shift = pair_layout(rope, interleaved)
+    _store_latent_kernel[(tokens,)](
+        kv_a, norm_weight.contiguous(), cis, ckv, kr, ckv_slots.contiguous(),
+        kr_slots.contiguous(), *kv_a.stride(), *cis.stride(), *ckv.stride(), *kr.stride(), eps,
+        RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
+        HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift,
+        BY_HAND=_interpreted(), num_warps=4 if rank <= 1024 else 8)
+
+
+def assemble_query(q_latent: torch.Tensor, q_rope: torch.Tensor, cis: torch.Tensor,
+                   interleaved: bool) -> torch.Tensor:
+    """The absorbed-form query ``[q_latent | q_rope rotated by cis]``, a new contiguous [T, H,
+    rank + rope] tensor in q_latent's dtype — ``torch.cat([q̃, rotary.apply(q_rope, positions)],
+    -1)`` of the torch path.
+
+    ``q_latent`` [T, H, rank]: W_UKᵀ q_nope, any strides (e.g. a bmm's [H, T, rank] output
+    transposed); ``q_rope`` [T, H, rope], same dtype: the not yet rotated RoPE columns of the q
+    projection, any strides (a split view); ``cis`` float32 [T, rope/2, 2]: ``torch.view_as_real``
+    of the rotary's phasors at the tokens' positions; ``interleaved``: rotation pairs (2i, 2i+1),
+    else (i, i + rope/2). The rotation computes in float32 and rounds once."""
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
+        raise ValueError(f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)} "
+                         f"must be [T, H, ·] of one T and H")
+    tokens, heads, rank = q_latent.shape
+    rope = q_rope.shape[2]
+    if q_latent.dtype != q_rope.dtype or not q_latent.dtype.is_floating_point:
+        raise ValueError(f"q_latent ({q_latent.dtype}) and q_rope ({q_rope.dtype}) must share a "
+                         f"floating dtype")
+    _check_cis(cis, tokens, rope)
+    _check_devices(q_latent, q_rope, cis)
+    out = q_latent.new_empty(tokens, heads, rank + rope)
+    if out.numel() == 0:
+        return out
+    rank_p2 = triton.next_power_of_2(rank)
+    block_h = min(triton.next_power_of_2(heads), max(1, QUERY_TILE // rank_p2))
+    step, shift = pair_layout(rope, interleaved)
+    _assemble_query_kernel[(tokens, triton.cdiv(heads, block_h))](
+        q_latent, q_rope, cis, out, heads, *q_latent.stride(), *q_rope.stride(), *cis.stride(),
+        RANK=rank, RANK_P2=rank_p2, HALF=rope // 2, HALF_P2=triton.next_power_of_2(rope // 2),
+        STEP=step, SHIFT=shift, BLOCK_H=block_h, BY_HAND=_interpreted(), num_warps=4)
+    return out
