@@ -80,8 +80,10 @@ def touched_experts(scheduler: Scheduler) -> float:
     counted by hooks on the routers during one eager step (a replayed graph runs no hooks)."""
     model, runner = scheduler.engine.model, scheduler.engine.runner
     counts: list[int] = []
+    # Ids from E on are the shared MLP folded into the fused MoE as experts (its bytes are
+    # counted with the always-read weights): not routed experts.
     hooks = [layer.mlp.gate.register_forward_hook(
-        lambda _m, _inp, out: counts.append(int(out[1].unique().numel())))
+        lambda m, _inp, out: counts.append(int(out[1][out[1] < m.experts].unique().numel())))
         for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     graphs, runner.graphs = runner.graphs, None
     try:
@@ -164,7 +166,7 @@ def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
             scheduler.step()
         sync(device)
     key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
 
 
 def main() -> None:
@@ -175,8 +177,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per cell first")
-    parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
-                        help="also profile this cell's steps (torch.profiler table)")
+    parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
+                        metavar=("BATCH", "CONTEXT"),
+                        help="also profile this cell's steps (torch.profiler table; repeatable)")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
     model = build_model(args.device, tiny=args.tiny)
@@ -185,8 +188,7 @@ def main() -> None:
                                "cells": []}
     for context in args.contexts:
         for batch in args.batches:
-            profile = (f"{batch}x{context}" if args.profile
-                       and tuple(args.profile) == (batch, context) else None)
+            profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
             cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps,
                                profile)
             results["cells"].append(cell)

@@ -23,7 +23,7 @@ import torch
 from ..device import upload
 from ..model import MLAModel
 from ..model.mla import naive_from
-from ..model.moe import use_kernels
+from ..model.model import use_kernels
 from ..model.paged import MaskedSpans, PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
@@ -91,7 +91,7 @@ class ModelRunner:
         the captured rotation (only live engines reuse rows); ``scratch``: a (c_KV, k_r) slot
         pair outside the cache's capacity that graphs write their padding rows to."""
         self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
-        use_kernels(model, kernels)  # the routed experts' fused kernel for small batches
+        use_kernels(model, kernels)  # fused experts, router, latent store, add + norm
         self._naive_from = naive_from(model.config)
         self._rotation: Rotation | None = None
         if kernels and rotation:

@@ -27,58 +27,69 @@ import torch
 import triton
 import triton.language as tl
 
-# Up to this many assignments (T·k) one Triton program sorts them (two passes over chunks of
-# assignments, each a one-hot [chunk, experts] scan): one launch where a decode step's torch sort
-# would be ten small kernels. Above it the sort runs as torch ops (argsort, cumsum,
-# searchsorted), whose fixed costs are small next to a prefill's GEMMs and which scale where one
-# program's sequential chunks would not.
+# Up to this many assignments (T·k) the Triton kernel sorts them (each program a chunk of them,
+# every program counting all of them: one launch where a decode step's torch sort would be ten
+# small kernels). Above it the sort runs as torch ops (argsort, cumsum, searchsorted), whose
+# fixed costs are small next to a prefill's GEMMs and which scale where the kernel's repeated
+# counting would not.
 ALIGN_KERNEL_MAX = 2048
+ALIGN_CHUNK = 64  # assignments per program of the sort
 
 
 @triton.jit
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_CHUNK: tl.constexpr):
+                  SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+    # Each program places one chunk of assignments. Every program counts all of them (and those
+    # before its chunk) rather than waiting on the others: at decode sizes that repeated count
+    # is cheaper than a second launch, and programs run side by side where one program's
+    # sequential scan over every chunk took ~20 µs at 64 tokens × 6 experts on an H200.
+    pid = tl.program_id(0)
+    first = pid * CHUNK
     experts = tl.arange(0, E_P2)
-    # Pass 1: assignments per expert. Masked lanes carry E_P2, which matches no expert.
     counts = tl.zeros([E_P2], tl.int32)
-    for start in range(0, n, CHUNK):
-        at = start + tl.arange(0, CHUNK)
-        e = tl.load(IDS + at, mask=at < n, other=E_P2)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    before = tl.zeros([E_P2], tl.int32)  # per expert, assignments before this chunk
+    for start in range(0, n, SCAN):
+        at = start + tl.arange(0, SCAN)
+        e = tl.load(IDS + at, mask=at < n, other=E_P2)  # masked lanes match no expert
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)
+        counts += tl.sum(hit, 0)
+        before += tl.sum(hit * (at < first)[:, None].to(tl.int32), 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     used = tl.sum(padded, 0)
-    tl.store(USED, used)
-    # Each expert's padding rows hold the sentinel n. They never overlap the assignments' rows,
-    # so no ordering between these stores and pass 2's is needed.
-    j = tl.arange(0, BLOCK_M)
-    tl.store(SORTED + (starts + counts)[:, None] + j[None, :], n,
-             mask=j[None, :] < (padded - counts)[:, None])
-    # The expert of each block: the number of experts whose run ends at or before its first row
-    # (empty experts before it count, empty ones after it end later). -1 past the used rows.
-    for b0 in range(0, blocks, BLOCK_CHUNK):
-        b = b0 + tl.arange(0, BLOCK_CHUNK)
-        row = b * BLOCK_M
-        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), 1)
-        tl.store(BLOCK_EXPERT + b, tl.where(row < used, owner, -1), mask=b < blocks)
-    # Pass 2: each assignment's row = its expert's start + assignments of that expert before it
-    # (a stable sort: within an expert, assignment order).
-    cursor = starts
-    for start in range(0, n, CHUNK):
-        at = start + tl.arange(0, CHUNK)
-        e = tl.load(IDS + at, mask=at < n, other=E_P2)
-        hit = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(hit, 0) - hit
-        row = tl.sum(hit * (before + cursor[None, :]), 1)
-        tl.store(SORTED + row, at, mask=at < n)
-        cursor += tl.sum(hit, 0)
+    if pid == 0:
+        tl.store(USED, used)
+        # Each expert's padding rows hold the sentinel n. They never overlap the assignments'
+        # rows, so no ordering between these stores and the other programs' is needed.
+        j = tl.arange(0, BLOCK_M)
+        tl.store(SORTED + (starts + counts)[:, None] + j[None, :], n,
+                 mask=j[None, :] < (padded - counts)[:, None])
+        # The expert of each block: the number of experts whose run ends at or before its
+        # first row (empty experts before it count, empty ones after it end later). -1 past
+        # the used rows.
+        for b0 in range(0, blocks, BLOCK_CHUNK):
+            b = b0 + tl.arange(0, BLOCK_CHUNK)
+            row = b * BLOCK_M
+            owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), 1)
+            tl.store(BLOCK_EXPERT + b, tl.where(row < used, owner, -1), mask=b < blocks)
+    # This chunk's rows: its expert's start + that expert's assignments before the chunk + those
+    # before it within the chunk (a stable sort: within an expert, assignment order).
+    i = tl.arange(0, CHUNK)
+    at = first + i
+    e = tl.load(IDS + at, mask=at < n, other=E_P2)
+    earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.sum(earlier.to(tl.int32), 1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    base = tl.sum(hit * (starts + before)[None, :], 1)
+    tl.store(SORTED + base + rank, at, mask=at < n)
 
 
 @triton.jit
 def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
+                    SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -95,6 +106,11 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
     # [BLOCK_K, BLOCK_N] tiles of the expert's gate rows and of its up rows (inter rows later).
     g_ptr = W13 + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]
     u_ptr = g_ptr + inter * w_stride_n
+    if HAS_SHARED:
+        if expert >= routed:  # a shared expert: rows of the shared MLP's own gate and up
+            shared_cols = ((expert - routed) * inter + cols[None, :]).to(tl.int64)
+            g_ptr = SG + shared_cols * sg_stride + ks[:, None]
+            u_ptr = SU + shared_cols * su_stride + ks[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(dim, BLOCK_K)):
@@ -122,6 +138,7 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
 @triton.jit
 def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  h_stride, w_stride_e, w_stride_n, y_stride,
+                 SD, sd_stride, routed, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -136,6 +153,10 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
     ks = tl.arange(0, BLOCK_K)
     a_ptr = H + rows[:, None] * h_stride + ks[None, :]
     b_ptr = W2 + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]
+    if HAS_SHARED:
+        if expert >= routed:  # a shared expert: its columns of the shared MLP's down
+            b_ptr = SD + cols[None, :].to(tl.int64) * sd_stride + (expert - routed) * inter \
+                + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -231,12 +252,14 @@ def align_blocks(ids: torch.Tensor, experts: int, block_m: int
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
     e_p2 = triton.next_power_of_2(experts)
-    # Chunks of assignments such that the one-hot [chunk, experts] scan stays within 16K lanes
+    # Steps of the counting scan such that its one-hot [scan, experts] stays within 16K lanes
     # (V2's 64 experts: 256; V3's 256: 64).
-    chunk = max(16, min(triton.next_power_of_2(max(1, n)), (1 << 14) // e_p2))
+    scan = max(16, min(triton.next_power_of_2(max(1, n)), (1 << 14) // e_p2))
+    chunk = max(16, min(ALIGN_CHUNK, triton.next_power_of_2(n)))
     block_chunk = max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2))
-    _align_kernel[(1,)](flat, sorted_rows, block_expert, used, n, blocks, E_P2=e_p2,
-                        BLOCK_M=block_m, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=4)
+    _align_kernel[(triton.cdiv(n, chunk),)](
+        flat, sorted_rows, block_expert, used, n, blocks, E_P2=e_p2, BLOCK_M=block_m,
+        CHUNK=chunk, SCAN=scan, BLOCK_CHUNK=block_chunk, num_warps=4)
     return sorted_rows, block_expert, used
 
 
@@ -264,7 +287,8 @@ def _interpreted() -> bool:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, tiles: MoETiles | None = None,
+                  shared: SharedExperts | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
@@ -272,7 +296,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     ``x`` [T, D]; ``w13`` [E, 2I, D] (gate rows, then up rows); ``w2`` [E, D, I]; ``weights``
     [T, k] (float32); ``ids`` [T, k] (distinct experts per token). ``tiles``: a launch shape
     (default :meth:`MoETiles.for_tokens`). The intermediate rows and the per-assignment outputs
-    round once each to x's dtype; products and the sum over k accumulate in float32."""
+    round once each to x's dtype; products and the sum over k accumulate in float32.
+
+    ``shared``: the model's shared MLP taken as S more experts of width I (its intermediate
+    columns ``j·I .. (j+1)·I`` are expert E + j, read in place from its own weights): ids E ..
+    E + S − 1 (weight 1) then add the shared MLP's output to the sum — exactly, since an MLP's
+    output is the sum over any split of its intermediate columns — and it costs no launches of
+    its own (at batch 1 on an H200 the shared MLP was five kernels, ~20 µs per layer)."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -281,32 +311,59 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         raise ValueError(f"shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 "
                          f"{tuple(w2.shape)}, weights {tuple(weights.shape)}, ids "
                          f"{tuple(ids.shape)} do not fit")
+    n_shared = 0 if shared is None else shared.count(dim, inter)
     n = tokens * topk
     if n == 0:
         return x.new_zeros(x.shape)
-    tiles = tiles or MoETiles.for_tokens(tokens, topk, experts, x.dtype)
+    tiles = tiles or MoETiles.for_tokens(tokens, topk, experts + n_shared, x.dtype)
     bm = tiles.block_m
     if x.stride(1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    sorted_rows, block_expert, used = align_blocks(ids, experts, bm)
+    sorted_rows, block_expert, used = align_blocks(ids, experts + n_shared, bm)
     grid_m = block_expert.numel()
     upcast = _interpreted() and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     meta = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast,
                 PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    gate, up, down = (w13, w13, w2) if shared is None else (shared.gate, shared.up, shared.down)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.block_n))](
         x, w13, h, sorted_rows, block_expert, used, n, topk, dim, inter,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        gate, up, gate.stride(0), up.stride(0), experts, HAS_SHARED=shared is not None,
         EVEN_K=dim % tiles.block_k == 0, **meta)
     y = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     _down_kernel[(grid_m, triton.cdiv(dim, tiles.block_n))](
         h, w2, y, sorted_rows, block_expert, used, weights.reshape(-1).float().contiguous(), n,
         dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        down, down.stride(0), experts, HAS_SHARED=shared is not None,
         EVEN_K=inter % tiles.block_k == 0, **meta)
     if topk == 1:
         return y
     # Sum over k in one kernel: torch's reductions of bf16 accumulate in float32 (on both
     # devices) and round once.
     return y.view(tokens, topk, dim).sum(1)
+
+
+@dataclass(frozen=True)
+class SharedExperts:
+    """A shared MLP's weights as :func:`fused_experts` reads them: gate and up [S·I, D], down
+    [D, S·I] (the checkpoint's ``shared_experts.{gate,up,down}_proj.weight``, last dim
+    contiguous)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def count(self, dim: int, inter: int) -> int:
+        """S, the experts of width ``inter`` this MLP makes; raises if it is not a whole number
+        of them over a ``dim``-wide model."""
+        width = self.gate.shape[0]
+        if (width % inter or self.gate.shape != (width, dim) or self.up.shape != (width, dim)
+                or self.down.shape != (dim, width)
+                or any(w.stride(-1) != 1 for w in (self.gate, self.up, self.down))):
+            raise ValueError(f"shared MLP gate {tuple(self.gate.shape)}, up "
+                             f"{tuple(self.up.shape)}, down {tuple(self.down.shape)} is not "
+                             f"a whole number of {inter}-wide experts over {dim} dims")
+        return width // inter

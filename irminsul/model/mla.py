@@ -72,6 +72,7 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = softmax_scale(config)
         self.naive_from = naive_from(config)
+        self.kernels = False  # fused Triton kernels for all-kernel batches (use_kernels)
 
     def _query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
@@ -125,6 +126,9 @@ class MLAttention(nn.Module):
         """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
         new rows are stored first; then the kernel's spans attend in one launch reading the pool
         in place, and each other span attends in torch to its context gathered from the pool."""
+        if self.kernels and kv.layout is not None and kv.kernel_tokens is None and not (
+                kv.gathered or kv.masked):
+            return self._forward_fused(x, positions, kv)
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
@@ -152,6 +156,33 @@ class MLAttention(nn.Module):
             out[spans.rows] = self._attend_masked(q_nope[spans.rows], q_rope[spans.rows], keys,
                                                   spans.positions)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV
+                       ) -> torch.Tensor:
+        """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
+        short spans), in few launches — a decode step is launch-bound: the new rows are normed,
+        rotated and stored in one kernel, the query rotated and joined to its absorbed part in
+        another, W_UV writes the o_proj's input layout directly; the same arithmetic as the
+        torch ops they replace."""
+        from ..kernels import assemble_query, paged_mla_attention, store_latent
+
+        tokens = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
+            self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(tokens, self.heads, self.nope + self.rope_dim)
+        cis = self.rotary.phasors(positions, x.device)
+        norm = self.kv_a_layernorm
+        store_latent(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cis,
+                     self.rotary.interleaved, kv.ckv[self.layer], kv.kr[self.layer], kv.new_ckv,
+                     kv.new_kr)
+        w_uk, w_uv = self._weights()
+        q = assemble_query(self._absorb(q[..., :self.nope], w_uk), q[..., self.nope:], cis,
+                           self.rotary.interleaved)
+        latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
+                                     self.scale)
+        out = x.new_empty(tokens, self.heads, self.v_dim)
+        torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.view(tokens, self.heads * self.v_dim))
 
     def _attend_masked(self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import MLAConfig
 from .mla import MLAttention
-from .moe import MLP, MoE
+from .moe import MLP, MoE, Router
 from .norm import RMSNorm
 from .paged import PagedKV
 from .rope import Rotary
@@ -37,6 +37,7 @@ class DecoderLayer(nn.Module):
         # Tensor parallel (irminsul.parallel.shard): each rank's attention and MLP give a partial
         # sum of the output; this sums them over the ranks. None on one process.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.kernels = False  # residual adds fused with the norms after them (use_kernels)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 contexts: Sequence[torch.Tensor | None], lengths: Sequence[int],
@@ -45,9 +46,27 @@ class DecoderLayer(nn.Module):
                                     absorbed=absorbed)
         return self._mlp(x + self._summed(attn)), rows
 
-    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
-        attn = self.self_attn.forward_paged(self.input_layernorm(x), positions, kv)
-        return self._mlp(x + self._summed(attn))
+    def forward_paged(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
+                      kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the pool: ``x`` is the residual stream before this layer, ``pending``
+        the previous layer's MLP output not yet added to it (None before the first layer);
+        returns the stream after attention and this layer's MLP output, pending in turn — so
+        each residual add runs with the norm after it (one launch with kernels on)."""
+        h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
+            self.input_layernorm, x, pending)
+        h, x = self._add_norm(self.post_attention_layernorm, x,
+                              self._summed(self.self_attn.forward_paged(h, positions, kv)))
+        return x, self._summed(self.mlp(h))
+
+    def _add_norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta), the sum rounded to x's dtype before the norm reads it."""
+        if self.kernels:
+            from ..kernels import add_rms_norm  # needs triton: only with kernels
+
+            return add_rms_norm(delta, x, norm.weight, norm.eps)
+        x = x + delta
+        return norm(x), x
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self._summed(self.mlp(self.post_attention_layernorm(x)))
@@ -121,10 +140,10 @@ class MLAModel(nn.Module):
                      kv: PagedKV) -> torch.Tensor:
         """The last layer's hidden states [T, D] of a batch over the pool (inputs on the model's
         device): no host work that depends on the batch, so a CUDA graph can capture it."""
-        x = self.model.embed_tokens(token_ids)
+        x, pending = self.model.embed_tokens(token_ids), None
         for layer in self.model.layers:
-            x = layer.forward_paged(x, positions, kv)
-        return x
+            x, pending = layer.forward_paged(x, pending, positions, kv)
+        return x if pending is None else x + pending
 
     @torch.inference_mode()
     def head(self, x: torch.Tensor, lengths: list[int],
@@ -147,3 +166,12 @@ class MLAModel(nn.Module):
         """Logits [T, vocab] of a full forward from position 0 without cache."""
         positions = torch.arange(token_ids.shape[0])
         return self.forward(token_ids, positions).logits
+
+
+def use_kernels(model: nn.Module, on: bool) -> None:
+    """Switch every module of ``model`` that has Triton kernels to them (``on``) or to torch:
+    the MoE's fused experts and router, the attention's fused latent store and query, the
+    residual adds fused with their norms. Kernels need triton (CUDA, or its CPU interpreter)."""
+    for module in model.modules():
+        if isinstance(module, (MoE, Router, MLAttention, DecoderLayer)):
+            module.kernels = on

@@ -5,11 +5,16 @@ or experts, no host synchronisation) — in torch, or with kernels on in the fus
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import MLAConfig
+
+if TYPE_CHECKING:
+    from ..kernels.fused_moe import SharedExperts
 
 # With kernels on, batches of up to this many tokens run the fused Triton kernel and larger ones
 # the torch grouped GEMMs. On an H200 at V2-Lite's shapes the fused kernel reads the touched
@@ -50,15 +55,33 @@ class Router(nn.Module):
         self.k, self.groups, self.topk_group = (config.num_experts_per_tok, config.n_group,
                                                 config.topk_group)
         self.v3 = config.model_type == "deepseek_v3"
-        self.method = config.topk_method
+        self.method = "noaux_tc" if self.v3 else config.topk_method
         self.norm, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.experts, config.hidden_size))
+        self.kernels = False  # the fused router kernel (use_kernels)
         if self.v3:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.experts),
                                                         requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights [T, k] (float32) and expert ids [T, k] for tokens x [T, D]."""
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights [T, k] (float32) and expert ids [T, k] for tokens x [T, D]; ``shared`` > 0
+        appends that many columns for the shared experts taken as experts E .. E + shared − 1,
+        weight 1 (:func:`~irminsul.kernels.fused_moe.fused_experts`)."""
+        if self.kernels:
+            from ..kernels.router import route  # needs triton: only with kernels
+
+            return route(x, self.weight.float(), top_k=self.k, method=self.method,
+                         groups=self.groups, topk_group=self.topk_group, norm=self.norm,
+                         scaling=self.scaling, shared=shared,
+                         bias=self.e_score_correction_bias.float() if self.v3 else None)
+        weights, ids = self._route(x)
+        if not shared:
+            return weights, ids
+        extra = torch.arange(self.experts, self.experts + shared, device=ids.device)
+        return (torch.cat([weights, weights.new_ones(weights.shape[0], shared)], 1),
+                torch.cat([ids, extra.expand(ids.shape[0], shared).to(ids.dtype)], 1))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         if self.v3:
             scores = logits.sigmoid()
@@ -97,9 +120,10 @@ class MoE(nn.Module):
     :meth:`fuse` then stacks them into ``w13`` [E, 2*I, D] (gate and up) and ``w2`` [E, D, I] for
     grouped GEMM, which the forward needs (``load_model`` fuses every MoE layer).
 
-    ``kernels`` (default off; :func:`use_kernels` sets it model-wide): batches of up to
-    :data:`KERNEL_MAX_TOKENS` tokens run the routed experts in the fused Triton kernel (needs
-    triton: CUDA, or a CPU under Triton's interpreter) instead of torch.
+    ``kernels`` (default off; :func:`~irminsul.model.model.use_kernels` sets it model-wide):
+    batches of up to :data:`KERNEL_MAX_TOKENS` tokens run the routed experts — and the shared
+    MLP with them, as more experts — in the fused Triton kernel (needs triton: CUDA, or a CPU
+    under Triton's interpreter) instead of torch.
     """
 
     def __init__(self, config: MLAConfig) -> None:
@@ -131,16 +155,35 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
-        weights, ids = self.gate(x)
         # The fused kernel takes every expert's weights: under expert parallel the grouped GEMMs
         # run, over this rank's experts.
         if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS and self.expert_first is None:
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
-            out = fused_experts(x, self.w13, self.w2, weights, ids)
-        else:
-            out = grouped_experts(x, self.w13, self.w2, weights, ids, first=self.expert_first)
+            shared = self._shared_as_experts()
+            count = 0 if shared is None else shared.gate.shape[0] // self.w2.shape[2]
+            weights, ids = self.gate(x, shared=count)
+            out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared)
+            return out if shared is not None or self.shared_experts is None else (
+                out + self.shared_experts(x))
+        weights, ids = self.gate(x)
+        out = grouped_experts(x, self.w13, self.w2, weights, ids, first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+    def _shared_as_experts(self) -> SharedExperts | None:
+        """The shared MLP as extra experts of the fused kernel (read in place), where it is a
+        whole number of routed-expert widths in plain weights of the experts' dtype; else None
+        (it runs on its own: FP8 weights, a tensor-parallel shard)."""
+        from ..kernels.fused_moe import SharedExperts
+
+        mlp, inter = self.shared_experts, self.w2.shape[2]
+        if mlp is None:
+            return None
+        layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not all(type(m) is nn.Linear and m.weight.dtype == self.w2.dtype for m in layers):
+            return None
+        shared = SharedExperts(*(m.weight for m in layers))
+        return shared if mlp.gate_proj.weight.shape[0] % inter == 0 else None
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -175,10 +218,3 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         y = torch.where((flat[order] < experts)[:, None], y, 0.0)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
     return out.to(x.dtype)
-
-
-def use_kernels(model: nn.Module, on: bool) -> None:
-    """Switch every MoE layer of ``model`` to the fused Triton kernel (``on``) or to torch."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.kernels = on

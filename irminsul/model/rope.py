@@ -123,6 +123,12 @@ class Rotary:
             x.float().reshape(*x.shape[:-1], 2, half).transpose(-1, -2).contiguous())
         return torch.view_as_real(pairs * cis).transpose(-1, -2).flatten(-2).to(x.dtype)
 
+    def phasors(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """RoPE's rotation at ``positions`` [T] as the fused kernels take it: float32 [T, dim/2,
+        2], (cos, sin) of each pair's angle times the cos/sin magnitude (a view of the complex
+        phasors :meth:`apply` multiplies by, computed once per positions tensor)."""
+        return torch.view_as_real(self._cis(positions, device, self.magnitude))
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE at absolute ``positions`` [T] on x [T, ..., dim], times the cos/sin magnitude."""
         return self._rotate(x, self._cis(positions, x.device, self.magnitude))

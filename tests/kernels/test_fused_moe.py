@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from irminsul.model import parse_config
-from irminsul.model.moe import MoE, grouped_experts, use_kernels
+from irminsul.model.model import use_kernels
+from irminsul.model.moe import MoE, grouped_experts
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +82,36 @@ def test_fused_experts_match_naive(case: str, dtype: torch.dtype) -> None:
     got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)),
                         tiles=MoETiles(*tiles) if tiles else None)
     check(got, want, dtype)
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_mlp_folded_in_as_experts(shared: int, dtype: torch.dtype) -> None:
+    """A shared MLP of width S·I read in place as experts E .. E + S − 1 (weight 1): the routed
+    experts' naive sum plus the shared MLP computed whole, in float32."""
+    from irminsul.kernels.fused_moe import MoETiles, SharedExperts, fused_experts
+
+    tokens, experts, k, dim, inter = 13, 8, 3, 48, 40
+    x, w13, w2, weights, ids = problem(tokens, experts, k, dim, inter, dtype, seed=shared)
+    gen = torch.Generator().manual_seed(7)
+    gate, up = ((torch.randn(shared * inter, dim, generator=gen) / dim ** 0.5).to(dtype)
+                for _ in range(2))
+    down = (torch.randn(dim, shared * inter, generator=gen) / inter ** 0.5).to(dtype)
+    xf = x.float()
+    want = naive_experts(x, w13, w2, weights, ids) + (
+        F.silu(xf @ gate.float().T) * (xf @ up.float().T)) @ down.float().T
+    all_ids = torch.cat([ids, (experts + torch.arange(shared)).expand(tokens, shared)], 1)
+    all_weights = torch.cat([weights, torch.ones(tokens, shared)], 1)
+    for tiles in (None, MoETiles(16, 16, 32, 4, 2)):  # one with masked K steps and columns
+        got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, all_weights, all_ids)),
+                            tiles=tiles, shared=SharedExperts(gate.to(DEVICE), up.to(DEVICE),
+                                                              down.to(DEVICE)))
+        check(got, want, dtype)
+    with pytest.raises(ValueError, match="whole number"):
+        fused_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), all_weights.to(DEVICE),
+                      all_ids.to(DEVICE), shared=SharedExperts(gate[:-1].to(DEVICE),
+                                                               up[:-1].to(DEVICE),
+                                                               down[:, :-1].to(DEVICE)))
 
 
 def test_sort_in_torch_for_many_assignments(monkeypatch: pytest.MonkeyPatch) -> None:
