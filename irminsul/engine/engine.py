@@ -144,11 +144,15 @@ class Engine:
             return None
         return Prepared(work, appended, staged)
 
-    def run_prepared(self, prepared: Prepared, tokens: np.ndarray) -> list[torch.Tensor]:
-        """:meth:`run_batch` of a prepared batch, with its token ids (one per item)."""
+    def run_prepared(self, prepared: Prepared, tokens: np.ndarray | torch.Tensor
+                     ) -> list[torch.Tensor]:
+        """:meth:`run_batch` of a prepared batch, with its token ids (one per item): on the
+        host, or int64 on the device (a step's argmax, never read back first)."""
         ok = False
+        if not isinstance(tokens, torch.Tensor):
+            tokens = np.asarray(tokens, dtype=np.int64)
         try:
-            logits = self.runner.replay(prepared.staged, np.asarray(tokens, dtype=np.int64))
+            logits = self.runner.replay(prepared.staged, tokens)
             ok = True
         finally:
             self.cache.end_batch(prepared.work, prepared.appended, ok)

@@ -165,18 +165,23 @@ class CudaGraphs:
         self._stamp += 1
         return Staged(launch, n, len(last), keys, self._stamp)
 
-    def replay(self, staged: Staged, tokens: np.ndarray) -> tuple[torch.Tensor,
-                                                                  torch.Tensor | None]:
+    def replay(self, staged: Staged, tokens: np.ndarray | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last layer's hidden states [T, D] of a batch :meth:`stage` wrote, and its
         wanted rows on the device (None: all): its token ids written, the inputs sent, the
-        bucket's graph replayed. The result lives in graph memory the buckets share: read it
-        before the next call."""
+        bucket's graph replayed. Token ids on the device (int64) are copied in on the device
+        after the inputs are sent, so the host never waits for them. The result lives in graph
+        memory the buckets share: read it before the next call."""
         if staged.stamp != self._stamp:
             raise ValueError("a staged batch was written over by a later one")
         if len(tokens) != staged.tokens:
             raise ValueError(f"{len(tokens)} token ids for a batch of {staged.tokens}")
-        self._views(self.inputs.host(), *staged.launch)[0][0, :staged.tokens] = tokens
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            self._views(self.inputs.host(), *staged.launch)[0][0, :staged.tokens] = tokens
         self.inputs.send((0, self._at[4] + staged.keys), (self._at[5], self._at[5] + staged.keys))
+        if on_device:
+            self._views(self.inputs.buffer, *staged.launch)[0][0, :staged.tokens].copy_(tokens)
         self.replays[staged.launch] += 1
         wanted = (self._views(self.inputs.buffer, *staged.launch)[1][:staged.wanted]
                   if staged.wanted else None)

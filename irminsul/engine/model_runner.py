@@ -165,8 +165,9 @@ class ModelRunner:
             return None
         return self._stage(batch, kernel, np.cumsum(batch.lengths) - 1)
 
-    def replay(self, staged: StagedForward, tokens: np.ndarray) -> list[torch.Tensor]:
-        """The logits of a batch :meth:`stage` wrote, given its token ids."""
+    def replay(self, staged: StagedForward, tokens: np.ndarray | torch.Tensor
+               ) -> list[torch.Tensor]:
+        """The logits of a batch :meth:`stage` wrote, given its token ids (host or device)."""
         hidden, rows = self.graphs.replay(staged.graph, tokens)
         return self.model.head(hidden, staged.lengths, rows)
 

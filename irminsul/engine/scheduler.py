@@ -112,6 +112,14 @@ class _Prepared(NamedTuple):
     batch: Prepared
 
 
+class _Ahead(NamedTuple):
+    """A decode step launched before the host read the tokens it takes (they went from the
+    device's argmax straight into its inputs): its requests, in order, and their logits."""
+
+    requests: list[Request]
+    logits: list[torch.Tensor]
+
+
 class Scheduler:
     """Admits, batches and finishes requests over one :class:`Engine`: its cache manager plans
     and holds, its model runner computes (through :meth:`Engine.advance` and
@@ -143,7 +151,9 @@ class Scheduler:
         # A sampled share of what live PIC served, recomputed when there is nothing else to do.
         self.audit = PicAudit(config.pic_audit_rate if config.mode == "live" else 0.0)
         self._prepared: _Prepared | None = None  # the next step's batch, made ready ahead
+        self._ahead: _Ahead | None = None  # the next step's forward, already launched
         self.prepared_steps = 0  # steps that ran a batch prepared ahead so far
+        self.overlapped_steps = 0  # of those, launched before the host read their tokens
 
     def add(self, prompt: Iterable[int], params: SamplingParams, *, resets: Iterable[int] = (),
             namespace: int = 0, request_id: str | None = None) -> str:
@@ -294,6 +304,12 @@ class Scheduler:
         step then only writes its token ids and replays. It is given back if anything changed
         in between (a request stopped, came or left)."""
         outputs: list[StepOutput] = []
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ready = [(r, out[-1]) for r, out in zip(ahead.requests, ahead.logits)
+                     if r.state == "decode"]  # not the ones that stopped meanwhile
+            if ready:
+                return self._sample_and_emit(ready, outputs)
         prepared = self._claim_prepared()
         if prepared is None:
             self._admit(outputs)
@@ -337,12 +353,65 @@ class Scheduler:
                 outputs.append(self._fail(request, err, "completing its prefill"))
                 continue
             ready.append((request, out[-1]))
+        return self._sample_and_emit(ready, outputs)
+
+    def _sample_and_emit(self, ready: list[tuple[Request, torch.Tensor]],
+                         outputs: list[StepOutput]) -> list[StepOutput]:
+        """The step's tokens sampled and reported, the next step prepared (and where it can
+        be, launched) while the device still computes this one."""
         self._prepare_next()
-        for request, token in self._sample(ready, outputs):
+        tokens = self._launch_ahead(ready)
+        for request, token in (self._sample(ready, outputs) if tokens is None else tokens):
             outputs.append(self._emit(request, token))
         if self._prepared is not None and not self._unchanged(self._prepared):
             self._discard_prepared()
         return outputs
+
+    def _launch_ahead(self, ready: list[tuple[Request, torch.Tensor]]
+                      ) -> list[tuple[Request, int]] | None:
+        """Overlap the host's per-step work with the device: when the next step is prepared
+        and every request here samples greedily, their argmax feeds the next step's inputs on
+        the device and that step is launched *before* the tokens are read back; the host then
+        reports this step while the device computes the next (:attr:`_ahead`, landed by the
+        next :meth:`step`). Returns this step's tokens, or None where it did not launch (the
+        caller samples as usual). A request that stops on the token it just sampled leaves a
+        wasted row in the launched step, which the next step skips."""
+        prepared = self._prepared
+        if prepared is None or not all(r.params.greedy for r, _ in ready):
+            return None
+        where = {id(r): i for i, (r, _) in enumerate(ready)}
+        if any(id(r) not in where for r in prepared.requests):
+            return None
+        self._prepared = None
+        picks = [where[id(r)] for r in prepared.requests]
+        try:
+            ids = torch.stack([logits for _, logits in ready]).argmax(-1)
+            read = ids.cpu() if not ids.is_cuda else torch.empty(
+                ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+            sampled = torch.cuda.Event() if ids.is_cuda else None
+            if sampled is not None:
+                sampled.record()  # the read-back's end, before the next step is queued
+            feed = ids if picks == list(range(len(ready))) else ids[
+                torch.tensor(picks, device=ids.device)]
+        except Exception as err:  # the usual path samples (and fails) each request alone
+            log.debug("launching the next step ahead failed: %r", err)
+            self.engine.discard(prepared.batch)
+            return None
+        try:
+            logits = self.engine.run_prepared(prepared.batch, feed)
+        except Exception as err:  # its slots are back: the next step plans as usual
+            log.debug("a step launched ahead did not run: %r", err)
+            logits = None
+        if sampled is not None:
+            sampled.synchronize()
+        tokens = read.tolist()
+        if logits is not None:
+            for request, i in zip(prepared.requests, picks):
+                request.seq.append(np.array([tokens[i]]))  # the token its launched row takes
+            self._ahead = _Ahead(prepared.requests, logits)
+            self.prepared_steps += 1
+            self.overlapped_steps += 1
+        return [(request, token) for (request, _), token in zip(ready, tokens)]
 
     def _prepare_next(self) -> None:
         """Prepare the next step's batch: when every running request decodes and none waits,

@@ -355,7 +355,9 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
     """Decode steps whose batch was prepared during the step before (slots and graph inputs
     ahead of the token ids) give the eager path's greedy tokens; a request stopped by a stop
     token, one aborted between steps and one arriving late each make the prepared batch be given
-    back, and the slot accounting stays exact throughout."""
+    back, and the slot accounting stays exact throughout. Greedy steps are launched before the
+    host reads the tokens they take (overlapped); a sampled request keeps its batch on the host
+    path."""
     from irminsul.engine import Engine, SamplingParams, Scheduler
 
     build("v2_lite_like", tmp_path, layers=1, heads=16)
@@ -380,10 +382,24 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
             if steps == 5:
                 out[scheduler.add(late, SamplingParams(max_tokens=3))] = []
         engine.check()
-        runs[graphs] = (out, scheduler.prepared_steps)
-    assert runs[False][1] == 0
+        runs[graphs] = (out, scheduler.prepared_steps, scheduler.overlapped_steps)
+    assert runs[False][1] == runs[False][2] == 0
     assert runs[True][1] >= 4  # steady decode between the interruptions ran prepared
+    assert runs[True][2] == runs[True][1]  # every greedy prepared step launched ahead
     assert runs[True][0] == runs[False][0]
+    # One sampled request among greedy ones: prepared steps, none launched ahead (its token is
+    # drawn on the host), the greedy requests' tokens unchanged.
+    engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=True))
+    scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=64)
+    greedy = scheduler.add(prompts[3], SamplingParams(max_tokens=8))
+    scheduler.add(prompts[4], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    mixed: dict[str, list[int]] = {}
+    while scheduler.has_work():
+        for o in scheduler.step():
+            mixed.setdefault(o.request_id, []).extend(o.new_tokens)
+    engine.check()
+    assert scheduler.prepared_steps >= 4 and scheduler.overlapped_steps == 0
+    assert mixed[greedy] == runs[False][0][ids[3]]
     # A stop token: the first request's third token stops it (taken from the run above).
     stop = runs[False][0][ids[0]][2]
     engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=True))
