@@ -40,7 +40,8 @@ class CheckpointError(ValueError):
     """The checkpoint's tensors do not match what its config.json describes."""
 
 
-def _shards(path: Path) -> list[Path]:
+def checkpoint_shards(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards, or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text("utf-8")).get("weight_map", {})
@@ -79,8 +80,8 @@ def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConf
                               f"needs {expected}")
 
 
-def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
-                name: str = "weight") -> torch.Tensor:
+def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
+                      name: str = "weight") -> torch.Tensor:
     """W[m, n] = float(Wq[m, n]) * scale_inv[m // block_rows, n // block_cols], float32, after
     :func:`_check_scale`."""
     _check_scale(weight, scale_inv, quant, name)
@@ -90,7 +91,7 @@ def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfi
 def _float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
     """The checkpoint's float8 tensors outside MTP layers, from the shard headers (no data read)."""
     names = set()
-    for shard in _shards(Path(path)):
+    for shard in checkpoint_shards(Path(path)):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
                 layer = _layer_index(name)
@@ -131,7 +132,7 @@ def read_tensors(path: str | os.PathLike, config: MLAConfig,
     """(name, tensor) for every tensor the model uses, MTP layers skipped, FP8 dequantized —
     except the float8 weights named in ``keep``, given as they are and followed by their
     ``weight_scale_inv`` (float32, shape checked)."""
-    shards = _shards(Path(path))
+    shards = checkpoint_shards(Path(path))
     home: dict[str, Path] = {}  # tensor name -> shard holding it (a scale may sit in another)
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
@@ -167,7 +168,7 @@ def read_tensors(path: str | os.PathLike, config: MLAConfig,
                         yield name, tensor
                         yield scale_name, scale.float()
                         continue
-                    tensor = _dequantize(tensor, scale, config.quantization, f"{shard}: {name}")
+                    tensor = dequantize_weight(tensor, scale, config.quantization, f"{shard}: {name}")
                 yield name, tensor
 
 

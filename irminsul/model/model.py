@@ -101,6 +101,8 @@ class MLAModel(nn.Module):
         self.rotary = Rotary(config)
         self.model = Body(config, self.rotary)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # (rank, world) once irminsul.parallel has kept one rank's share of the weights.
+        self.shard: tuple[int, int] | None = None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

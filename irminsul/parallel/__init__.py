@@ -1,11 +1,13 @@
 """One engine over several GPUs, one process each (issue #22): the model split across the ranks
-(:mod:`.shard`), the process group and its failure handling (:mod:`.group`), and the leader that
-drives the followers' model runners (:mod:`.leader`). docs/multi-gpu.md describes the design."""
+(:mod:`.shard`; :mod:`.load` reads a rank's share straight from a checkpoint), the process
+group and its failure handling (:mod:`.group`), and the leader that drives the followers' model
+runners (:mod:`.leader`). docs/multi-gpu.md describes the design."""
 
 from .group import ParallelGroup, RankFailure, abort, all_reduce, broadcast, guarded, init, shutdown
 from .leader import LeaderRunner, follow, follower_engine, leader_engine, leader_runner
+from .load import load_shard
 from .shard import shard_model, shard_weights
 
 __all__ = ["LeaderRunner", "ParallelGroup", "RankFailure", "abort", "all_reduce", "broadcast",
            "follow", "follower_engine", "guarded", "init", "leader_engine", "leader_runner",
-           "shard_model", "shard_weights", "shutdown"]
+           "load_shard", "shard_model", "shard_weights", "shutdown"]

@@ -108,9 +108,10 @@ class Follower:
 
             return random_model(spec.random_weights, vocab=spec.vocab, device=device,
                                 dtype=dtype, never=spec.never)
-        from ..model import load_model
+        from .load import load_shard  # this rank's share only: no rank holds the whole model
 
-        return load_model(spec.model_dir, dtype=dtype, device=device)
+        return load_shard(spec.model_dir, spec.rank, spec.parallel.world_size, dtype=dtype,
+                          device=device)
 
     def fail(self, err: BaseException) -> None:
         """Report ``err`` (log and report file) and end the process (``parallel.abort``)."""

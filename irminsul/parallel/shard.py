@@ -51,6 +51,11 @@ def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
     shares), in place. ``model.config.num_attention_heads`` becomes the heads this rank computes:
     the model runner sizes its attention kernel's layout from it."""
     config = model.config
+    if model.shard is not None:  # split already (load_shard reads a rank's share directly)
+        if model.shard != (rank, world):
+            raise ValueError(f"the model is rank {model.shard[0]} of {model.shard[1]}'s share, "
+                             f"not rank {rank} of {world}'s")
+        return model
     check_divisible(config, world)
     if world == 1:
         return model
@@ -62,6 +67,7 @@ def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
             _shard_mlp(layer.mlp, rank, world)
     model.config = dataclasses.replace(config, num_attention_heads=config.num_attention_heads
                                        // world)
+    model.shard = (rank, world)
     return model
 
 

@@ -30,7 +30,7 @@ from test_model_loader import (  # noqa: E402
 from irminsul.model import CheckpointError, load_model  # noqa: E402
 from irminsul.model.config import QuantConfig  # noqa: E402
 from irminsul.model.fp8 import FP8Linear  # noqa: E402
-from irminsul.model.loader import _dequantize  # noqa: E402
+from irminsul.model.loader import dequantize_weight  # noqa: E402
 
 __all__ = ["fp8"]  # the imported module-scoped fixture, used below
 
@@ -107,7 +107,7 @@ def test_fp8_linear_equals_f_linear_on_dequantized_weight(block):
     q, s = quantize(torch.randn(out_features, in_features) * 0.3, *block)
     layer = FP8Linear(in_features, out_features, block=block)
     layer.load_state_dict({"weight": q, "weight_scale_inv": s})
-    w = _dequantize(q, s, QuantConfig(block=block))
+    w = dequantize_weight(q, s, QuantConfig(block=block))
     # the shared helper itself against an element-by-element dequantization
     assert torch.equal(w, naive_dequant(q, s, *block))
     x = torch.randn(5, in_features)

@@ -1,0 +1,200 @@
+"""Load one rank's share of a checkpoint, reading only what the rank keeps.
+
+:func:`~irminsul.parallel.shard.shard_weights` splits a model that is already whole in memory:
+every rank reads every tensor, the routed experts of all ranks included. For the models agents
+run (DeepSeek-V3 / Kimi-K2: 58 MoE layers × 256 experts, ~1.3 TB in bf16) no rank can hold the
+whole model, so :func:`load_shard` builds the rank's model directly: each tensor is read as the
+slice the rank keeps (safetensors reads only those bytes), routed experts of other ranks are
+never read, and the experts it keeps are written straight into their stacked ``w13`` / ``w2``.
+
+The split is :func:`shard_weights`' own, applied to a model on the meta device: that gives every
+parameter's sharded shape; the slices below must fill exactly those shapes (any tensor that does
+not is an error naming it), and a test checks the result equals loading whole and sharding, bit
+for bit. Float8 weights are dequantized whole (their block scales cover whole blocks), then
+sliced. ``keep_fp8`` has no sharded form yet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..model import MLAConfig, MLAModel
+from ..model.config import load_config
+from ..model.loader import FP32_PARAMS, CheckpointError, checkpoint_shards, dequantize_weight
+from ..model.rope import audit_rotary
+from .shard import check_divisible, shard_weights
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def load_shard(path: str | os.PathLike, rank: int, world: int, *,
+               dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> MLAModel:
+    """Rank ``rank`` of ``world``'s share of the checkpoint at ``path``: what
+    ``shard_weights(load_model(path, dtype=dtype), rank, world)`` leaves, read without loading
+    the rest. Raises ValueError where the model does not split evenly over ``world`` ranks and
+    :class:`~irminsul.model.loader.CheckpointError` for a tensor missing, unexpected or of the
+    wrong shape."""
+    config = load_config(path)
+    check_divisible(config, world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of {world} ranks")
+    with torch.device("meta"):
+        model = MLAModel(config)
+        model.fuse_experts()
+        shard_weights(model, rank, world)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    slices = _Slices(config, rank, world)
+    state: dict[str, torch.Tensor] = {}
+    for name, read in _tensors(Path(path), config):
+        target = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            _place_expert(state, expected, expert, read, slices, target, device, path)
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {name}")
+        tensor = slices.of(name, read)
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"{path}: tensor {name} gives rank {rank} of {world} "
+                                  f"{tuple(tensor.shape)}, expected {expected[name]}")
+        state[name] = tensor.to(device=device, dtype=target)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    audit_rotary(model.rotary, config)
+    return model.eval()
+
+
+class _Slices:
+    """What rank ``rank`` keeps of each tensor: the same shares as :mod:`.shard`'s."""
+
+    def __init__(self, config: MLAConfig, rank: int, world: int) -> None:
+        self.config, self.rank, self.world = config, rank, world
+        heads = config.num_attention_heads
+        self.heads = slice(rank * heads // world, (rank + 1) * heads // world)
+        experts = config.n_routed_experts or 0
+        self.experts = range(rank * experts // world, (rank + 1) * experts // world)
+
+    def _part(self, width: int, unit: int = 1) -> slice:
+        share = width // self.world
+        return slice(self.rank * share * unit, (self.rank + 1) * share * unit)
+
+    def of(self, name: str, read: _Read) -> torch.Tensor:
+        """The rank's part of tensor ``name``, read through ``read``."""
+        c, h = self.config, self.heads
+        if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
+            return read((slice(h.start * c.qk_head_dim, h.stop * c.qk_head_dim),))
+        if name.endswith(".self_attn.kv_b_proj.weight"):
+            width = c.qk_nope_head_dim + c.v_head_dim
+            return read((slice(h.start * width, h.stop * width),))
+        if name.endswith(".self_attn.o_proj.weight"):
+            return read((slice(None), slice(h.start * c.v_head_dim, h.stop * c.v_head_dim)))
+        if name.endswith(".self_attn.o_proj.bias"):
+            # A row-parallel output is a partial sum: rank 0 alone adds the bias.
+            bias = read(())
+            return bias if self.rank == 0 else torch.zeros_like(bias)
+        mlp = re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight$", name)
+        if mlp is not None:
+            width = (c.moe_intermediate_size * c.n_shared_experts if mlp.group(1)
+                     else c.intermediate_size)
+            part = self._part(width)
+            return read((slice(None), part) if mlp.group(2) == "down" else (part,))
+        return read(())
+
+
+def _place_expert(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                  match: re.Match, read: _Read, slices: _Slices, dtype: torch.dtype,
+                  device: str | torch.device, path: str | os.PathLike) -> None:
+    """A routed expert's gate / up / down weight into this rank's stacked w13 / w2 (read only
+    if the expert is this rank's)."""
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    if expert not in slices.experts:
+        return
+    name = f"{prefix}.{'w2' if proj == 'down' else 'w13'}"
+    if name not in expected:
+        raise CheckpointError(f"{path}: unexpected tensor {match.group(0)}")
+    stack = state.get(name)
+    if stack is None:
+        stack = state[name] = torch.empty(expected[name], dtype=dtype, device=device)
+    tensor = read(())
+    row = stack[expert - slices.experts.start]
+    inter = stack.shape[1] // 2
+    into = row if proj == "down" else row[:inter] if proj == "gate" else row[inter:]
+    if tuple(tensor.shape) != tuple(into.shape):
+        raise CheckpointError(f"{path}: tensor {match.group(0)} has shape "
+                              f"{tuple(tensor.shape)}, expected {tuple(into.shape)}")
+    into.copy_(tensor)
+
+
+class _Read:
+    """One checkpoint tensor, read on demand as an index of it: a slice read from the file
+    (only those bytes), or for a float8 weight its dequantized float32 whole, then indexed."""
+
+    def __init__(self, handle, name: str, dequantize) -> None:
+        self.handle, self.name, self.dequantize = handle, name, dequantize
+
+    def __call__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        if self.dequantize is not None:
+            return self.dequantize()[index] if index else self.dequantize()
+        view = self.handle.get_slice(self.name)
+        return view[index] if index else view[:]
+
+
+def _tensors(path: Path, config: MLAConfig):
+    """(name, reader) for every tensor the model uses, multi-token-prediction layers and
+    ``weight_scale_inv`` tensors (read with their weights) skipped."""
+    shards = checkpoint_shards(path)
+    home: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                home.setdefault(name, shard)
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                layer = _LAYER.match(name)
+                if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
+                    continue
+                if name.endswith(".weight_scale_inv"):
+                    continue
+                dequantize = None
+                if f.get_slice(name).get_dtype().startswith("F8"):
+                    dequantize = _dequantizer(f, shard, name, home, config)
+                yield name, _Read(f, name, dequantize)
+
+
+def _dequantizer(f, shard: Path, name: str, home: dict[str, Path], config: MLAConfig):
+    """A float8 weight's dequantized float32 whole, read on first use."""
+    if config.quantization is None:
+        raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
+                              "quantization_config")
+    scale_name = name + "_scale_inv"
+    if scale_name not in home:
+        raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
+
+    def whole() -> torch.Tensor:
+        weight = f.get_tensor(name)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{shard}: {name} is {weight.dtype}; only float8_e4m3fn "
+                                  "block-scaled weights are supported")
+        if home[scale_name] == shard:
+            scale = f.get_tensor(scale_name)
+        else:
+            with safe_open(str(home[scale_name]), framework="pt") as g:
+                scale = g.get_tensor(scale_name)
+        return dequantize_weight(weight, scale, config.quantization, f"{shard}: {name}")
+
+    return whole

@@ -1,0 +1,142 @@
+"""``irminsul.parallel.load_shard``: one rank's share read from the checkpoint equals the whole
+model loaded and then split by ``shard_weights`` — every tensor bit for bit, the same sharded
+config and expert range — for DeepSeek-V2 and V3 shapes, float32 and bf16, a many-file
+checkpoint and an FP8 one; and the routed experts of other ranks are never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # the checkpoints are written by transformers
+
+# tests/model is on sys.path under pytest (rootdir-relative imports of test modules)
+from test_model_loader import CASES, build_hf, fp8, save  # noqa: E402
+
+from irminsul.model import CheckpointError, load_model  # noqa: E402
+from irminsul.model.moe import MoE  # noqa: E402
+from irminsul.parallel import load as load_module  # noqa: E402
+from irminsul.parallel.load import load_shard  # noqa: E402
+from irminsul.parallel.shard import shard_weights  # noqa: E402
+
+__all__ = ["fp8"]  # the imported module-scoped fixture, used below
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: directory}: V2 and V3 in one file, V3 in many (index.json + 20 KB shards)."""
+    out = {}
+    for name, case in CASES.items():
+        out[name] = save(build_hf(case, seed=4), tmp_path_factory.mktemp(name))
+    out["v3_many_files"] = save(build_hf(CASES["v3"], seed=5),
+                                tmp_path_factory.mktemp("many"), max_shard_size="20KB")
+    return out
+
+
+def assert_same_shard(path, rank: int, world: int, dtype: torch.dtype) -> None:
+    want = shard_weights(load_model(path, dtype=dtype), rank, world)
+    got = load_shard(path, rank, world, dtype=dtype)
+    assert got.config == want.config
+    want_state, got_state = want.state_dict(), got.state_dict()
+    assert want_state.keys() == got_state.keys()
+    for name, tensor in want_state.items():
+        assert got_state[name].dtype == tensor.dtype, name
+        assert torch.equal(got_state[name], tensor), name
+    for a, b in zip(want.modules(), got.modules()):
+        if isinstance(a, MoE):
+            assert a.expert_first == b.expert_first
+    ids = torch.tensor([1, 5, 9, 3])
+    # The rank's partial logits (no all-reduce on one process) agree too.
+    assert torch.equal(got.logits(ids), want.logits(ids))
+
+
+@pytest.mark.parametrize("name", ["v2", "v3", "v3_many_files"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_read_equals_load_then_shard(checkpoints, name: str, world: int) -> None:
+    for rank in range(world):
+        assert_same_shard(checkpoints[name], rank, world, torch.float32)
+    assert_same_shard(checkpoints[name], world - 1, world, torch.bfloat16)
+
+
+def test_fp8_checkpoint_shard_equals_load_then_shard(fp8) -> None:
+    """Float8 weights are dequantized whole, then sliced: the same as dequantize-at-load."""
+    for rank in range(2):
+        assert_same_shard(fp8.directory, rank, 2, torch.float32)
+
+
+def test_other_ranks_experts_are_never_read(checkpoints, monkeypatch) -> None:
+    """Reads are recorded at the file handle: rank 0 of 2 reads experts 0..3 of each MoE layer
+    and none of 4..7 (and every tensor it reads, it reads once)."""
+    reads: list[str] = []
+    real = load_module.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, name):
+            view = self.handle.get_slice(name)
+
+            class Slice:
+                def get_dtype(self):
+                    return view.get_dtype()
+
+                def __getitem__(self, index):
+                    reads.append(name)
+                    return view[index]
+
+            return Slice()
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(load_module, "safe_open", Recording)
+    load_shard(checkpoints["v2"], 0, 2)
+    experts = [n for n in reads if ".mlp.experts." in n]
+    assert experts and all(int(n.split(".experts.")[1].split(".")[0]) < 4 for n in experts)
+    assert len(reads) == len(set(reads))
+
+
+def test_refused_splits_and_ranks(checkpoints) -> None:
+    with pytest.raises(ValueError, match="does not split evenly"):
+        load_shard(checkpoints["v2"], 0, 3)
+    with pytest.raises(ValueError, match="rank 2 is not one of 2"):
+        load_shard(checkpoints["v2"], 2, 2)
+
+
+def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints["v2"]
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("mlp.gate_proj.weight") and "layers.0." in n)
+    del tensors[name]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing tensors"):
+        load_shard(broken, 0, 2)
+
+
+def test_a_loaded_share_is_not_split_again(checkpoints) -> None:
+    """shard_model on a share load_shard read keeps it as it is (the follower's path); a share
+    of another split is refused."""
+    share = load_shard(checkpoints["v2"], 1, 2)
+    before = {n: t.clone() for n, t in share.state_dict().items()}
+    shard_weights(share, 1, 2)
+    assert all(torch.equal(t, before[n]) for n, t in share.state_dict().items())
+    with pytest.raises(ValueError, match="rank 1 of 2's share, not rank 0 of 2's"):
+        shard_weights(share, 0, 2)
