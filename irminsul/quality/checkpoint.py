@@ -18,7 +18,7 @@ import os
 import struct
 from pathlib import Path
 
-from ..model.loader import _shards as weight_files  # the files the loader reads, in its order
+from ..model.loader import checkpoint_shards as weight_files  # the loader's files, its order
 
 WHOLE_BYTES = 64 << 20  # files up to this size are hashed whole
 SAMPLES, BLOCK_BYTES = 64, 64 << 10  # larger files: this many blocks of this size
