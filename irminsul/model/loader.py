@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -57,11 +58,40 @@ def checkpoint_shards(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _layer_index(name: str) -> int | None:
+def used_tensors(path: str | os.PathLike, config: MLAConfig
+                 ) -> Iterator[tuple[Path, Any, str, dict[str, Path]]]:
+    """(file, its open safetensors handle, tensor name, every tensor's file) for each tensor the
+    model uses: multi-token-prediction layers (not used for decoding) and ``weight_scale_inv``
+    tensors (read with their weights) skipped. The handle is open while the item is held."""
+    shards = checkpoint_shards(Path(path))
+    home = tensor_homes(shards)
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                layer = layer_index(name)
+                if layer is not None and layer >= config.num_hidden_layers:
+                    continue
+                if name.endswith(".weight_scale_inv"):
+                    continue
+                yield shard, f, name, home
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (``model.layers.{i}.…``), or None."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         return int(parts[2])
     return None
+
+
+def tensor_homes(shards: list[Path]) -> dict[str, Path]:
+    """Tensor name → the file holding it (a weight's scale may sit in another file)."""
+    home: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                home.setdefault(name, shard)
+    return home
 
 
 def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, quant: QuantConfig,
@@ -94,7 +124,7 @@ def _float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
     for shard in checkpoint_shards(Path(path)):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
-                layer = _layer_index(name)
+                layer = layer_index(name)
                 if ((layer is None or layer < config.num_hidden_layers)
                         and f.get_slice(name).get_dtype().startswith("F8")):
                     names.add(name)
@@ -132,44 +162,31 @@ def read_tensors(path: str | os.PathLike, config: MLAConfig,
     """(name, tensor) for every tensor the model uses, MTP layers skipped, FP8 dequantized —
     except the float8 weights named in ``keep``, given as they are and followed by their
     ``weight_scale_inv`` (float32, shape checked)."""
-    shards = checkpoint_shards(Path(path))
-    home: dict[str, Path] = {}  # tensor name -> shard holding it (a scale may sit in another)
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                home.setdefault(name, shard)
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                layer = _layer_index(name)
-                if layer is not None and layer >= config.num_hidden_layers:
-                    continue  # multi-token-prediction layers: not used for decoding
-                if name.endswith(".weight_scale_inv"):
-                    continue
-                tensor = f.get_tensor(name)
-                if tensor.dtype in FLOAT8_DTYPES:
-                    if tensor.dtype != torch.float8_e4m3fn:
-                        raise CheckpointError(f"{shard}: {name} is {tensor.dtype}; only "
-                                              "float8_e4m3fn block-scaled weights are supported")
-                    if config.quantization is None:
-                        raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
-                                              "quantization_config")
-                    scale_name = name + "_scale_inv"
-                    scale_shard = home.get(scale_name)
-                    if scale_shard is None:
-                        raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
-                    if scale_shard == shard:
-                        scale = f.get_tensor(scale_name)
-                    else:
-                        with safe_open(str(scale_shard), framework="pt") as g:
-                            scale = g.get_tensor(scale_name)
-                    if name in keep:
-                        _check_scale(tensor, scale, config.quantization, f"{shard}: {name}")
-                        yield name, tensor
-                        yield scale_name, scale.float()
-                        continue
-                    tensor = dequantize_weight(tensor, scale, config.quantization, f"{shard}: {name}")
+    for shard, f, name, home in used_tensors(path, config):
+        tensor = f.get_tensor(name)
+        if tensor.dtype in FLOAT8_DTYPES:
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"{shard}: {name} is {tensor.dtype}; only "
+                                      "float8_e4m3fn block-scaled weights are supported")
+            if config.quantization is None:
+                raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
+                                      "quantization_config")
+            scale_name = name + "_scale_inv"
+            scale_shard = home.get(scale_name)
+            if scale_shard is None:
+                raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
+            if scale_shard == shard:
+                scale = f.get_tensor(scale_name)
+            else:
+                with safe_open(str(scale_shard), framework="pt") as g:
+                    scale = g.get_tensor(scale_name)
+            if name in keep:
+                _check_scale(tensor, scale, config.quantization, f"{shard}: {name}")
                 yield name, tensor
+                yield scale_name, scale.float()
+                continue
+            tensor = dequantize_weight(tensor, scale, config.quantization, f"{shard}: {name}")
+        yield name, tensor
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -203,13 +220,21 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         else:
             target = dtype
         state[name] = tensor.to(device=device, dtype=target)
+    install(model, state, expected, path)
+    model.fuse_experts()
+    audit_rotary(model.rotary, config)
+    return model.eval()
+
+
+def install(model: MLAModel, state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+            path: str | os.PathLike) -> None:
+    """Put the read tensors ``state`` into ``model`` (built on the meta device), refusing with
+    the missing tensors' names if any of ``expected`` was not read; tied embeddings re-tied."""
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
-    if config.tie_word_embeddings:
+    tied = model.config.tie_word_embeddings
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.fuse_experts()
-    audit_rotary(model.rotary, config)
-    return model.eval()

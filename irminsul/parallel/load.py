@@ -25,12 +25,11 @@ from safetensors import safe_open
 
 from ..model import MLAConfig, MLAModel
 from ..model.config import load_config
-from ..model.loader import FP32_PARAMS, CheckpointError, checkpoint_shards, dequantize_weight
+from ..model.loader import FP32_PARAMS, CheckpointError, dequantize_weight, install, used_tensors
 from ..model.rope import audit_rotary
 from .shard import check_divisible, shard_weights
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def load_shard(path: str | os.PathLike, rank: int, world: int, *,
@@ -67,13 +66,7 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
             raise CheckpointError(f"{path}: tensor {name} gives rank {rank} of {world} "
                                   f"{tuple(tensor.shape)}, expected {expected[name]}")
         state[name] = tensor.to(device=device, dtype=target)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    install(model, state, expected, path)
     audit_rotary(model.rotary, config)
     return model.eval()
 
@@ -154,26 +147,12 @@ class _Read:
 
 
 def _tensors(path: Path, config: MLAConfig):
-    """(name, reader) for every tensor the model uses, multi-token-prediction layers and
-    ``weight_scale_inv`` tensors (read with their weights) skipped."""
-    shards = checkpoint_shards(path)
-    home: dict[str, Path] = {}
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                home.setdefault(name, shard)
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                layer = _LAYER.match(name)
-                if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
-                    continue
-                if name.endswith(".weight_scale_inv"):
-                    continue
-                dequantize = None
-                if f.get_slice(name).get_dtype().startswith("F8"):
-                    dequantize = _dequantizer(f, shard, name, home, config)
-                yield name, _Read(f, name, dequantize)
+    """(name, reader) for every tensor the model uses (``used_tensors``)."""
+    for shard, f, name, home in used_tensors(path, config):
+        dequantize = None
+        if f.get_slice(name).get_dtype().startswith("F8"):
+            dequantize = _dequantizer(f, shard, name, home, config)
+        yield name, _Read(f, name, dequantize)
 
 
 def _dequantizer(f, shard: Path, name: str, home: dict[str, Path], config: MLAConfig):

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")  # the checkpoints are written by transforme
 from test_model_loader import CASES, build_hf, fp8, save  # noqa: E402
 
 from irminsul.model import CheckpointError, load_model  # noqa: E402
+from irminsul.model import loader as loader_module  # noqa: E402
 from irminsul.model.moe import MoE  # noqa: E402
 from irminsul.parallel import load as load_module  # noqa: E402
 from irminsul.parallel.load import load_shard  # noqa: E402
@@ -68,7 +69,7 @@ def test_other_ranks_experts_are_never_read(checkpoints, monkeypatch) -> None:
     """Reads are recorded at the file handle: rank 0 of 2 reads experts 0..3 of each MoE layer
     and none of 4..7 (and every tensor it reads, it reads once)."""
     reads: list[str] = []
-    real = load_module.safe_open
+    real = loader_module.safe_open
 
     class Recording:
         def __init__(self, *args, **kwargs) -> None:
@@ -101,6 +102,7 @@ def test_other_ranks_experts_are_never_read(checkpoints, monkeypatch) -> None:
             reads.append(name)
             return self.handle.get_tensor(name)
 
+    monkeypatch.setattr(loader_module, "safe_open", Recording)
     monkeypatch.setattr(load_module, "safe_open", Recording)
     load_shard(checkpoints["v2"], 0, 2)
     experts = [n for n in reads if ".mlp.experts." in n]
