@@ -30,6 +30,7 @@ from ..model import MLAModel, load_config
 from .follower import STARTUP_TIMEOUT_S, FollowerSpec
 from .group import ParallelGroup, RankFailure, abort, broadcast, init, shutdown
 from .leader import LeaderRunner, leader_engine
+from .load import load_shard
 from .ranks import Exited, Followers, free_address
 from .shard import check_divisible, shard_model
 
@@ -62,6 +63,20 @@ def check_options(config: ServerConfig, parallel: ParallelConfig) -> None:
     if config.store.url is not None:
         raise ValueError(f"--store is not built under {flag}: fetched rows are written to the "
                          f"leader's KV pool alone, and the followers' pools would differ")
+
+
+def leader_load(config: ServerConfig, world: int
+                ) -> Callable[[Path, torch.dtype, str], MLAModel] | None:
+    """How rank 0 reads the checkpoint: its share alone (:func:`~.load.load_shard`), unless the
+    PIC gate will run — live mode with the gate on — which runs the whole model before sharding,
+    outside the runner where the followers could join its all-reduces; None then (whole)."""
+    if config.engine.mode == "live" and config.gate is not None:
+        return None
+
+    def share(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
+        return load_shard(path, 0, world, dtype=dtype, device=device)
+
+    return share
 
 
 def rank_devices(device: str, world: int) -> list[str]:
@@ -285,7 +300,8 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
     try:
         leader.start(specs, address, devices[0])
         app, engine = build_server(path, dataclasses.replace(config, device=devices[0]),
-                                   random_weights=random_weights, make_engine=leader.engine)
+                                   random_weights=random_weights, make_engine=leader.engine,
+                                   load=leader_load(config, world))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level="info",
                                                timeout_graceful_shutdown=int(GRACE_S)))

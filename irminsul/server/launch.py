@@ -65,16 +65,23 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
     return model
 
 
+def _load_whole(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
+    return load_model(path, dtype=dtype, device=device)
+
+
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
                  random_weights: str | os.PathLike | None = None,
-                 make_engine: Callable[[MLAModel, EngineConfig], Engine] = Engine
+                 make_engine: Callable[[MLAModel, EngineConfig], Engine] = Engine,
+                 load: Callable[[Path, torch.dtype, str], MLAModel] | None = None
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
     config.json; benchmark-only) the model is :func:`random_model` of it and ``model_dir``
     gives only the tokenizer, chat template and stop tokens. ``make_engine`` builds the engine
     from the loaded (and gated) model and the sized engine config: tensor parallel's leader
-    shards the model there (:mod:`irminsul.parallel.serving`)."""
+    shards the model there (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint
+    (path, dtype, device) instead of ``load_model``: tensor parallel's leader reads only its
+    share where the PIC gate will not run the whole model."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
@@ -82,7 +89,7 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     device, dtype = resolve_device(config)
     stops = stop_token_ids(path, renderer)
     if random_weights is None:
-        model = load_model(path, dtype=dtype, device=device)
+        model = (load or _load_whole)(path, dtype, device)
         name, shown = config.model_name or path.resolve().name, str(path)
     else:
         source = Path(random_weights)
