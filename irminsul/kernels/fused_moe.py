@@ -20,12 +20,13 @@ Accumulation is float32 throughout. Programs past the used blocks return at once
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .interpreter import interpreted
 
 # Up to this many assignments (T·k) the Triton kernel sorts them (each program a chunk of them,
 # every program counting all of them: one launch where a decode step's torch sort would be ten
@@ -282,10 +283,6 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, bloc
     return sorted_rows, block_expert, ends[-1:].to(torch.int32)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None,
                   shared: SharedExperts | None = None) -> torch.Tensor:
@@ -322,7 +319,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     w13, w2 = w13.contiguous(), w2.contiguous()
     sorted_rows, block_expert, used = align_blocks(ids, experts + n_shared, bm)
     grid_m = block_expert.numel()
-    upcast = _interpreted() and x.dtype != torch.float32
+    upcast = interpreted() and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     meta = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast,
                 PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

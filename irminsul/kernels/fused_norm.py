@@ -29,12 +29,11 @@ rotation's phasors come in as ``torch.view_as_real`` of the rotary's complex ``c
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreted
 from .rotate import pair_layout
 
 # A normed row is held whole in one program's registers (one pass: read once, write once).
@@ -151,10 +150,6 @@ def _assemble_query_kernel(Q_LATENT, Q_ROPE, CIS, OUT, heads,
                   STEP, SHIFT, BY_HAND)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_devices(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -198,7 +193,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(tokens,)](
         delta, residual, weight.contiguous(), normed, summed, dim, *delta.stride(),
-        *residual.stride(), eps, BLOCK=block, BY_HAND=_interpreted(),
+        *residual.stride(), eps, BLOCK=block, BY_HAND=interpreted(),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
 
@@ -245,7 +240,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
         kr_slots.contiguous(), *kv_a.stride(), *cis.stride(), *ckv.stride(), *kr.stride(), eps,
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
         HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift,
-        BY_HAND=_interpreted(), num_warps=4 if rank <= 1024 else 8)
+        BY_HAND=interpreted(), num_warps=4 if rank <= 1024 else 8)
 
 
 def assemble_query(q_latent: torch.Tensor, q_rope: torch.Tensor, cis: torch.Tensor,
@@ -278,5 +273,5 @@ def assemble_query(q_latent: torch.Tensor, q_rope: torch.Tensor, cis: torch.Tens
     _assemble_query_kernel[(tokens, triton.cdiv(heads, block_h))](
         q_latent, q_rope, cis, out, heads, *q_latent.stride(), *q_rope.stride(), *cis.stride(),
         RANK=rank, RANK_P2=rank_p2, HALF=rope // 2, HALF_P2=triton.next_power_of_2(rope // 2),
-        STEP=step, SHIFT=shift, BLOCK_H=block_h, BY_HAND=_interpreted(), num_warps=4)
+        STEP=step, SHIFT=shift, BLOCK_H=block_h, BY_HAND=interpreted(), num_warps=4)
     return out

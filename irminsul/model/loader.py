@@ -157,6 +157,32 @@ def _keep_fp8(model: MLAModel, float8: set[str], quant: QuantConfig | None) -> s
     return kept
 
 
+def scale_file(shard: Path, name: str, home: dict[str, Path], config: MLAConfig) -> Path:
+    """The file holding float8 weight ``name``'s ``weight_scale_inv`` (``home``: every
+    tensor's file), after checking config.json says how to use it."""
+    if config.quantization is None:
+        raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
+                              "quantization_config")
+    scale_shard = home.get(name + "_scale_inv")
+    if scale_shard is None:
+        raise CheckpointError(f"{shard}: {name} is float8 without {name}_scale_inv")
+    return scale_shard
+
+
+def float8_scale(f: Any, shard: Path, name: str, tensor: torch.Tensor, home: dict[str, Path],
+                 config: MLAConfig) -> torch.Tensor:
+    """The ``weight_scale_inv`` of the float8 weight ``tensor`` (``name`` in ``shard``, open as
+    ``f``), read from whichever file holds it; only float8_e4m3fn block-scaled weights pass."""
+    if tensor.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{shard}: {name} is {tensor.dtype}; only float8_e4m3fn "
+                              "block-scaled weights are supported")
+    scale_shard = scale_file(shard, name, home, config)
+    if scale_shard == shard:
+        return f.get_tensor(name + "_scale_inv")
+    with safe_open(str(scale_shard), framework="pt") as g:
+        return g.get_tensor(name + "_scale_inv")
+
+
 def read_tensors(path: str | os.PathLike, config: MLAConfig,
                  keep: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor the model uses, MTP layers skipped, FP8 dequantized —
@@ -165,25 +191,11 @@ def read_tensors(path: str | os.PathLike, config: MLAConfig,
     for shard, f, name, home in used_tensors(path, config):
         tensor = f.get_tensor(name)
         if tensor.dtype in FLOAT8_DTYPES:
-            if tensor.dtype != torch.float8_e4m3fn:
-                raise CheckpointError(f"{shard}: {name} is {tensor.dtype}; only "
-                                      "float8_e4m3fn block-scaled weights are supported")
-            if config.quantization is None:
-                raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
-                                      "quantization_config")
-            scale_name = name + "_scale_inv"
-            scale_shard = home.get(scale_name)
-            if scale_shard is None:
-                raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
-            if scale_shard == shard:
-                scale = f.get_tensor(scale_name)
-            else:
-                with safe_open(str(scale_shard), framework="pt") as g:
-                    scale = g.get_tensor(scale_name)
+            scale = float8_scale(f, shard, name, tensor, home, config)
             if name in keep:
                 _check_scale(tensor, scale, config.quantization, f"{shard}: {name}")
                 yield name, tensor
-                yield scale_name, scale.float()
+                yield name + "_scale_inv", scale.float()
                 continue
             tensor = dequantize_weight(tensor, scale, config.quantization, f"{shard}: {name}")
         yield name, tensor

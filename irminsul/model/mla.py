@@ -74,11 +74,14 @@ class MLAttention(nn.Module):
         self.naive_from = naive_from(config)
         self.kernels = False  # fused Triton kernels for all-kernel batches (use_kernels)
 
-    def _query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _projected(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries [T, H, nope + rope] of x, their RoPE part not yet rotated."""
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
             self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        return q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
+
+    def _query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_nope, q_rope = self._projected(x).split([self.nope, self.rope_dim], dim=-1)
         return q_nope, self.rotary.apply(q_rope, positions)
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -167,9 +170,7 @@ class MLAttention(nn.Module):
         from ..kernels import assemble_query, paged_mla_attention, store_latent
 
         tokens = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
-            self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(tokens, self.heads, self.nope + self.rope_dim)
+        q = self._projected(x)
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
         store_latent(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cis,

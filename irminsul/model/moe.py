@@ -161,7 +161,7 @@ class MoE(nn.Module):
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
             shared = self._shared_as_experts()
-            count = 0 if shared is None else shared.gate.shape[0] // self.w2.shape[2]
+            count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             weights, ids = self.gate(x, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared)
             return out if shared is not None or self.shared_experts is None else (

@@ -21,13 +21,20 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..model import MLAConfig, MLAModel
 from ..model.config import load_config
-from ..model.loader import FP32_PARAMS, CheckpointError, dequantize_weight, install, used_tensors
+from ..model.loader import (
+    FP32_PARAMS,
+    CheckpointError,
+    dequantize_weight,
+    float8_scale,
+    install,
+    scale_file,
+    used_tensors,
+)
 from ..model.rope import audit_rotary
-from .shard import check_divisible, shard_weights
+from .shard import check_divisible, shard_weights, share_of
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -76,14 +83,9 @@ class _Slices:
 
     def __init__(self, config: MLAConfig, rank: int, world: int) -> None:
         self.config, self.rank, self.world = config, rank, world
-        heads = config.num_attention_heads
-        self.heads = slice(rank * heads // world, (rank + 1) * heads // world)
-        experts = config.n_routed_experts or 0
-        self.experts = range(rank * experts // world, (rank + 1) * experts // world)
-
-    def _part(self, width: int, unit: int = 1) -> slice:
-        share = width // self.world
-        return slice(self.rank * share * unit, (self.rank + 1) * share * unit)
+        self.heads = share_of(config.num_attention_heads, rank, world)
+        experts = share_of(config.n_routed_experts or 0, rank, world)
+        self.experts = range(experts.start, experts.stop)
 
     def of(self, name: str, read: _Read) -> torch.Tensor:
         """The rank's part of tensor ``name``, read through ``read``."""
@@ -103,7 +105,7 @@ class _Slices:
         if mlp is not None:
             width = (c.moe_intermediate_size * c.n_shared_experts if mlp.group(1)
                      else c.intermediate_size)
-            part = self._part(width)
+            part = share_of(width, self.rank, self.world)
             return read((slice(None), part) if mlp.group(2) == "down" else (part,))
         return read(())
 
@@ -141,7 +143,7 @@ class _Read:
 
     def __call__(self, index: tuple[slice, ...]) -> torch.Tensor:
         if self.dequantize is not None:
-            return self.dequantize()[index] if index else self.dequantize()
+            return self.dequantize()[index]
         view = self.handle.get_slice(self.name)
         return view[index] if index else view[:]
 
@@ -156,24 +158,13 @@ def _tensors(path: Path, config: MLAConfig):
 
 
 def _dequantizer(f, shard: Path, name: str, home: dict[str, Path], config: MLAConfig):
-    """A float8 weight's dequantized float32 whole, read on first use."""
-    if config.quantization is None:
-        raise CheckpointError(f"{shard}: {name} is float8 but config.json has no "
-                              "quantization_config")
-    scale_name = name + "_scale_inv"
-    if scale_name not in home:
-        raise CheckpointError(f"{shard}: {name} is float8 without {scale_name}")
+    """A float8 weight's dequantized float32 whole, read on first use (what config.json must
+    say about it checked now)."""
+    scale_file(shard, name, home, config)
 
     def whole() -> torch.Tensor:
         weight = f.get_tensor(name)
-        if weight.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{shard}: {name} is {weight.dtype}; only float8_e4m3fn "
-                                  "block-scaled weights are supported")
-        if home[scale_name] == shard:
-            scale = f.get_tensor(scale_name)
-        else:
-            with safe_open(str(home[scale_name]), framework="pt") as g:
-                scale = g.get_tensor(scale_name)
+        scale = float8_scale(f, shard, name, weight, home, config)
         return dequantize_weight(weight, scale, config.quantization, f"{shard}: {name}")
 
     return whole

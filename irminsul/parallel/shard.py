@@ -89,7 +89,8 @@ def check_divisible(config: MLAConfig, world: int) -> None:
             raise ValueError(f"{name} ({value}) does not split evenly over {world} ranks")
 
 
-def _share(size: int, rank: int, world: int) -> slice:
+def share_of(size: int, rank: int, world: int) -> slice:
+    """Rank ``rank`` of ``world``'s even share of ``size`` rows, heads or experts."""
     part = size // world
     return slice(rank * part, (rank + 1) * part)
 
@@ -112,7 +113,7 @@ def _keep_columns(linear: nn.Linear, columns: slice, rank: int) -> None:
 
 
 def _shard_attention(attn: MLAttention, rank: int, world: int) -> None:
-    heads = _share(attn.heads, rank, world)
+    heads = share_of(attn.heads, rank, world)
     qk, kv = attn.nope + attn.rope_dim, attn.nope + attn.v_dim
     q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
     _keep_rows(q, slice(heads.start * qk, heads.stop * qk))
@@ -122,7 +123,7 @@ def _shard_attention(attn: MLAttention, rank: int, world: int) -> None:
 
 
 def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
-    part = _share(mlp.gate_proj.out_features, rank, world)
+    part = share_of(mlp.gate_proj.out_features, rank, world)
     _keep_rows(mlp.gate_proj, part)
     _keep_rows(mlp.up_proj, part)
     _keep_columns(mlp.down_proj, part, rank)
@@ -131,7 +132,7 @@ def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
 def _shard_moe(moe: MoE, rank: int, world: int) -> None:
     if moe.w13 is None or moe.w2 is None:
         raise ValueError("shard the model after its experts are fused (load_model fuses them)")
-    experts = _share(moe.w13.shape[0], rank, world)
+    experts = share_of(moe.w13.shape[0], rank, world)
     moe.w13 = nn.Parameter(moe.w13.data[experts].clone(), requires_grad=False)
     moe.w2 = nn.Parameter(moe.w2.data[experts].clone(), requires_grad=False)
     moe.expert_first = experts.start

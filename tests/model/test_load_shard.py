@@ -16,7 +16,6 @@ from test_model_loader import CASES, build_hf, fp8, save  # noqa: E402
 from irminsul.model import CheckpointError, load_model  # noqa: E402
 from irminsul.model import loader as loader_module  # noqa: E402
 from irminsul.model.moe import MoE  # noqa: E402
-from irminsul.parallel import load as load_module  # noqa: E402
 from irminsul.parallel.load import load_shard  # noqa: E402
 from irminsul.parallel.shard import shard_weights  # noqa: E402
 
@@ -103,7 +102,6 @@ def test_other_ranks_experts_are_never_read(checkpoints, monkeypatch) -> None:
             return self.handle.get_tensor(name)
 
     monkeypatch.setattr(loader_module, "safe_open", Recording)
-    monkeypatch.setattr(load_module, "safe_open", Recording)
     load_shard(checkpoints["v2"], 0, 2)
     experts = [n for n in reads if ".mlp.experts." in n]
     assert experts and all(int(n.split(".experts.")[1].split(".")[0]) < 4 for n in experts)
