@@ -26,57 +26,39 @@ from ..device import upload
 
 SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
 SMS = SM_TARGET // 2  # where the device does not say (a CPU under Triton's interpreter)
+LOG2E = 1.4426950408889634
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
+SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill at most
+# 16-row launches of fewer blocks split each request's keys evenly (splits for one wave already
+# balance a few blocks, and the pieces' merge costs more than it saves there): an H200 measure.
+PIECES_FROM_BLOCKS = 16
+SCHEDULE_LEAST = 64  # keys a piece holds at least
 
 
 @triton.jit
-def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
-                BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
-                heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
-                RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-                SPLIT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                PRECISION: tl.constexpr):
-    blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    req = tl.load(BLK_REQ + blk)
-    q0, nq = tl.load(REQ_Q0 + req), tl.load(REQ_NQ + req)
-    kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req)
-    rows = tl.load(BLK_ROW0 + blk) + tl.arange(0, BLOCK_M)
-    row_ok = rows < nq * heads
-    grow = (q0 * heads + rows).to(tl.int64)  # (q0 + token)·H + head
-    visible = kvlen - nq + rows // heads + 1  # keys each row may see (itself included)
-    # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
-    # keys): the grid does not depend on the batch's lengths, so a captured launch serves any.
-    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
-    start = split * split_len
-    end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
-
+def _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible, c_stride,
+                 r_stride, scale_log2, vcols, m_i, l_i, acc,
+                 RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of a block's rows over keys ``start:end`` of its request (entries ``kv0 +
+    key`` of the slot lists): the running max, sum and output, updated."""
     # q_r·k_r is a plain dot product over the rope dims: the rotary's pair layout does not
     # matter here (rows are stored rotated), so both are read whole and contiguous.
     dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
     rope_ok = rdims < ROPE
-    q_rows = Q + grow[:, None] * q_stride
-    q_nope = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    q_r = tl.load(q_rows + RANK + rdims[None, :], mask=row_ok[:, None] & rope_ok[None, :],
-                  other=0.0)
-
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    vcols = vblk * DV + tl.arange(0, DV)
     for n in range(start, end, BLOCK_N):
         keys = n + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
-        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int64)
+        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
+        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
         c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
                     other=0.0)
         k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
                       mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
         s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-        # A step may run past its split's end (block_n above the 64-key split alignment): keys
-        # there belong to the next split, visible or not.
+        # A step may run past its range's end (a split's or a chunk's): keys there are
+        # another program's, visible or not.
         seen = (keys[None, :] < visible[:, None]) & key_ok[None, :]
         s = tl.where(seen, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,7 +72,62 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                         other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, blk, heads,
+                BLOCK_M: tl.constexpr):
+    """A block's request (first key entry, keys) and its folded rows: which are real, their
+    batch rows ``(q0 + token)·H + head``, and how many keys each may see (itself included)."""
+    # Tables may come as int64 (a CUDA graph's staging buffer): int32 from here on, as the
+    # int32 tables of an eager launch. int64 block and request values cost 1.3-2.9x in time
+    # (H200, batches of 64-128).
+    req = tl.load(BLK_REQ + blk).to(tl.int32)
+    q0, nq = tl.load(REQ_Q0 + req).to(tl.int32), tl.load(REQ_NQ + req).to(tl.int32)
+    kv0, kvlen = tl.load(REQ_KV0 + req).to(tl.int64), tl.load(REQ_KVLEN + req).to(tl.int32)
+    rows = tl.load(BLK_ROW0 + blk).to(tl.int32) + tl.arange(0, BLOCK_M)
+    row_ok = rows < nq * heads
+    grow = (q0 * heads + rows).to(tl.int64)
+    visible = kvlen - nq + rows // heads + 1
+    return kv0, kvlen, row_ok, grow, visible
+
+
+@triton.jit
+def _load_query(Q, grow, row_ok, q_stride, RANK: tl.constexpr, ROPE: tl.constexpr,
+                ROPE_P2: tl.constexpr):
+    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
+    q_rows = Q + grow[:, None] * q_stride
+    q_nope = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q_r = tl.load(q_rows + RANK + rdims[None, :], mask=row_ok[:, None] & (rdims < ROPE)[None, :],
+                  other=0.0)
+    return q_nope, q_r
+
+
+@triton.jit
+def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
+                BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
+                heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
+                RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+                SPLIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
+                PRECISION: tl.constexpr):
+    blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
+                                                    REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
+    # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
+    # keys): the grid does not depend on the batch's lengths, so a captured launch serves any.
+    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    start = split * split_len
+    end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
+    q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    vcols = vblk * DV + tl.arange(0, DV)
+    m_i, l_i, acc = _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible,
+                                 c_stride, r_stride, scale_log2, vcols, m_i, l_i, acc,
+                                 RANK, ROPE, ROPE_P2, BLOCK_N, DV, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         at = (split * out_rows + grow)
@@ -103,12 +140,95 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                  mask=row_ok[:, None])
 
 
+@triton.jit
+def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
+                       BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, SCHED,
+                       blocks, heads, scale_log2, q_stride, c_stride, r_stride,
+                       RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    # One piece of one block's keys per program (SCHED, see PagedLayout.plan): a block read in
+    # one piece gets its output here, a block cut into several a partial output per piece, in
+    # the piece's slot, merged by _merge_pieces_kernel. Programs past the batch's pieces idle.
+    i, room = tl.program_id(0), tl.num_programs(0)
+    # Idle programs read block 0 over no keys and store nothing: no branch around the loop,
+    # which would keep the compiler from pipelining it as it pipelines the split kernel's.
+    live = i < tl.load(SCHED)
+    b = tl.where(live, tl.load(SCHED + 1 + i).to(tl.int32), 0)
+    start = tl.load(SCHED + 1 + room + i).to(tl.int32)
+    end = tl.where(live, tl.load(SCHED + 1 + 2 * room + i).to(tl.int32), start)
+    whole = tl.load(SCHED + 1 + 3 * room + blocks + b) == 1
+    kv0, _, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
+                                                REQ_KVLEN, b, heads, BLOCK_M)
+    row_ok = row_ok & (tl.arange(0, BLOCK_M) < tl.where(live, BLOCK_M, 0))
+    q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, RANK], tl.float32)
+    vcols = tl.arange(0, RANK)
+    m_i, l_i, acc = _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible,
+                                 c_stride, r_stride, scale_log2, vcols, m_i, l_i, acc,
+                                 RANK, ROPE, ROPE_P2, BLOCK_N, RANK, PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if whole:
+        tl.store(OUT + grow[:, None] * RANK + vcols[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        r = tl.arange(0, BLOCK_M)
+        at = (i * BLOCK_M + r).to(tl.int64)
+        keep = r < tl.where(live, BLOCK_M, 0)  # every row of a live program's slot
+        tl.store(PART + at[:, None] * RANK + vcols[None, :], out, mask=keep[:, None])
+        tl.store(PART_LSE + at, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=keep)
+
+
+@triton.jit
+def _merge_pieces_kernel(PART, PART_LSE, OUT, SCHED, BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
+                         heads, room, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    # One block's rows from its pieces' partial outputs (slots first .. first + count − 1),
+    # read GROUP pieces at a time: one wide load each, not a chain of small ones.
+    b, dblk, blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    first = tl.load(SCHED + 1 + 3 * room + b).to(tl.int32)
+    count = tl.load(SCHED + 1 + 3 * room + blocks + b).to(tl.int32)
+    if count > 1:
+        req = tl.load(BLK_REQ + b)
+        rows = tl.load(BLK_ROW0 + b) + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(REQ_NQ + req) * heads
+        grow = (tl.load(REQ_Q0 + req) * heads + rows).to(tl.int64)
+        r = tl.arange(0, BLOCK_M)
+        d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for g in range(0, count, GROUP):
+            piece = g + tl.arange(0, GROUP)
+            at = ((first + piece)[:, None] * BLOCK_M + r[None, :]).to(tl.int64)
+            lse = tl.load(PART_LSE + at, mask=(piece < count)[:, None], other=float("-inf"))
+            top = tl.maximum(top, tl.max(lse, 0))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for g in range(0, count, GROUP):
+            piece = g + tl.arange(0, GROUP)
+            at = ((first + piece)[:, None] * BLOCK_M + r[None, :]).to(tl.int64)  # [GROUP, M]
+            used = (piece < count)[:, None]
+            weight = tl.exp2(tl.load(PART_LSE + at, mask=used, other=float("-inf")) - top[None, :])
+            part = tl.load(PART + at[:, :, None] * RANK + d[None, None, :], mask=used[:, :, None],
+                           other=0.0)
+            acc += tl.sum(part * weight[:, :, None], 0)
+            total += tl.sum(weight, 0)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(OUT + grow[:, None] * RANK + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
 @dataclass
 class PagedLayout:
     """Where a ragged batch's keys are: built once per batch on the host, used by every layer.
 
     For request i: its queries are tokens ``q_start[i] : q_start[i] + new[i]`` of the batch, its
     keys entries ``kv_start[i] : kv_start[i] + kv_len[i]`` of the index lists (its new tokens last).
+    Work is divided one of two ways: each request's keys split evenly over ``splits`` programs
+    per block, or (``schedule``, 16-row blocks) each block's keys cut by their length into
+    pieces of at most a chunk, one program per piece (:meth:`plan`).
     """
 
     kv_ckv: torch.Tensor  # int32 [total keys] c_KV slots
@@ -120,31 +240,41 @@ class PagedLayout:
     heads: int
     block_m: int
     splits: int
+    schedule: torch.Tensor | None = None  # [1 + 3·programs + 2·blocks]: see plan()
+    programs: int = 0  # room for pieces: the scheduled launch's grid
 
     @classmethod
     def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
               device: torch.device | str, block_m: int | None = None,
-              splits: int | None = None) -> PagedLayout:
+              splits: int | None = None, programs: int | None = None,
+              least: int = SCHEDULE_LEAST) -> PagedLayout:
         """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
         ``kv_kr[i]`` (every key in position order, the new tokens' own rows last), in blocks of
-        ``block_m`` query rows (default: 16 for decode-sized batches, else 64), each request's
-        keys split over ``splits`` programs (default: enough for two waves, at least 256 keys
-        each)."""
+        ``block_m`` query rows (default: 16 for decode-sized batches, else 64). 16-row blocks,
+        :data:`PIECES_FROM_BLOCKS` or more, are cut into pieces for about ``programs`` programs
+        (default :func:`scheduled_programs`; pieces of at least ``least`` keys) unless
+        ``splits`` is given; otherwise each request's keys are split over ``splits`` programs (default:
+        enough for two waves, at least 256 keys each)."""
         kv_len = [len(s) for s in kv_ckv]
         if any(n < 1 or n > k for n, k in zip(new, kv_len)):
             raise ValueError("each request needs 1..len(keys) new tokens among its keys")
         if block_m is None:
             block_m = 16 if max(new) * heads <= 16 else 64
         block_req, block_row0 = cls.blocks(new, heads, block_m)
-        if splits is None:
-            splits = key_splits(len(block_req), block_m, device, max(kv_len))
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
             return upload(values, device, np.int32)
 
+        schedule = None
+        if splits is None and (programs is not None or in_pieces(block_m, len(block_req))):
+            work = cls.block_work(new, kv_len, heads, block_req, block_row0, block_m)
+            plan = cls.plan(work, programs or scheduled_programs(device), least)
+            schedule, splits, programs = ints(plan), 1, int(plan[0])  # room: the pieces
+        elif splits is None:
+            splits = key_splits(len(block_req), block_m, device, max(kv_len))
         return cls(ints(np.concatenate(kv_ckv)), ints(np.concatenate(kv_kr)),
                    ints(cls.request_table(new, kv_len)), ints(block_req), ints(block_row0),
-                   sum(new), heads, block_m, splits)
+                   sum(new), heads, block_m, splits, schedule, programs or 0)
 
     @staticmethod
     def blocks(new: list[int], heads: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,6 +286,65 @@ class PagedLayout:
     def request_table(new: list[int], kv_len: list[int]) -> np.ndarray:
         """[4, requests]: first query token, new tokens, first key entry, keys."""
         return np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
+
+    @staticmethod
+    def block_work(new: list[int], kv_len: list[int], heads: int, block_req: np.ndarray,
+                   block_row0: np.ndarray, block_m: int) -> np.ndarray:
+        """Keys each block reads: those its last row may see (causal by list index)."""
+        nq, keys = np.asarray(new)[block_req], np.asarray(kv_len)[block_req]
+        last = np.minimum(block_row0 + block_m, nq * heads) - 1
+        return keys - nq + last // heads + 1
+
+    @staticmethod
+    def plan(work: np.ndarray, programs: int, least: int = SCHEDULE_LEAST,
+             room: int | None = None) -> np.ndarray:
+        """The pieces of blocks reading ``work`` keys each, as the kernel reads them: ``[pieces,
+        block, first key, end key (room entries each), first piece, pieces (one per block)]``.
+
+        Each block's keys are cut into equal pieces of at most a chunk, split by its length as
+        FlashMLA's scheduler splits each request: a long request among short ones is read by
+        many programs, a short one by one. The chunk is the shortest (at least ``least`` keys)
+        that keeps the pieces within ``programs`` — one wave, not a partial second one — or,
+        with more blocks than programs, one piece per block. At most ``programs`` + blocks
+        pieces: the ``room`` (default: exactly the pieces) a launch's grid holds."""
+        work = np.asarray(work, dtype=np.int64)
+        used = work[work > 0]
+        lo, hi = least, max(least, int(used.max(initial=0)))
+        while lo < hi:  # Σ ceil(work / chunk) falls as the chunk grows
+            mid = (lo + hi) // 2
+            if int((-(-used // mid)).sum()) <= programs:
+                hi = mid
+            else:
+                lo = mid + 1
+        count = -(-work // lo)
+        size = -(-work // np.maximum(count, 1))
+        block = np.repeat(np.arange(work.size), count)
+        first = np.cumsum(count) - count
+        start = (np.arange(block.size) - first[block]) * size[block]
+        end = np.minimum(start + size[block], work[block])
+        room = block.size if room is None else room
+        if block.size > room:
+            raise ValueError(f"{block.size} pieces exceed the launch's room of {room}")
+        table = np.zeros(1 + 3 * room + 2 * work.size, dtype=np.int64)
+        table[0] = block.size
+        for k, values in enumerate((block, start, end)):
+            table[1 + k * room:1 + k * room + block.size] = values
+        table[1 + 3 * room:] = np.concatenate([first, count])
+        return table
+
+
+def in_pieces(block_m: int, blocks: int) -> bool:
+    """Whether a launch of ``blocks`` blocks of ``block_m`` rows is cut into pieces (else
+    split evenly per request): 16-row blocks, :data:`PIECES_FROM_BLOCKS` or more."""
+    return block_m == 16 and blocks >= PIECES_FROM_BLOCKS
+
+
+def scheduled_programs(device: torch.device | str) -> int:
+    """Programs a scheduled launch's pieces fill: :data:`SCHEDULE_WAVES` per SM on a GPU; a
+    few under Triton's CPU interpreter, which runs programs one after another."""
+    if torch.device(device).type != "cuda":
+        return 4
+    return SCHEDULE_WAVES * sm_count(device)
 
 
 def sm_count(device: torch.device | str) -> int:
@@ -198,13 +387,13 @@ class TileConfig:
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
         """Every block keeps the whole value width (recomputing q·k per value split costs more
-        than it saves). Decode blocks (16 rows) step 128 keys with 8 warps and two stages,
+        than it saves). Decode blocks (16 rows) step 64 keys with 8 warps and two stages,
         prefill blocks (64 rows) 32 keys with 8 warps and one stage: the fastest of the shapes
         benchmarks/gpu/decode_attention.py and kernels.py try on an H200. float32 tiles are twice
         the bytes: fewer keys per step."""
         wide = dtype == torch.float32
         if block_m == 16:
-            return cls(32, rank, 4, 2) if wide else cls(128, rank, 8, 2)
+            return cls(32, rank, 4, 2) if wide else cls(64, rank, 8, 2)
         return cls(16 if wide else 32, rank, 8, 1)
 
 
@@ -227,25 +416,53 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     tiles = tiles or TileConfig.default(block_m, rank, q.dtype)
     dv = tiles.dv
     rows = tokens * heads
+    req = layout.requests
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    rope_p2 = max(16, triton.next_power_of_2(rope))
+    if layout.schedule is not None:
+        return _scheduled(q, ckv, kr, layout, scale, tiles, precision, rope_p2)
     if layout.splits > 1:
         out = torch.empty(layout.splits, rows, rank, dtype=torch.float32, device=q.device)
         lse = torch.empty(layout.splits, rows, dtype=torch.float32, device=q.device)
     else:
         out, lse = torch.empty(rows, rank, dtype=q.dtype, device=q.device), q
-    req = layout.requests
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    rope_p2 = max(16, triton.next_power_of_2(rope))
     grid = (layout.block_req.numel(), layout.splits, rank // dv)
     _mla_kernel[grid](
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
         layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
-        heads, scale * 1.4426950408889634, q.stride(1), ckv.stride(0),
+        heads, scale * LOG2E, q.stride(1), ckv.stride(0),
         kr.stride(0), rows, RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
         SPLIT=layout.splits > 1, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         out = merge_splits(out, lse, q.dtype)
+    return out.view(tokens, heads, rank)
+
+
+def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: PagedLayout,
+               scale: float, tiles: TileConfig, precision: str, rope_p2: int) -> torch.Tensor:
+    """:func:`paged_mla_attention` over a scheduled layout: one program per piece (room for
+    ``layout.programs``), then the merge of the blocks read in several pieces."""
+    tokens, heads, _ = q.shape
+    rank, rope = ckv.shape[1], kr.shape[1]
+    block_m, room = layout.block_m, layout.programs
+    if tiles.dv != rank:
+        raise ValueError("a scheduled launch keeps every value column in one program")
+    out = torch.empty(tokens * heads, rank, dtype=q.dtype, device=q.device)
+    part = torch.empty(room * block_m, rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(room * block_m, dtype=torch.float32, device=q.device)
+    blocks, req = layout.block_req.numel(), layout.requests
+    tables = (layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3])
+    _mla_pieces_kernel[(room,)](
+        q, ckv, kr, out, part, part_lse, layout.kv_ckv, layout.kv_kr, *tables, layout.schedule,
+        blocks, heads, scale * LOG2E, q.stride(1), ckv.stride(0), kr.stride(0),
+        RANK=rank, ROPE=rope, ROPE_P2=rope_p2, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    block_d = min(32, rank)
+    _merge_pieces_kernel[(blocks, rank // block_d)](
+        part, part_lse, out, layout.schedule, *tables[:4], heads, room, RANK=rank,
+        BLOCK_M=block_m, BLOCK_D=block_d, GROUP=8, num_warps=4)
     return out.view(tokens, heads, rank)
 
 

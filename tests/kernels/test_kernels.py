@@ -185,11 +185,40 @@ def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dt
         launches.append((fixed, TileConfig(128, rank, 4, 2)))
     launches.append((PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16,
                                        splits=1), TileConfig(32, rank, 4, 2)))
+    # 16-row launches in pieces, sized for one program (each block one piece), for five
+    # (long blocks cut, partial outputs merged) and for eight.
+    for programs in (1, 5, 8):
+        launches.append((PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16,
+                                           programs=programs), None))
     for layout, tiles in launches:
         got = paged_mla_attention(q.to(DEVICE), ckv.to(DEVICE), kr.to(DEVICE), layout, scale,
                                   tiles)
         assert got.dtype == dtype
         assert (got.cpu().double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_pieces_cut_each_block_by_its_length() -> None:
+    """The schedule of 16-row launches, by hand: 400 keys within 3 programs take chunks of
+    150 (the shortest that fit); a block of 100 keys is one piece, an empty block none, a block
+    of 300 two of 150."""
+    from irminsul.kernels import PagedLayout
+
+    table = PagedLayout.plan(np.array([100, 0, 300]), programs=3, room=4)
+    pieces, room = table[0], 4
+    block, start, end = table[1:1 + room], table[1 + room:1 + 2 * room], table[1 + 2 * room:13]
+    assert pieces == 3
+    assert block[:3].tolist() == [0, 2, 2]
+    assert start[:3].tolist() == [0, 0, 150] and end[:3].tolist() == [100, 150, 300]
+    assert table[13:16].tolist() == [0, 1, 1] and table[16:].tolist() == [1, 0, 2]
+    # Uniform blocks fill the programs evenly: 64 blocks of 4096 keys over 132 programs are
+    # 2 pieces of 2048 each (one wave), not 3 of 1366 (a second, partial wave).
+    table = PagedLayout.plan(np.full(64, 4096), programs=132)
+    assert table[0] == 128 and set(np.diff(table[1 + 128:1 + 256])[::2].tolist()) == {2048}
+    # At least 64 keys a piece; more blocks than programs: one piece each.
+    assert PagedLayout.plan(np.array([10, 10, 10]), programs=132)[0] == 3
+    assert PagedLayout.plan(np.full(200, 4096), programs=132)[0] == 200
+    with pytest.raises(ValueError, match="4 pieces exceed the launch's room of 3"):
+        PagedLayout.plan(np.array([64, 64, 64, 64]), programs=4, least=16, room=3)
 
 
 def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
