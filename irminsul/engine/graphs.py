@@ -12,9 +12,11 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
   spans: 64 rows, four tokens sharing each read of their keys; and, where heads are fewer than
   64, a second graph of 16-row blocks per larger bucket for batches of one-token spans — decode
   steps of many requests, whose tokens share no keys), room for every block a batch of the
-  bucket's tokens can need (one partial block per request at most), a fixed number of key
-  splits per request sized for the bucket's blocks (the kernel divides each request's keys
-  itself), key slot lists of any length up to ``max_keys``. Unused blocks name rows past their
+  bucket's tokens can need (one partial block per request at most), the division of the keys:
+  for many 16-row blocks pieces written with each batch (each block's keys cut by their
+  length, one program per piece), otherwise a fixed number of key splits per request sized
+  for the bucket's blocks (the kernel divides each request's keys itself),
+  key slot lists of any length up to ``max_keys``. Unused blocks name rows past their
   request's end and do nothing;
 - the padding tokens as one more request whose keys and new rows are a scratch slot.
 
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from ..kernels import PagedLayout
-from ..kernels.mla_attention import key_splits
+from ..kernels.mla_attention import in_pieces, key_splits, scheduled_programs
 from ..model import MLAModel
 from ..model.paged import PagedKV
 from .kv_pool import HANDLE_LOW, pack
@@ -128,10 +130,12 @@ class CudaGraphs:
         top, device = buckets[-1], ckv.device
         self.cuda = device.type == "cuda"
         # Regions: ids, positions and new c_KV / k_r slots [4, bucket]; each request's last
-        # row [bucket + 1]; blocks [2, room]; the request table [4, bucket + 1]; keys.
+        # row [bucket + 1]; blocks [2, room]; the request table [4, bucket + 1]; the pieces
+        # of 16-row launches (PagedLayout.plan); keys.
         self.launches = launches(buckets, heads)
+        self.programs = scheduled_programs(device)
         room = max(block_room(top, heads, rows) for _, rows in self.launches)
-        sizes = (4 * top, top + 1, 2 * room, 4 * (top + 1), max_keys)
+        sizes = (4 * top, top + 1, 2 * room, 4 * (top + 1), self._plan_size(room), max_keys)
         self._at = np.cumsum((0,) + sizes).tolist()  # region starts, then the k_r keys'
         self.inputs = Staging(device, self._at[-1] + max_keys)
         # (bucket, rows per block) -> replay
@@ -179,7 +183,7 @@ class CudaGraphs:
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
             self._views(self.inputs.host(), *staged.launch)[0][0, :staged.tokens] = tokens
-        self.inputs.send((0, self._at[4] + staged.keys), (self._at[5], self._at[5] + staged.keys))
+        self.inputs.send((0, self._at[5] + staged.keys), (self._at[6], self._at[6] + staged.keys))
         if on_device:
             self._views(self.inputs.buffer, *staged.launch)[0][0, :staged.tokens].copy_(tokens)
         self.replays[staged.launch] += 1
@@ -187,14 +191,21 @@ class CudaGraphs:
                   if staged.wanted else None)
         return self.forwards[staged.launch]()[:staged.tokens], wanted
 
+    def _plan_size(self, room: int) -> int:
+        """Entries of the pieces' table of a 16-row launch with ``room`` blocks: pieces for
+        ``programs`` programs plus one per block at most (:meth:`PagedLayout.plan`)."""
+        return 1 + 3 * (self.programs + room) + 2 * room
+
     def _views(self, buffer: np.ndarray | torch.Tensor, bucket: int, rows: int) -> tuple:
         """A launch's regions of the buffer (or of a host mirror): rows [4, bucket], last rows
-        [bucket + 1], blocks [2, room], request table [4, bucket + 1], c_KV keys, k_r keys."""
+        [bucket + 1], blocks [2, room], request table [4, bucket + 1], schedule, c_KV keys, k_r
+        keys."""
         at, room = self._at, block_room(bucket, self.heads, rows)
         return (buffer[:4 * bucket].reshape(4, bucket), buffer[at[1]:at[2]],
                 buffer[at[2]:at[2] + 2 * room].reshape(2, room),
                 buffer[at[3]:at[3] + 4 * (bucket + 1)].reshape(4, bucket + 1),
-                buffer[at[4]:at[5]], buffer[at[5]:])
+                buffer[at[4]:at[4] + self._plan_size(room)], buffer[at[5]:at[6]],
+                buffer[at[6]:])
 
     def _fill(self, bucket: int, block_m: int, positions: np.ndarray,
               new_ckv: np.ndarray, new_kr: np.ndarray, spans: list[tuple[int, np.ndarray]],
@@ -208,8 +219,8 @@ class CudaGraphs:
         new = [count for count, _ in spans] + ([pad] if pad else [])
         handles = [h for _, h in spans] + ([np.full(pad, pack(scratch_c, scratch_r))]
                                            if pad else [])
-        rows, wanted, blocks, table, keys_c, keys_r = self._views(self.inputs.host(), bucket,
-                                                                  block_m)
+        rows, wanted, blocks, table, schedule, keys_c, keys_r = self._views(
+            self.inputs.host(), bucket, block_m)
         # Every value a replay reads is written: a mirror holds an older batch's values.
         rows[1, :n], rows[2, :n], rows[3, :n] = positions, new_ckv, new_kr
         rows[:, n:] = np.array([0, 0, scratch_c, scratch_r])[:, None]  # padding: token 0 at 0
@@ -220,6 +231,10 @@ class CudaGraphs:
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
         lengths = [len(h) for h in handles]
         table[:, :len(new)] = PagedLayout.request_table(new, lengths)
+        if in_pieces(block_m, blocks.shape[1]):  # unused blocks read no keys
+            work = np.zeros(blocks.shape[1], dtype=np.int64)
+            work[:used[0].size] = PagedLayout.block_work(new, lengths, self.heads, *used, block_m)
+            schedule[:] = PagedLayout.plan(work, self.programs, room=self.programs + work.size)
         # Each request's handles unpacked straight into the buffer: no slot arrays in between.
         at = 0
         for h, length in zip(handles, lengths):
@@ -232,12 +247,21 @@ class CudaGraphs:
         """A launch's forward over the buffer: on CUDA a graph's replay, captured after a run
         of a batch of padding only (kernels compiled, libraries' per-stream state made, as
         capture requires); elsewhere the forward itself."""
-        # Key splits for the launch's whole blocks whatever the lengths (the eager launch also
+        # Launches of many 16-row blocks are cut into pieces (the pieces are written with each
+        # batch); the others split each request's keys, as many splits
+        # as the launch's whole blocks call for whatever the lengths (the eager launch also
         # caps them by the longest request; here the cap is fixed: 64 per request).
-        splits = key_splits(whole_blocks(bucket, self.heads, block_m), block_m, self.ckv.device)
-        rows, _, blocks, table, keys_c, keys_r = self._views(self.inputs.buffer, bucket, block_m)
-        layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket, self.heads,
-                             block_m, splits)
+        rows, _, blocks, table, schedule, keys_c, keys_r = self._views(self.inputs.buffer,
+                                                                       bucket, block_m)
+        if in_pieces(block_m, blocks.shape[1]):
+            layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket,
+                                 self.heads, block_m, 1, schedule,
+                                 self.programs + blocks.shape[1])
+        else:
+            splits = key_splits(whole_blocks(bucket, self.heads, block_m), block_m,
+                                self.ckv.device)
+            layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket,
+                                 self.heads, block_m, splits)
         kv = PagedKV(self.ckv, self.kr, rows[2], rows[3], layout, None, [])
 
         def forward() -> torch.Tensor:
@@ -247,7 +271,7 @@ class CudaGraphs:
             return forward
         empty = np.zeros(0, dtype=np.int64)
         keys = self._fill(bucket, block_m, empty, empty, empty, [], empty)
-        self.inputs.send((0, self._at[4] + keys), (self._at[5], self._at[5] + keys))
+        self.inputs.send((0, self._at[5] + keys), (self._at[6], self._at[6] + keys))
         graph, out = capture(forward, self.pool)
 
         def replay() -> torch.Tensor:
