@@ -628,27 +628,66 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
 
 
 def decode_attention(r: dict[str, Any], name: str) -> list[str]:
-    """The attention kernel alone on decode batches: the engine's launches against the floor."""
-    title = ("launch sweep" if "sweep" in name else "the engine's launches")
-    lines = [f"## GPU decode attention: {title}", "",
+    """The attention kernel alone on decode batches: the engine's launch against the split one
+    it replaced and the floor, uniform and ragged lengths."""
+    lines = ["## GPU decode attention: launch sweep", "",
              f"`docs/results/{name}`. " + _run_line(r["meta"], **{
                  "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             "```bash", f"python benchmarks/gpu/decode_attention.py --out docs/results/{name}"
-             + (" --no-sweep" if "sweep" not in name else ""), "```", "",
-             "One layer, B requests × 1 token over C keys each; floor = every key's c_KV and k_r "
-             "row and its two slot ids over the copy bandwidth. Device time per call. "
-             + r.get("about", ""), ""]
+             "```bash", r.get("command", "python benchmarks/gpu/decode_attention.py --out F.json"),
+             "```", "",
+             "One layer, B requests × 1 token over C keys each (ragged: lengths drawn "
+             "log-uniformly between 256 and C); floor = every key's c_KV and k_r row and its two "
+             "slot ids over the copy bandwidth. Device time per call; *pieces*: the engine's "
+             "launch (eager and graphs alike), each block's keys cut by length into pieces, one "
+             "program per piece, for 16 or more blocks, else the split launch; *split*: each "
+             "request's keys split evenly over a fixed number of programs, as before; target ≥ 70% "
+             "of copy bandwidth. " + r.get("about", ""), ""]
     rows = []
     for c in r["cells"]:
         timed = {k: v for k, v in c.items() if isinstance(v, dict)}
-        graph = next(k for k in timed if k.startswith("graph"))
-        best = timed[c["best"]]
-        rows.append([c["batch"], _k(c["context"]), f"{c['floor_ms']:.3f}",
-                     f"{timed['eager default']['ms']:.3f}", f"{graph.removeprefix('graph launch ')}",
-                     f"{timed[graph]['ms']:.3f}", c["best"], f"{best['ms']:.3f}",
+        engine = timed["scheduled (engine)"]
+        split_key = next(k for k in timed if k.startswith("split"))
+        split, best = timed[split_key], timed[c["best"]]
+        rows.append([c["batch"], _k(c["context"]), "ragged" if c.get("ragged") else "uniform",
+                     f"{c['floor_ms']:.3f}", f"{engine['ms']:.3f}",
+                     f"{engine['share_of_copy_bw']:.0%}",
+                     f"{split['ms']:.3f}", f"{split['share_of_copy_bw']:.0%}",
+                     f"{split['ms'] / engine['ms']:.2f}×", c["best"].replace("scheduled (engine)", "engine"),
                      f"{best['share_of_copy_bw']:.0%}"])
-    lines += _table(("batch", "context", "floor (ms)", "eager (ms)", "graph launch",
-                     "graph (ms)", "fastest", "fastest (ms)", "fastest / copy bw"), rows)
+    lines += _table(("batch", "context", "lengths", "floor (ms)", "engine (ms)", "engine / copy bw",
+                     "split before (ms)", "split / copy bw", "split ÷ engine", "fastest",
+                     "fastest / copy bw"), rows)
+    return lines
+
+
+def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
+    """The anchor: FlashInfer's MLA paged decode kernel on the same batches and rows."""
+    info = r["flashinfer"]
+    built = ", ".join(f"{k.removeprefix('jit ')} {v['s']:.0f} s" for k, v in info.items()
+                      if k.startswith("jit") and "s" in v)
+    lines = ["## GPU decode attention: FlashInfer's MLA kernel as the anchor", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
+                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+             "```bash", r.get("command", ""), "```", "",
+             f"`BatchMLAPagedAttentionWrapper` ({info['import'].get('version', '?')}; JIT build: "
+             f"{built}) over the same rows as pages of 1 token (our gather) and 64, one "
+             "query token per request, planned once, `run` timed as device time per call; share "
+             "of copy bandwidth over the rows it reads; *diff*: max |FlashInfer − ours| over "
+             "max |ours|. " + r.get("about", ""), ""]
+    rows = []
+    for c in r["cells"]:
+        for page in (1, 64):
+            fa2, fa3 = c.get(f"flashinfer fa2 page {page}"), c.get(f"flashinfer fa3 page {page}")
+            if not fa3 or "ms" not in fa3:
+                continue
+            rows.append([c["batch"], _k(c["context"]), page, f"{c['ours']['ms']:.3f}",
+                         f"{c['ours']['share_of_copy_bw']:.0%}",
+                         *([f"{fa2['ms']:.3f}", f"{fa2['share_of_copy_bw']:.0%}"]
+                           if fa2 and "ms" in fa2 else ["failed", ""]),
+                         f"{fa3['ms']:.3f}", f"{fa3['share_of_copy_bw']:.0%}",
+                         f"{fa3['rel_max_diff']:.1e}"])
+    lines += _table(("batch", "context", "page", "ours (ms)", "ours / bw", "fa2 (ms)",
+                     "fa2 / bw", "fa3 (ms)", "fa3 / bw", "diff"), rows)
     return lines
 
 
@@ -857,6 +896,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
+        ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
         ("gpu-break-even.json", lambda p: break_even(_load(p), p.name)),
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
