@@ -1,7 +1,8 @@
 """``irminsul.parallel.load_shard``: one rank's share read from the checkpoint equals the whole
 model loaded and then split by ``shard_weights`` — every tensor bit for bit, the same sharded
 config and expert range — for DeepSeek-V2 and V3 shapes, float32 and bf16, a many-file
-checkpoint and an FP8 one; and the routed experts of other ranks are never read."""
+checkpoint, an FP8 one and ones with attention biases; the row-parallel o_proj's bias is added
+once over the ranks; and the routed experts of other ranks are never read."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ __all__ = ["fp8"]  # the imported module-scoped fixture, used below
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{name: directory}: V2 and V3 in one file, V3 in many (index.json + 20 KB shards)."""
+    """{name: directory}: V2 and V3 in one file, V3 in many (index.json + 20 KB shards), and V2
+    and V3 with ``attention_bias: true`` (random biases ~ N(1, 0.2²) on kv_a_proj_with_mqa,
+    o_proj and, V3's q-LoRA, q_a_proj)."""
     out = {}
     for name, case in CASES.items():
         out[name] = save(build_hf(case, seed=4), tmp_path_factory.mktemp(name))
+        out[f"{name}_bias"] = save(build_hf(case, seed=6, attention_bias=True),
+                                   tmp_path_factory.mktemp(f"{name}_bias"))
     out["v3_many_files"] = save(build_hf(CASES["v3"], seed=5),
                                 tmp_path_factory.mktemp("many"), max_shard_size="20KB")
     return out
@@ -50,12 +55,45 @@ def assert_same_shard(path, rank: int, world: int, dtype: torch.dtype) -> None:
     assert torch.equal(got.logits(ids), want.logits(ids))
 
 
-@pytest.mark.parametrize("name", ["v2", "v3", "v3_many_files"])
+@pytest.mark.parametrize("name", ["v2", "v3", "v3_many_files", "v2_bias", "v3_bias"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_shard_read_equals_load_then_shard(checkpoints, name: str, world: int) -> None:
     for rank in range(world):
         assert_same_shard(checkpoints[name], rank, world, torch.float32)
     assert_same_shard(checkpoints[name], world - 1, world, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["v2_bias", "v3_bias"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_o_proj_bias_is_added_once(checkpoints, name: str, world: int) -> None:
+    """With ``attention_bias: true``, against the whole model ``load_model`` reads (no sharding
+    code): each layer's attention outputs of the ``load_shard`` ranks, summed, are the whole
+    layer's (fp32 tolerance), which holds only if o_proj's bias (~1 per entry) is added once.
+    The rule: o_proj is row-parallel, so rank 0 keeps its bias and every other rank a zero one;
+    q_a_proj and kv_a_proj_with_mqa are replicated, biases whole on every rank (so every rank
+    computes the same latent rows); q_proj, q_b_proj and kv_b_proj have no bias."""
+    whole = load_model(checkpoints[name])
+    ranks = [load_shard(checkpoints[name], rank, world) for rank in range(world)]
+    tokens = 7
+    x = torch.randn(tokens, whole.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(tokens)
+    for i, layer in enumerate(whole.model.layers):
+        attn = layer.self_attn
+        assert attn.o_proj.bias is not None and bool(attn.o_proj.bias.abs().min() > 0.1), i
+        parts = [shard.model.layers[i].self_attn for shard in ranks]
+        with torch.inference_mode():
+            want, rows = attn(x, positions, [None], [tokens])
+            outs, part_rows = zip(*(part(x, positions, [None], [tokens]) for part in parts))
+        assert all(torch.equal(r, rows) for r in part_rows), i
+        torch.testing.assert_close(torch.stack(outs).sum(0), want, rtol=1e-5, atol=1e-5)
+        assert [r for r, part in enumerate(parts) if part.o_proj.bias.any()] == [0], i
+        assert torch.equal(parts[0].o_proj.bias, attn.o_proj.bias), i
+        for part in parts:
+            for proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+                if hasattr(attn, proj):
+                    assert torch.equal(getattr(part, proj).bias, getattr(attn, proj).bias), proj
+            for proj in ("q_proj", "q_b_proj", "kv_b_proj"):
+                assert getattr(getattr(part, proj, None), "bias", None) is None, proj
 
 
 def test_fp8_checkpoint_shard_equals_load_then_shard(fp8) -> None:
