@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
-from conftest import Server, config, running
+from fixtures.openai_server import Server, config, running
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from conftest import Server, config, running
+from fixtures.openai_server import Server, config, running
 from fixtures.tiny_server_model import sentences
 
 import irminsul.engine.scheduler as scheduler_module

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import SLOTS, Server
+from fixtures.openai_server import SLOTS, Server
 from fixtures.tiny_server_model import END, EOS, sentences
 from openai import OpenAI
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import Server, config, running
+from fixtures.openai_server import Server, config, running
 from fixtures.tiny_server_model import sentences
 
 CLIENTS = 16
