@@ -541,10 +541,8 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
 def moe(r: dict[str, Any], name: str) -> list[str]:
     """The routed experts alone: grouped GEMMs against the fused kernel, by token count."""
     shape = r["shape"]
-    lines = ["## GPU routed experts: grouped GEMM vs the fused MoE kernel", "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
-                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             "```bash", r.get("command", "python benchmarks/gpu/moe.py --out F.json"), "```", "",
+    lines = _bandwidth_header("GPU routed experts: grouped GEMM vs the fused MoE kernel", r, name,
+                              "python benchmarks/gpu/moe.py --out F.json") + [
              f"One MoE layer's routed experts (hidden {shape['hidden']}, {shape['experts']} "
              f"experts, top-{shape['topk']}, intermediate {shape['inter']}, bf16), T tokens "
              "routed by a real softmax top-k of random logits; floor = the touched experts' "
@@ -627,14 +625,19 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def _bandwidth_header(title: str, r: dict[str, Any], name: str, command: str) -> list[str]:
+    """A GPU kernel section's head: its title, its file, machine and copy bandwidth, and the
+    command that reproduces it."""
+    return [f"## {title}", "", f"`docs/results/{name}`. " + _run_line(r["meta"], **{
+        "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
+            "```bash", r.get("command", command), "```", ""]
+
+
 def decode_attention(r: dict[str, Any], name: str) -> list[str]:
     """The attention kernel alone on decode batches: the engine's launch against the split one
     it replaced and the floor, uniform and ragged lengths."""
-    lines = ["## GPU decode attention: launch sweep", "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
-                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             "```bash", r.get("command", "python benchmarks/gpu/decode_attention.py --out F.json"),
-             "```", "",
+    lines = _bandwidth_header("GPU decode attention: launch sweep", r, name,
+                              "python benchmarks/gpu/decode_attention.py --out F.json") + [
              "One layer, B requests × 1 token over C keys each (ragged: lengths drawn "
              "log-uniformly between 256 and C); floor = every key's c_KV and k_r row and its two "
              "slot ids over the copy bandwidth. Device time per call; *pieces*: the engine's "
@@ -652,7 +655,8 @@ def decode_attention(r: dict[str, Any], name: str) -> list[str]:
                      f"{c['floor_ms']:.3f}", f"{engine['ms']:.3f}",
                      f"{engine['share_of_copy_bw']:.0%}",
                      f"{split['ms']:.3f}", f"{split['share_of_copy_bw']:.0%}",
-                     f"{split['ms'] / engine['ms']:.2f}×", c["best"].replace("scheduled (engine)", "engine"),
+                     f"{split['ms'] / engine['ms']:.2f}×",
+                     c["best"].replace("scheduled (engine)", "engine"),
                      f"{best['share_of_copy_bw']:.0%}"])
     lines += _table(("batch", "context", "lengths", "floor (ms)", "engine (ms)", "engine / copy bw",
                      "split before (ms)", "split / copy bw", "split ÷ engine", "fastest",
@@ -665,10 +669,8 @@ def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
     info = r["flashinfer"]
     built = ", ".join(f"{k.removeprefix('jit ')} {v['s']:.0f} s" for k, v in info.items()
                       if k.startswith("jit") and "s" in v)
-    lines = ["## GPU decode attention: FlashInfer's MLA kernel as the anchor", "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
-                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             "```bash", r.get("command", ""), "```", "",
+    lines = _bandwidth_header("GPU decode attention: FlashInfer's MLA kernel as the anchor", r,
+                              name, "") + [
              f"`BatchMLAPagedAttentionWrapper` ({info['import'].get('version', '?')}; JIT build: "
              f"{built}) over the same rows as pages of 1 token (our gather) and 64, one "
              "query token per request, planned once, `run` timed as device time per call; share "
