@@ -200,3 +200,8 @@ class Engine:
     def check(self) -> None:
         """Verify the slot accounting (:meth:`CacheManager.check`)."""
         self.cache.check()
+
+    def close(self) -> None:
+        """End the engine's use: what its runner holds elsewhere (under tensor parallel, the
+        followers' copies of this engine) is released. Not used after."""
+        self.runner.close()

@@ -112,6 +112,10 @@ class ModelRunner:
         """Forwards served by replaying a CUDA graph so far."""
         return sum(self.graphs.replays.values()) if self.graphs is not None else 0
 
+    def close(self) -> None:
+        """Release what this runner holds outside this process: nothing here (a leader's runner
+        releases its followers' copies, irminsul.parallel.leader)."""
+
     def rotate(self, reuse: Reuse) -> None:
         """The device work of a reuse: k_r slots ``dst`` of every layer := slots ``src`` rotated
         by ``deltas`` (queued on the current stream, ahead of the forward that reads them)."""

@@ -4,10 +4,10 @@ group and its failure handling (:mod:`.group`), and the leader that drives the f
 runners (:mod:`.leader`). docs/multi-gpu.md describes the design."""
 
 from .group import ParallelGroup, RankFailure, abort, all_reduce, broadcast, guarded, init, shutdown
-from .leader import LeaderRunner, follow, follower_engine, leader_engine, leader_runner
+from .leader import LeaderRunner, follow, leader_engine, release
 from .load import load_shard
 from .shard import shard_model, shard_weights
 
 __all__ = ["LeaderRunner", "ParallelGroup", "RankFailure", "abort", "all_reduce", "broadcast",
-           "follow", "follower_engine", "guarded", "init", "leader_engine", "leader_runner",
-           "load_shard", "shard_model", "shard_weights", "shutdown"]
+           "follow", "guarded", "init", "leader_engine", "load_shard", "release",
+           "shard_model", "shard_weights", "shutdown"]

@@ -4,10 +4,10 @@
 The leader writes the rank's :class:`FollowerSpec` (pickled) to the follower's stdin and keeps the
 pipe open for the follower's whole life: when the leader's process ends, however it ends (killed
 included), the pipe closes and the follower exits at once: no orphans. The follower joins the
-group, loads the checkpoint as the leader does, keeps its shard, takes the engine config from the
-leader (the pool's size is the leader's decision) and follows the leader's steps until it is told
-to stop. If anything fails, it writes one line — what it was doing and the error — to its
-``report`` file for the leader's log, and exits with status 1.
+group, reads its share of the checkpoint, and follows the leader — builds each engine the leader
+opens (the PIC gate's, then the serving one; their pools' sizes are the leader's decisions) and
+runs its steps — until it is told to stop. If anything fails, it writes one line — what it was
+doing and the error — to its ``report`` file for the leader's log, and exits with status 1.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Follower:
 
     def run(self) -> int:
         """Join, load, shard, follow; returns the forwards run. Raises what failed."""
-        from . import broadcast, follow, follower_engine, init, shard_model
+        from . import follow, init, shard_model
 
         spec = self.spec
         device = spec.config.device or "cpu"
@@ -87,14 +87,11 @@ class Follower:
         model = self._load(device)
         self.doing = "sharding the model"
         shard_model(model, group)
-        self.doing = "waiting for the leader's engine config"
-        config = broadcast(group)
-        self.doing = "building its engine"
-        engine = follower_engine(model, config)
-        log.info("rank %d of %d following the leader (%s, KV pool %d slots)", spec.rank,
-                 spec.parallel.world_size, device, engine.pool.num_slots)
+        log.info("rank %d of %d following the leader (%s)", spec.rank,
+                 spec.parallel.world_size, device)
+        # The engines (the PIC gate's, then the serving one) are the leader's to open.
         self.doing = "following the leader's steps"
-        forwards = follow(engine.runner, group)
+        forwards = follow(model, group)
         self.stopping = True
         return forwards
 

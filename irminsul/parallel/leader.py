@@ -9,6 +9,12 @@ on a :class:`ModelRunner` of its own over its own pool of the same shape. The ru
 deterministic and the all-reduces give every rank the same bits, so every rank's latent pool
 holds the same rows in the same slots, and the slot accounting lives on the leader alone.
 
+The leader may run several engines over the same ranks (the PIC gate's full-recomputation, PIC
+and naive-reuse engines before the serving one): :func:`leader_engine` opens each on every rank
+— its config and runner class, once — under a channel of its own that its messages name, and
+:meth:`~irminsul.engine.Engine.close` releases the followers' copy. So anything the leader
+measures with engines runs on the sharded model, and no rank ever holds the whole model.
+
 Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
 message per step); the live-PIC audit and the repair's latent check (``recompute_share``), which
 run the model outside the runner and would leave the followers out of its all-reduces
@@ -20,8 +26,9 @@ that a step sends only its new tokens' handles, is the next step for long-contex
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,41 +39,47 @@ from ..engine.batch import ForwardBatch, Reuse
 from ..engine.model_runner import ModelRunner
 from ..model import MLAModel
 from .group import ParallelGroup, RankFailure, broadcast
+from .shard import check_sharded
 
-ROTATE, FORWARD, STOP = "rotate", "forward", "stop"
+log = logging.getLogger(__name__)
+
+OPEN, CLOSE, ROTATE, FORWARD, STOP = "open", "close", "rotate", "forward", "stop"
+
+# The leader names each engine it opens on the ranks; the followers key their copies by it.
+_channels = itertools.count()
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's model runner: each rotation and forward goes to the followers, then runs here.
-    :meth:`stop` must end its life (it releases the followers).
+    """Rank 0's model runner on one channel: each rotation and forward goes to the followers,
+    then runs here. Subclassed with another runner class (:func:`leader_engine`'s ``runner``)
+    it runs that class's rotation and forward, and the followers run the same class.
 
     Any error inside a step (a rank failed, or this one raised between the broadcast and the
     end of its forward, where a follower may be waiting in an all-reduce this rank will never
     join) leaves the ranks out of step: the runner keeps it as :attr:`failure`, tells
-    ``on_failure`` (on the engine's thread), and from then on every step raises
-    :class:`RankFailure` at once, without touching the group. :attr:`doing` names the step in
-    progress (None between steps), for the message that reports a failure."""
+    ``on_failure`` (the step, e.g. ``"a forward"``, and the error; on the engine's thread), and
+    from then on every step raises :class:`RankFailure` at once, without touching the group.
+    :attr:`doing` names the step in progress (None between steps)."""
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, graphs: bool,
-                 on_failure: Callable[[BaseException], None] | None = None,
+                 group: ParallelGroup, channel: int, graphs: bool,
+                 on_failure: Callable[[str, BaseException], None] | None = None,
                  **kwargs: Any) -> None:
-        if not group.leader:
-            raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
         if graphs:
             raise ValueError("CUDA graphs under tensor parallel are not built yet; run with "
                              "graphs off")
         super().__init__(model, ckv, kr, graphs=False, **kwargs)
-        self.group = group
+        self.group, self.channel = group, channel
         self.on_failure = on_failure
         self.failure: BaseException | None = None
         self.doing: str | None = None
 
     def rotate(self, reuse: Reuse) -> None:
-        self._step("a rotation", (ROTATE, reuse), lambda: super(LeaderRunner, self).rotate(reuse))
+        self._step("a rotation", (ROTATE, self.channel, reuse),
+                   lambda: super(LeaderRunner, self).rotate(reuse))
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
-        return self._step("a forward", (FORWARD, batch, all_logits),
+        return self._step("a forward", (FORWARD, self.channel, batch, all_logits),
                           lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
 
     def _step(self, what: str, message: tuple, run: Callable[[], Any]) -> Any:
@@ -80,60 +93,97 @@ class LeaderRunner(ModelRunner):
         except BaseException as err:
             self.failure = err
             if self.on_failure is not None:
-                self.on_failure(err)
+                self.on_failure(what, err)
             raise
         finally:
             self.doing = None
 
-    def stop(self, error: str | None = None) -> None:
-        """Release the followers: they return from :func:`follow`, or, given ``error`` (why the
-        leader is stopping), raise :class:`RankFailure` with it. A no-op after a failure (the
-        group is broken; the followers learn of it by themselves)."""
+    def close(self) -> None:
+        """The followers drop their copy of this engine (its pool is freed on every rank). A
+        no-op after a failure (the group is broken)."""
         if self.failure is None:
-            broadcast(self.group, (STOP, error))
+            broadcast(self.group, (CLOSE, self.channel))
+
+    def stop(self, error: str | None = None) -> None:
+        """:func:`release` the followers, unless a step failed (the group is broken; the
+        followers learn of it by themselves)."""
+        if self.failure is None:
+            release(self.group, error)
 
 
-def leader_runner(group: ParallelGroup,
-                  on_failure: Callable[[BaseException], None] | None = None
-                  ) -> Callable[..., LeaderRunner]:
-    """The ``runner`` argument of :class:`~irminsul.engine.Engine` on the leader."""
-    return partial(LeaderRunner, group=group, on_failure=on_failure)
+def release(group: ParallelGroup, error: str | None = None) -> None:
+    """The leader's last message: the followers return from :func:`follow`, or, given
+    ``error`` (why the leader is stopping), raise :class:`RankFailure` with it."""
+    broadcast(group, (STOP, error))
+
+
+def _leading(runner: type[ModelRunner]) -> type[LeaderRunner]:
+    """:class:`LeaderRunner` over ``runner``'s rotation and forward (itself for ModelRunner)."""
+    if issubclass(runner, LeaderRunner):
+        raise ValueError(f"{runner.__name__} already leads: pass the runner the ranks run")
+    if runner is ModelRunner:
+        return LeaderRunner
+    return type(f"Leader{runner.__name__}", (LeaderRunner, runner), {})
 
 
 def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,
-                  on_failure: Callable[[BaseException], None] | None = None) -> Engine:
-    """The leader's engine over its shard of the model: ``config`` with graphs off and the
-    live-PIC audit off (it recomputes a prompt with the model directly, outside the runner, so
-    the followers would miss its all-reduces); the repair's latent check is refused for the
-    same reason. ``on_failure``: see :class:`LeaderRunner`."""
+                  runner: type[ModelRunner] = ModelRunner,
+                  on_failure: Callable[[str, BaseException], None] | None = None,
+                  timeout_s: float | None = None) -> Engine:
+    """An engine of the leader's over its shard ``model`` (:func:`~.shard.shard_model`'s),
+    opened on every rank: each follower builds the same engine (``config``, ``runner``'s class)
+    and runs its steps. The config runs with graphs off and the live-PIC audit off (it
+    recomputes a prompt with the model directly, outside the runner, so the followers would miss
+    its all-reduces); the repair's latent check is refused for the same reason. ``on_failure``: see
+    :class:`LeaderRunner`; ``timeout_s``: how long the followers may take to be ready (their
+    first engine waits for their loads). Its signature is :class:`~irminsul.engine.Engine`'s
+    after ``group``, so it can stand where an engine is built (the gate, the server)."""
+    if not group.leader:
+        raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
     if config.cache.recompute_share:
         raise ValueError("recompute_share runs the model outside the runner: not built under "
                          "tensor parallel yet")
-    return Engine(model, dataclasses.replace(config, graphs=False, pic_audit_rate=0.0),
-                  runner=leader_runner(group, on_failure))
+    check_sharded(model, group)
+    config = dataclasses.replace(config, graphs=False, pic_audit_rate=0.0)
+    channel = next(_channels)
+    broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)
+    leading = _leading(runner)
+
+    def make(*args: Any, **kwargs: Any) -> LeaderRunner:
+        return leading(*args, group=group, channel=channel, on_failure=on_failure, **kwargs)
+
+    return Engine(model, config, runner=make)
 
 
-def follower_engine(model: MLAModel, config: EngineConfig) -> Engine:
-    """A follower's engine: its pool shaped as the leader's (the same ``config``, graphs off);
-    only its runner is used, by :func:`follow`."""
-    return Engine(model, dataclasses.replace(config, graphs=False))
-
-
-def follow(runner: ModelRunner, group: ParallelGroup) -> int:
-    """A follower's life: run each rotation and forward the leader broadcasts on ``runner``
-    until the leader stops; returns the forwards run. Raises :class:`RankFailure` if the leader
-    stops with an error or a rank fails (the follower then exits; nothing is left to serve)."""
+def follow(model: MLAModel, group: ParallelGroup) -> int:
+    """A follower's life: build each engine the leader opens (over this rank's shard
+    ``model``), run each rotation and forward the leader broadcasts on the engine it names, drop
+    the engines it closes, until the leader stops; returns the forwards run. Raises
+    :class:`RankFailure` if the leader stops with an error or a rank fails (the follower then
+    exits; nothing is left to serve)."""
     if group.leader:
-        raise ValueError("rank 0 leads: it runs the engine with leader_runner(), not follow()")
+        raise ValueError("rank 0 leads: it runs the engine with leader_engine(), not follow()")
+    check_sharded(model, group)
+    runners: dict[int, ModelRunner] = {}
     forwards = 0
     while True:
         kind, *args = broadcast(group)
-        if kind == ROTATE:
-            runner.rotate(*args)
+        if kind == OPEN:
+            channel, config, runner = args
+            # Only the runner is used: the pool and its accounting are the leader's decisions.
+            engine = Engine(model, config, runner=runner)
+            runners[channel] = engine.runner
+            log.info("rank %d of %d: engine %d opened (%s, KV pool %d slots)", group.rank,
+                     group.world_size, channel, runner.__name__, engine.pool.num_slots)
+        elif kind == ROTATE:
+            channel, reuse = args
+            runners[channel].rotate(reuse)
         elif kind == FORWARD:
-            batch, all_logits = args
-            runner.forward(batch, all_logits=all_logits)
+            channel, batch, all_logits = args
+            runners[channel].forward(batch, all_logits=all_logits)
             forwards += 1
+        elif kind == CLOSE:
+            del runners[args[0]]
         elif kind == STOP:
             if args[0] is not None:
                 raise RankFailure(f"rank {group.rank} of {group.world_size}: the leader "

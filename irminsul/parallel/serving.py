@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from ..config import EngineConfig, ParallelConfig, ServerConfig
+from ..engine.model_runner import ModelRunner
 from ..model import MLAModel, load_config
 from .follower import STARTUP_TIMEOUT_S, FollowerSpec
-from .group import ParallelGroup, RankFailure, abort, broadcast, init, shutdown
+from .group import ParallelGroup, RankFailure, abort, init, shutdown
 from .leader import LeaderRunner, leader_engine
 from .load import load_shard
 from .ranks import Exited, Followers, free_address
@@ -65,13 +66,10 @@ def check_options(config: ServerConfig, parallel: ParallelConfig) -> None:
                          f"leader's KV pool alone, and the followers' pools would differ")
 
 
-def leader_load(config: ServerConfig, world: int
-                ) -> Callable[[Path, torch.dtype, str], MLAModel] | None:
-    """How rank 0 reads the checkpoint: its share alone (:func:`~.load.load_shard`), unless the
-    PIC gate will run — live mode with the gate on — which runs the whole model before sharding,
-    outside the runner where the followers could join its all-reduces; None then (whole)."""
-    if config.engine.mode == "live" and config.gate is not None:
-        return None
+def leader_load(world: int) -> Callable[[Path, torch.dtype, str], MLAModel]:
+    """How rank 0 reads the checkpoint: its share alone (:func:`~.load.load_shard`), as every
+    rank does; what runs the model before serving (the PIC gate) runs it through the ranks'
+    engines (:meth:`Leader.engine`)."""
 
     def share(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
         return load_shard(path, 0, world, dtype=dtype, device=device)
@@ -126,17 +124,19 @@ class Leader:
         self.group = init(0, self.parallel, address, device=device)
         self.doing = "loading the checkpoint"
 
-    def engine(self, model: MLAModel, config: EngineConfig) -> Engine:
-        """The leader's engine over its shard of ``model``: the followers get ``config`` (the
-        pool's size is decided here, once) and build theirs."""
+    def engine(self, model: MLAModel, config: EngineConfig, *,
+               runner: type[ModelRunner] = ModelRunner) -> Engine:
+        """An engine of the leader's over its shard of ``model``, opened on every rank (the
+        followers get ``config`` — the pool's size is decided here — and build theirs): the PIC
+        gate's engines, then the serving one, the last opened."""
         assert self.group is not None, "start() first"
         self.doing = "sharding the model"
-        shard_model(model, self.group)
-        self.doing = "sending the engine config (the followers may still be loading)"
-        broadcast(self.group, config, timeout_s=STARTUP_TIMEOUT_S)
-        engine = leader_engine(model, config, self.group, on_failure=self._step_failed)
+        shard_model(model, self.group)  # random weights are whole until here; a share stays
+        self.doing = "opening an engine on the ranks (the followers may still be loading)"
+        engine = leader_engine(model, config, self.group, runner=runner,
+                               on_failure=self._step_failed, timeout_s=STARTUP_TIMEOUT_S)
         self.runner = engine.runner
-        self.doing = "starting the HTTP server"
+        self.doing = "running the PIC gate or starting the HTTP server"
         return engine
 
     def serving(self, engine: AsyncEngine, stop_server: Callable[[], None]) -> None:
@@ -151,12 +151,11 @@ class Leader:
                 self._cause = cause
         self._wake.set()
 
-    def _step_failed(self, err: BaseException) -> None:
-        """The runner's ``on_failure``, on the engine thread: a step failed."""
-        self._failed_step = self.runner.doing if self.runner else None
+    def _step_failed(self, step: str, err: BaseException) -> None:
+        """The runners' ``on_failure``, on the engine thread: ``step`` failed."""
+        self._failed_step = step
         self.fail(str(err) if isinstance(err, RankFailure) else
-                  f"rank 0 failed in {self.runner.doing if self.runner else 'a step'}: "
-                  f"{type(err).__name__}: {err}")
+                  f"rank 0 failed in {step}: {type(err).__name__}: {err}")
 
     # -- the watcher thread ------------------------------------------------------------------------
 
@@ -301,7 +300,7 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         leader.start(specs, address, devices[0])
         app, engine = build_server(path, dataclasses.replace(config, device=devices[0]),
                                    random_weights=random_weights, make_engine=leader.engine,
-                                   load=leader_load(config, world))
+                                   load=leader_load(world))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level="info",
                                                timeout_graceful_shutdown=int(GRACE_S)))

@@ -46,6 +46,18 @@ def shard_model(model: MLAModel, group: ParallelGroup) -> MLAModel:
     return model
 
 
+def check_sharded(model: MLAModel, group: ParallelGroup) -> None:
+    """ValueError unless ``model`` is ``group``'s share with its partial outputs summed over the
+    group (:func:`shard_model`): a share that is not summed computes wrong logits silently."""
+    if group.world_size == 1:
+        return
+    if model.shard != (group.rank, group.world_size) or any(
+            layer.reduce is None for layer in model.model.layers):
+        raise ValueError(f"the model is not rank {group.rank} of {group.world_size}'s share "
+                         f"summed over the group (its share: {model.shard}): call "
+                         f"shard_model(model, group) first")
+
+
 def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
     """Drop every weight but rank ``rank`` of ``world``'s share (the module docstring lists the
     shares), in place. ``model.config.num_attention_heads`` becomes the heads this rank computes:

@@ -4,9 +4,12 @@ Each probe of :mod:`.probes` is served by two persistent live engines, as ``irmi
 consistency`` serves a log (its machinery, :mod:`irminsul.analysis.consistency`): one whose
 runner rotates reused ``k_r`` by δ (PIC; the engine's own runner, or one a test injects) and
 one whose runner copies it unrotated (naive reuse). ``seen`` is prefilled into both, so its
-content is registered; ``moved`` is then recomputed from scratch (the reference: greedy for
-``tokens`` tokens) and served by each engine, teacher-forced along the reference. The figures
-are means over the probes whose moved content PIC served:
+content is registered; ``moved`` is then recomputed from scratch by a third engine that reuses
+nothing (the reference: greedy for ``tokens`` tokens, on the same kernels, so the figures
+measure reuse and not kernel rounding) and served by each live engine, teacher-forced along the
+reference. The engines are built by ``open_engine`` (:class:`~irminsul.engine.Engine`, or
+tensor parallel's leader, whose engines run on every rank's shard). The figures are means over
+the probes whose moved content PIC served:
 
     kl_pic, kl_naive     KL(p_full || p_x) per continuation token, nats
     argmax               share of steps where PIC's argmax is the reference's token
@@ -24,13 +27,15 @@ import dataclasses
 import hashlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import __version__
-from ..analysis.consistency import NaiveReuseRunner, full_continuation, render_prompts, serve
+from ..analysis.consistency import NaiveReuseRunner, render_prompts, serve
 from ..config import EngineConfig, GateConfig
 from ..engine import Engine, ModelRunner
 from ..engine.model_runner import resolve_backend
@@ -41,6 +46,9 @@ from . import result_cache
 from .probes import Probe, gate_probes
 
 log = logging.getLogger(__name__)
+
+# How the gate builds an engine: Engine's signature (model, config, *, runner=).
+EngineFactory = Callable[..., Engine]
 
 
 @dataclass(frozen=True)
@@ -140,42 +148,66 @@ def render_probes(model: MLAModel, renderer: ChatRenderer, probes: list[Probe],
     return list(zip(prompts[::2], prompts[1::2]))
 
 
+def reference(engine: Engine, prompt: Prompt, tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Full recomputation of ``prompt`` on ``engine`` (mode off, nothing remembered: no reuse of
+    any kind) and its greedy continuation of ``tokens`` tokens; returns the continuation and the
+    logits [tokens, V] that predicted each of its tokens."""
+    seq, logits = engine.prefill(prompt.tokens, prompt.resets)
+    steps, continuation = [logits], []
+    try:
+        for step in range(tokens):
+            continuation.append(int(steps[-1].argmax()))
+            if step + 1 < tokens:
+                steps.append(engine.extend(seq, continuation[-1:])[-1])
+    finally:
+        engine.finish(seq, remember=False)
+    return continuation, torch.stack(steps)
+
+
 def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Prompt]], *,
             tokens: int, engine: EngineConfig | None = None,
-            runner: type[ModelRunner] = ModelRunner) -> tuple[ProbeResult, ...]:
+            runner: type[ModelRunner] = ModelRunner,
+            open_engine: EngineFactory = Engine) -> tuple[ProbeResult, ...]:
     """Serve every probe (see the module's docstring); ``engine``: the served engine's settings
     (kernels, planner), of which the gate's engines keep all but the pool and the mode;
-    ``runner``: the PIC engine's model runner."""
+    ``runner``: the PIC engine's model runner; ``open_engine``: builds the three engines."""
     # A request allocates at most its prompt and 2(N-1) decoded tokens: the sum over the probes
     # is more than an engine ever holds, so nothing is evicted. CUDA graphs replay the same
-    # kernels as eager launches; capturing them for two throwaway engines is not worth it.
+    # kernels as eager launches; capturing them for throwaway engines is not worth it.
     slots = sum(p.size + 2 * tokens for pair in prompts for p in pair)
     config = dataclasses.replace(engine or EngineConfig(), mode="live", slots=slots,
                                  kr_slots=None, graphs=False)
-    engines = {"pic": Engine(model, config, runner=runner),
-               "naive": Engine(model, config, runner=NaiveReuseRunner)}
+    full = open_engine(model, dataclasses.replace(config, mode="off"))
+    engines = {"pic": open_engine(model, config, runner=runner),
+               "naive": open_engine(model, config, runner=NaiveReuseRunner)}
     results = []
-    for probe, (seen, moved) in zip(probes, prompts):
-        for eng in engines.values():  # registers seen's content in both engines
-            seq, _ = eng.prefill(seen.tokens, seen.resets)
-            eng.finish(seq)
-        continuation, full_logits = full_continuation(model, moved.tokens, tokens)
-        row = {path: serve(eng, moved, continuation, full_logits)
-               for path, eng in engines.items()}
-        results.append(ProbeResult(
-            probe.name, probe.kind, moved.size, row["pic"]["pic_tokens"],
-            row["pic"]["kl"], row["naive"]["kl"], row["pic"]["argmax"], row["naive"]["argmax"],
-            row["pic"]["first_divergence"], row["naive"]["first_divergence"]))
-    for eng in engines.values():
-        eng.check()  # the gate doubles as a check of the slot accounting
+    try:
+        for probe, (seen, moved) in zip(probes, prompts):
+            for eng in engines.values():  # registers seen's content in both engines
+                seq, _ = eng.prefill(seen.tokens, seen.resets)
+                eng.finish(seq)
+            continuation, full_logits = reference(full, moved, tokens)
+            row = {path: serve(eng, moved, continuation, full_logits)
+                   for path, eng in engines.items()}
+            results.append(ProbeResult(
+                probe.name, probe.kind, moved.size, row["pic"]["pic_tokens"],
+                row["pic"]["kl"], row["naive"]["kl"], row["pic"]["argmax"],
+                row["naive"]["argmax"], row["pic"]["first_divergence"],
+                row["naive"]["first_divergence"]))
+        for eng in (full, *engines.values()):
+            eng.check()  # the gate doubles as a check of the slot accounting
+    finally:
+        for eng in (full, *engines.values()):
+            eng.close()
     return tuple(results)
 
 
 def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]], tokens: int,
          engine: EngineConfig | None, runner: type[ModelRunner]) -> dict[str, Any]:
     """What a measurement depends on besides the checkpoint: the probes as this checkpoint's
-    tokenizer renders them, the continuation length, where and how the model runs, the planner,
-    the runner, and the version of the engine measured."""
+    tokenizer renders them, the continuation length, where and how the model runs (the shard
+    under tensor parallel), the reference, the planner, the runner, and the version of the
+    engine measured."""
     engine = engine or EngineConfig()
     weight = model.lm_head.weight
     digest = hashlib.sha256()
@@ -185,18 +217,21 @@ def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]],
     kernels, _ = resolve_backend(model, engine.kernels, False)
     return {"checkpoint": checkpoint, "irminsul": __version__, "probes": digest.hexdigest(),
             "tokens": tokens, "device": weight.device.type, "dtype": str(weight.dtype),
-            "kernels": kernels, "planner": repr(engine.cache),
+            "kernels": kernels, "shard": model.shard, "reference": "engine, mode off",
+            "planner": repr(engine.cache),
             "runner": f"{runner.__module__}.{runner.__qualname__}"}
 
 
 def run_gate(model: MLAModel, renderer: ChatRenderer, checkpoint: str,
              config: GateConfig | None = None, *, engine: EngineConfig | None = None,
              runner: type[ModelRunner] = ModelRunner, fresh: bool = False,
-             probes: list[Probe] | None = None) -> GateResult:
+             probes: list[Probe] | None = None,
+             open_engine: EngineFactory = Engine) -> GateResult:
     """The gate on a loaded checkpoint (``checkpoint``: its :func:`~.checkpoint.checkpoint_hash`;
     ``renderer``: its tokenizer and chat template): the cached measurement for this checkpoint
     and setup if there is one (unless ``fresh``), else a new one, cached; judged under
-    ``config``. ``engine`` and ``runner`` as :func:`measure` takes them; ``probes``: the probe
+    ``config``. ``engine``, ``runner`` and ``open_engine`` as :func:`measure` takes them (under
+    tensor parallel ``model`` is rank 0's shard, ``open_engine`` the leader's); ``probes``: the probe
     set (default :func:`~.probes.gate_probes`). A checkpoint the probes cannot run on is refused
     with the reason (never cached: finding that out is cheap)."""
     config = config or GateConfig()
@@ -215,7 +250,8 @@ def run_gate(model: MLAModel, renderer: ChatRenderer, checkpoint: str,
                          cached=True)
         except TypeError:  # written by another version of ProbeResult: measure again
             pass
-    results = measure(model, probes, prompts, tokens=config.tokens, engine=engine, runner=runner)
+    results = measure(model, probes, prompts, tokens=config.tokens, engine=engine, runner=runner,
+                      open_engine=open_engine)
     try:
         result_cache.save(directory, parts, [dataclasses.asdict(r) for r in results])
     except OSError as err:  # a read-only home must not stop a server from starting

@@ -71,17 +71,17 @@ def _load_whole(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
 
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
                  random_weights: str | os.PathLike | None = None,
-                 make_engine: Callable[[MLAModel, EngineConfig], Engine] = Engine,
+                 make_engine: Callable[..., Engine] = Engine,
                  load: Callable[[Path, torch.dtype, str], MLAModel] | None = None
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
     config.json; benchmark-only) the model is :func:`random_model` of it and ``model_dir``
     gives only the tokenizer, chat template and stop tokens. ``make_engine`` builds the engine
-    from the loaded (and gated) model and the sized engine config: tensor parallel's leader
-    shards the model there (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint
-    (path, dtype, device) instead of ``load_model``: tensor parallel's leader reads only its
-    share where the PIC gate will not run the whole model."""
+    from the loaded model and the sized engine config, and the PIC gate's engines before it
+    (``Engine``'s signature): tensor parallel's leader opens them on every rank's shard
+    (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint (path, dtype, device)
+    instead of ``load_model``: tensor parallel's leader reads only its share."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
@@ -99,7 +99,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"
         shown = f"random weights of {source} (tokenizer and template of {path})"
-    gate, note = pic_gate(path, model, renderer, config, random_weights=random_weights is not None)
+    gate, note = pic_gate(path, model, renderer, config, random_weights=random_weights is not None,
+                          open_engine=make_engine)
     if gate is not None and not gate.passed:
         config = replace(config, engine=replace(config.engine, mode="off"))
     scheduler = Scheduler(make_engine(model, _sized_pool(config, model, device)))
@@ -117,12 +118,14 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
 
 
 def pic_gate(path: Path, model: MLAModel, renderer: ChatRenderer, config: ServerConfig, *,
-             random_weights: bool) -> tuple[GateResult | None, str]:
+             random_weights: bool, open_engine: Callable[..., Engine] = Engine
+             ) -> tuple[GateResult | None, str]:
     """The PIC correctness gate (:mod:`irminsul.quality.gate`) before a live server serves:
     the result (None where it did not run) and the startup line's note on it. It runs only in
     live mode (off and observer serve no reuse), is skipped for random weights (KL against
     noise means nothing) and by the operator's ``--no-gate`` (config.gate None), and is cached
-    per checkpoint. A gate that fails to run refuses: it cannot vouch for reuse."""
+    per checkpoint. A gate that fails to run refuses: it cannot vouch for reuse.
+    ``open_engine``: builds the gate's engines (tensor parallel's leader: on every rank)."""
     if config.engine.mode != "live":
         return None, ""
     if random_weights:
@@ -138,7 +141,8 @@ def pic_gate(path: Path, model: MLAModel, renderer: ChatRenderer, config: Server
     start, checkpoint = time.monotonic(), ""
     try:
         checkpoint = checkpoint_hash(path)
-        result = run_gate(model, renderer, checkpoint, config.gate, engine=config.engine)
+        result = run_gate(model, renderer, checkpoint, config.gate, engine=config.engine,
+                          open_engine=open_engine)
     except Exception as err:  # whatever stops the gate, the verdict is "refused"
         log.exception("PIC gate failed on %s", path)
         result = replace(judge(checkpoint, (), config.gate), reason=f"the gate failed: {err!r}")

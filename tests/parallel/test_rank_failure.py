@@ -11,7 +11,8 @@ from parallel_ranks import run_ranks
 from tiny_parallel import tiny_model
 
 from irminsul.config import CacheConfig, EngineConfig
-from irminsul.parallel import ParallelGroup, RankFailure, follow, follower_engine, leader_engine
+from irminsul.engine import ModelRunner
+from irminsul.parallel import ParallelGroup, RankFailure, follow, leader_engine
 from irminsul.parallel.shard import shard_model
 
 CONFIG = EngineConfig(mode="live", slots=256)
@@ -23,14 +24,9 @@ def serve_until(group: ParallelGroup, failing: int, how: str) -> float:
     its first forward (``how``: exit, raise or hang). Returns the seconds a survivor took
     between that forward and its error; raises that error."""
     model = shard_model(tiny_model("v3_like", layers=2), group)
-    engine = leader_engine(model, CONFIG, group) if group.leader else follower_engine(model,
-                                                                                      CONFIG)
-    runner = engine.runner
-    forward = runner.forward
     start = [0.0]
 
-    def forward_then_fail(batch, *, all_logits=False):
-        out = forward(batch, all_logits=all_logits)
+    def fail(out: object) -> object:
         start[0] = time.monotonic()
         if group.rank == failing:
             if how == "exit":
@@ -40,7 +36,16 @@ def serve_until(group: ParallelGroup, failing: int, how: str) -> float:
             raise ValueError("rank failed on purpose")
         return out
 
-    runner.forward = forward_then_fail
+    if group.leader:  # after the step, outside the runner: the leader's own error
+        engine = leader_engine(model, CONFIG, group)
+        runner = engine.runner
+        forward = runner.forward
+        runner.forward = lambda batch, *, all_logits=False: fail(
+            forward(batch, all_logits=all_logits))
+    else:  # the runners follow() builds, in this rank's process alone
+        forward = ModelRunner.forward
+        ModelRunner.forward = lambda self, batch, *, all_logits=False: fail(
+            forward(self, batch, all_logits=all_logits))
     try:
         if group.leader:
             try:
@@ -52,7 +57,7 @@ def serve_until(group: ParallelGroup, failing: int, how: str) -> float:
                 raise
             runner.stop()
         else:
-            follow(runner, group)
+            follow(model, group)
     except RankFailure as err:
         raise RankFailure(f"after {time.monotonic() - start[0]:.1f} s: {err}") from err
     return -1.0
@@ -103,7 +108,12 @@ def test_leader_and_follower_roles_are_checked() -> None:
         leader_engine(model, CONFIG, group)
     leader = ParallelGroup(0, 2, None, None, 1.0)
     with pytest.raises(ValueError, match="rank 0 leads"):
-        follow(follower_engine(model, CONFIG).runner, leader)
+        follow(model, leader)
     # The repair's latent check runs the model outside the runner: refused, not left to hang.
     with pytest.raises(ValueError, match="recompute_share"):
         leader_engine(model, EngineConfig(cache=CacheConfig(recompute_share=0.1)), leader)
+    # A share whose partial outputs are not summed over the group would compute wrong logits.
+    with pytest.raises(ValueError, match="call shard_model"):
+        leader_engine(model, CONFIG, leader)
+    with pytest.raises(ValueError, match="call shard_model"):
+        follow(model, ParallelGroup(1, 2, None, None, 1.0))

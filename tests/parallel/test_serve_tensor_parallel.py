@@ -78,15 +78,21 @@ def wait_until(condition, timeout: float, what: str) -> float:
 
 
 @contextlib.contextmanager
-def tensor_parallel(model_dir: Path, log: Path, world: int = 2) -> Iterator[Server]:
+def tensor_parallel(model_dir: Path, log: Path, world: int = 2, *,
+                    gate_cache: Path | None = None) -> Iterator[Server]:
     """``irminsul serve --tensor-parallel world`` on a free port until the block ends; then the
-    server and its followers (by the pids it logged) are killed if still running."""
+    server and its followers (by the pids it logged) are killed if still running. With
+    ``gate_cache`` the PIC gate runs (its results cached there), else ``--no-gate``."""
     port = free_port()
+    flags = SERVE if gate_cache is None else [f for f in SERVE if f != "--no-gate"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if gate_cache is not None:
+        env["XDG_CACHE_HOME"] = str(gate_cache)
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "irminsul.cli", "serve", "--model", str(model_dir), *SERVE,
+            [sys.executable, "-m", "irminsul.cli", "serve", "--model", str(model_dir), *flags,
              "--tensor-parallel", str(world), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+            stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log)
     try:
         def ready() -> bool:
@@ -95,7 +101,8 @@ def tensor_parallel(model_dir: Path, log: Path, world: int = 2) -> Iterator[Serv
                 return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
             return False
 
-        wait_until(ready, START_S, "the server's /health")
+        # The gate's three engines run on both ranks first: ~20 s of one CPU thread each.
+        wait_until(ready, START_S * (1 if gate_cache is None else 3), "the server's /health")
         assert len(server.followers()) == world - 1, server.text()
         yield server
     finally:
@@ -136,7 +143,8 @@ def answers(url: str) -> list[dict]:
 def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_thread: None) -> None:
     """On the embedded model (8 heads, 8 routed experts, trained: its greedy text depends on the
     context, so followers that skipped their rotations change the shifted request's answer,
-    checked by hand; the random tiny model's does not)."""
+    checked by hand; the random tiny model's does not). The PIC gate runs first, on the ranks'
+    shards (rank 0 never loads the whole model), and passes, as on one process."""
     model_dir = default_model_dir()
     config = ServerConfig(model_name="tiny", dtype="float32", device="cpu", gate=None,
                           engine=EngineConfig(mode="live", slots=2048, pic_audit_rate=0.0))
@@ -144,7 +152,7 @@ def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_th
     with served(app) as url:
         expected = answers(url)
     assert expected[1]["pic_cached_tokens"] > 100  # the shifted document was reused
-    with tensor_parallel(model_dir, tmp_path / "serve.log") as server:
+    with tensor_parallel(model_dir, tmp_path / "serve.log", gate_cache=tmp_path) as server:
         got = answers(server.url)
         [follower] = server.followers()
         server.process.send_signal(signal.SIGINT)  # a normal stop
@@ -154,6 +162,9 @@ def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_th
     assert all(answer["tokens"] > 8 for answer in got)
     assert "stopped by the leader after" in server.text()
     assert "ERROR" not in server.text()
+    assert "PIC gate passed" in server.text() and "(measured in" in server.text()
+    assert "live (gate passed)" in server.text()  # the startup line
+    assert len(re.findall(r"engine \d+ opened", server.text())) == 4  # the gate's 3, serving
 
 
 def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Path,

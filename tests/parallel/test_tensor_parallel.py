@@ -4,14 +4,11 @@ for tiny DeepSeek-V2 and V3 models; every rank holds the same latent pool as one
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from parallel_ranks import run_ranks, values
 from tiny_parallel import paged_logits, tiny_model
 
-from irminsul.config import EngineConfig
 from irminsul.model.moe import grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
 
@@ -116,20 +113,13 @@ def test_expert_shares_sum_to_all_experts(world: int) -> None:
     assert all(float(s.abs().max()) > 0.1 for s in shares)
 
 
-def test_the_leader_reads_its_share_unless_the_gate_runs_the_whole_model() -> None:
-    """Rank 0 loads only its share (load_shard) in off mode and with the gate off; in live mode
-    with the gate on it loads whole (the gate runs the whole model before sharding)."""
-    from irminsul.config import ServerConfig
+def test_the_leader_reads_its_share() -> None:
+    """Rank 0 loads only its share (load_shard), bit-identical to loading whole and sharding, in
+    every mode: the PIC gate runs through the ranks' engines, not on a whole model."""
     from irminsul.model import default_model_dir, load_model
     from irminsul.parallel.serving import leader_load
 
-    live = ServerConfig(engine=EngineConfig(mode="live"))
-    assert leader_load(live, 2) is None
-    for config in (dataclasses.replace(live, gate=None),
-                   ServerConfig(engine=EngineConfig(mode="off"))):
-        load = leader_load(config, 2)
-        assert load is not None
-        share = load(default_model_dir(), torch.float32, "cpu")
-        assert share.shard == (0, 2)
-        whole = shard_weights(load_model(default_model_dir()), 0, 2)
-        assert all(torch.equal(t, whole.state_dict()[n]) for n, t in share.state_dict().items())
+    share = leader_load(2)(default_model_dir(), torch.float32, "cpu")
+    assert share.shard == (0, 2)
+    whole = shard_weights(load_model(default_model_dir()), 0, 2)
+    assert all(torch.equal(t, whole.state_dict()[n]) for n, t in share.state_dict().items())
