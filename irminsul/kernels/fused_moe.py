@@ -88,9 +88,26 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
 
 
 @triton.jit
+def _dequantize(w, s_ptr, k0, depth, col_ok, BC: tl.constexpr, SCALE_VEC: tl.constexpr,
+                BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """A float8 weight tile [BLOCK_K, BLOCK_N] (reduction index from ``k0``, ``depth`` deep)
+    times its block scales (``s_ptr``: each column's row of the grid), in ``dtype`` for the dot:
+    the dequantize-at-load arithmetic (float32 product, one rounding)."""
+    if SCALE_VEC:  # BLOCK_K divides the block's columns: one scale per column this step
+        scale = tl.load(s_ptr + k0 // BC, mask=col_ok, other=0.0)[None, :]
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        scale = tl.load(s_ptr[None, :] + (kk // BC)[:, None],
+                        mask=col_ok[None, :] & (kk < depth)[:, None], other=0.0)
+    return (w.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
 def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
                     SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
+                    S13, s_stride_e, s_stride_n, up_row0, FP8: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr, SCALE_VEC: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -112,6 +129,9 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
             shared_cols = ((expert - routed) * inter + cols[None, :]).to(tl.int64)
             g_ptr = SG + shared_cols * sg_stride + ks[:, None]
             u_ptr = SU + shared_cols * su_stride + ks[:, None]
+    # FP8 experts: the scale rows of this tile's columns, in the gate's grid and the up's.
+    sg_ptr = S13 + expert * s_stride_e + (cols // BR).to(tl.int64) * s_stride_n
+    su_ptr = sg_ptr + up_row0 * s_stride_n
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(dim, BLOCK_K)):
@@ -124,6 +144,11 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            g = _dequantize(g, sg_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
+                            X.dtype.element_ty)
+            u = _dequantize(u, su_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
+                            X.dtype.element_ty)
         if UPCAST:  # the interpreter multiplies bf16 tiles wrongly: float32 there
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
@@ -140,6 +165,8 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
 def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  h_stride, w_stride_e, w_stride_n, y_stride,
                  SD, sd_stride, routed, HAS_SHARED: tl.constexpr,
+                 S2, s_stride_e, s_stride_n, FP8: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, SCALE_VEC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -158,6 +185,7 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
         if expert >= routed:  # a shared expert: its columns of the shared MLP's down
             b_ptr = SD + cols[None, :].to(tl.int64) * sd_stride + (expert - routed) * inter \
                 + ks[:, None]
+    s_ptr = S2 + expert * s_stride_e + (cols // BR).to(tl.int64) * s_stride_n  # FP8 experts
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -167,6 +195,9 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
             k_ok = ks < inter - k * BLOCK_K
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            b = _dequantize(b, s_ptr, k * BLOCK_K, inter, col_ok, BC, SCALE_VEC, BLOCK_K,
+                            H.dtype.element_ty)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -285,7 +316,8 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, bloc
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None,
-                  shared: SharedExperts | None = None) -> torch.Tensor:
+                  shared: SharedExperts | None = None,
+                  scales: ExpertScales | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
@@ -299,7 +331,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     columns ``j·I .. (j+1)·I`` are expert E + j, read in place from its own weights): ids E ..
     E + S − 1 (weight 1) then add the shared MLP's output to the sum — exactly, since an MLP's
     output is the sum over any split of its intermediate columns — and it costs no launches of
-    its own (at batch 1 on an H200 the shared MLP was five kernels, ~20 µs per layer)."""
+    its own (at batch 1 on an H200 the shared MLP was five kernels, ~20 µs per layer).
+
+    ``scales``: ``w13`` / ``w2`` are float8 with these block scales (FP8 experts, read at one
+    byte a weight): each weight tile is multiplied by its scales in float32 and rounded once to
+    x's dtype before the dot, as dequantizing at load rounds it. Not with ``shared``."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -309,6 +345,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                          f"{tuple(w2.shape)}, weights {tuple(weights.shape)}, ids "
                          f"{tuple(ids.shape)} do not fit")
     n_shared = 0 if shared is None else shared.count(dim, inter)
+    if scales is not None and shared is not None:
+        raise ValueError("the shared MLP is not folded into FP8 experts: run it on its own")
+    s13, s2, (br, bc), up_row0 = _scale_args(scales, w13, w2, experts, dim, inter)
     n = tokens * topk
     if n == 0:
         return x.new_zeros(x.shape)
@@ -322,25 +361,61 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     upcast = interpreted() and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     meta = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast,
-                PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                FP8=scales is not None, BR=br, BC=bc,
+                SCALE_VEC=bc % tiles.block_k == 0)
     gate, up, down = (w13, w13, w2) if shared is None else (shared.gate, shared.up, shared.down)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.block_n))](
         x, w13, h, sorted_rows, block_expert, used, n, topk, dim, inter,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         gate, up, gate.stride(0), up.stride(0), experts, HAS_SHARED=shared is not None,
+        S13=s13, s_stride_e=s13.stride(0), s_stride_n=s13.stride(1), up_row0=up_row0,
         EVEN_K=dim % tiles.block_k == 0, **meta)
     y = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     _down_kernel[(grid_m, triton.cdiv(dim, tiles.block_n))](
         h, w2, y, sorted_rows, block_expert, used, weights.reshape(-1).float().contiguous(), n,
         dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         down, down.stride(0), experts, HAS_SHARED=shared is not None,
+        S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1),
         EVEN_K=inter % tiles.block_k == 0, **meta)
     if topk == 1:
         return y
     # Sum over k in one kernel: torch's reductions of bf16 accumulate in float32 (on both
     # devices) and round once.
     return y.view(tokens, topk, dim).sum(1)
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' block scales as :func:`fused_experts` reads them (the MoE's
+    ``w13_scale_inv`` / ``w2_scale_inv``): weight[e, m, n] = float(wq[e, m, n]) ·
+    scale[e, m // br, n // bc], with ``w13``'s grid each expert's gate grid then its up grid."""
+
+    w13: torch.Tensor  # [E, 2·⌈I/br⌉, ⌈D/bc⌉] float32
+    w2: torch.Tensor  # [E, ⌈D/br⌉, ⌈I/bc⌉] float32
+    block: tuple[int, int]  # (br, bc)
+
+
+def _scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor, experts: int,
+                dim: int, inter: int
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], int]:
+    """The kernels' scale arguments: (w13's grid, w2's grid, block, the up grid's first row);
+    without scales, placeholders the kernels never read."""
+    if scales is None:
+        return w13, w2, (1, 1), 0
+    br, bc = scales.block
+    rows = -(-inter // br)
+    want = {"w13": (experts, 2 * rows, -(-dim // bc)), "w2": (experts, -(-dim // br),
+                                                                -(-inter // bc))}
+    for name, grid in (("w13", scales.w13), ("w2", scales.w2)):
+        if tuple(grid.shape) != want[name]:
+            raise ValueError(f"FP8 experts: {name}'s scales {tuple(grid.shape)} do not fit "
+                             f"blocks {scales.block} of {tuple((w13 if name == 'w13' else w2).shape)}"
+                             f" (need {want[name]})")
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 experts: weights are {w13.dtype} / {w2.dtype}, not float8_e4m3fn")
+    return scales.w13.float().contiguous(), scales.w2.float().contiguous(), (br, bc), rows
 
 
 @dataclass(frozen=True)

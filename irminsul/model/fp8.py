@@ -42,6 +42,21 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
+def dequantize_stacked(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                       parts: int = 1) -> torch.Tensor:
+    """:func:`dequantize_blocks` over a stack of weights [E, M, N] with their grids [E, gm, gn],
+    float32, element for element the same arithmetic. ``parts``: the stack's rows are that many
+    matrices of M / parts rows, each with its own grid of gm / parts rows, joined (the MoE's
+    ``w13``: each expert's gate, then its up projection)."""
+    rows, cols = block
+    if parts > 1:
+        return torch.cat([dequantize_stacked(w, s, block) for w, s in
+                          zip(weight.chunk(parts, 1), scale_inv.chunk(parts, 1), strict=True)], 1)
+    scale = scale_inv.float().repeat_interleave(rows, 1)[:, : weight.shape[1]]
+    scale = scale.repeat_interleave(cols, 2)[:, :, : weight.shape[2]]
+    return weight.float() * scale
+
+
 class FP8Linear(nn.Module):
     """y = x @ dequant(Wq, scale_inv)ᵀ (+ bias), with ``weight`` float8_e4m3fn [out, in] and
     ``weight_scale_inv`` float32 [ceil(out / br), ceil(in / bc)] — the checkpoint's names, so

@@ -32,9 +32,10 @@ FLOAT8_DTYPES = tuple(getattr(torch, name) for name in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name))
 # Linears whose float8 weights keep_fp8 still dequantizes at load, because code outside their
-# forward reads ``.weight`` as a dense matrix: the routed experts (stacked into w13 / w2 for the
-# grouped GEMMs by MoE.fuse) and kv_b_proj (split into W_UK / W_UV by the absorbed attention).
-DENSE_ONLY = (".mlp.experts.", ".self_attn.kv_b_proj.")
+# forward reads ``.weight`` as a dense matrix: kv_b_proj (split into W_UK / W_UV by the absorbed
+# attention; 2% of a V3 layer's weights). The routed experts are kept: MoE.fuse stacks their
+# float8 weights and scales.
+DENSE_ONLY = (".self_attn.kv_b_proj.",)
 
 
 class CheckpointError(ValueError):
@@ -118,7 +119,7 @@ def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, quant: Quan
     return dequantize_blocks(weight, scale_inv, quant.block)
 
 
-def _float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
+def float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
     """The checkpoint's float8 tensors outside MTP layers, from the shard headers (no data read)."""
     names = set()
     for shard in checkpoint_shards(Path(path)):
@@ -131,7 +132,8 @@ def _float8_names(path: str | os.PathLike, config: MLAConfig) -> set[str]:
     return names
 
 
-def _keep_fp8(model: MLAModel, float8: set[str], quant: QuantConfig | None) -> set[str]:
+def keep_float8_linears(model: MLAModel, float8: set[str],
+                        quant: QuantConfig | None) -> set[str]:
     """Swap each nn.Linear of ``model`` whose checkpoint weight is float8 (but not those of
     :data:`DENSE_ONLY`) for an :class:`FP8Linear`; the weight names now to be loaded as float8.
 
@@ -207,14 +209,15 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
     ``keep_fp8``: an FP8 checkpoint's linear weights stay float8_e4m3fn with their block scales in
     :class:`FP8Linear` modules (half of bf16's bytes), dequantized per forward; the routed
-    experts and kv_b_proj are still dequantized at load (:data:`DENSE_ONLY`). Logits equal the
+    experts stay float8 in the MoE's stacked ``w13`` / ``w2`` (read as float8 by the fused
+    kernel); kv_b_proj is still dequantized at load (:data:`DENSE_ONLY`). Logits equal the
     dequantize-at-load model's. A checkpoint without float8 weights loads as without it.
     """
     config = load_config(path)
     with torch.device("meta"):
         model = MLAModel(config)
-    kept = (_keep_fp8(model, _float8_names(path, config), config.quantization) if keep_fp8
-            else set())
+    kept = (keep_float8_linears(model, float8_names(path, config), config.quantization)
+            if keep_fp8 else set())
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

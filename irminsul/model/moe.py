@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MLAConfig
+from .fp8 import FP8Linear, dequantize_stacked, scale_grid
 
 if TYPE_CHECKING:
-    from ..kernels.fused_moe import SharedExperts
+    from ..kernels.fused_moe import ExpertScales, SharedExperts
 
 # With kernels on, batches of up to this many tokens run the fused Triton kernel and larger ones
 # the torch grouped GEMMs. On an H200 at V2-Lite's shapes the fused kernel reads the touched
@@ -120,6 +121,12 @@ class MoE(nn.Module):
     :meth:`fuse` then stacks them into ``w13`` [E, 2*I, D] (gate and up) and ``w2`` [E, D, I] for
     grouped GEMM, which the forward needs (``load_model`` fuses every MoE layer).
 
+    FP8 experts (``load_model(..., keep_fp8=True)`` on a block-quantized checkpoint: every
+    expert projection an :class:`~irminsul.model.fp8.FP8Linear`) stack as float8 with their
+    block scales: ``w13_scale_inv`` [E, 2·⌈I/br⌉, ⌈D/bc⌉] (each expert's gate grid, then its
+    up grid) and ``w2_scale_inv`` [E, ⌈D/br⌉, ⌈I/bc⌉]. The fused kernel reads them as they are
+    (one byte a weight); the torch path dequantizes them per forward, as FP8Linear does.
+
     ``kernels`` (default off; :func:`~irminsul.model.model.use_kernels` sets it model-wide):
     batches of up to :data:`KERNEL_MAX_TOKENS` tokens run the routed experts — and the shared
     MLP with them, as more experts — in the fused Triton kernel (needs triton: CUDA, or a CPU
@@ -137,20 +144,60 @@ class MoE(nn.Module):
                                if config.n_shared_experts else None)
         self.w13: nn.Parameter | None = None
         self.w2: nn.Parameter | None = None
+        self.w13_scale_inv: nn.Parameter | None = None  # FP8 experts only
+        self.w2_scale_inv: nn.Parameter | None = None
+        self.block: tuple[int, int] | None = None  # FP8 experts: the scales' block (rows, cols)
         self.kernels = False
         # Expert parallel (irminsul.parallel.shard): w13 / w2 hold the experts from this model-wide
         # id on, and the other ranks the rest; None: every expert is here.
         self.expert_first: int | None = None
 
     def fuse(self) -> None:
-        """Stack the per-expert weights for grouped GEMM and drop the per-expert copies."""
+        """Stack the per-expert weights for grouped GEMM and drop the per-expert copies (FP8
+        experts: their float8 weights and their scales, see the class docstring)."""
         if self.experts is None:
             return
-        self.w13 = nn.Parameter(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
-                                             for e in self.experts]), requires_grad=False)
-        self.w2 = nn.Parameter(torch.stack([e.down_proj.weight for e in self.experts]),
-                               requires_grad=False)
+        projections = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        fp8 = [isinstance(p, FP8Linear) for p in projections]
+        if any(fp8) and not all(fp8):
+            raise ValueError("the routed experts mix FP8 and plain projections: keep all of "
+                             "them as float8 or none")
+        if all(fp8):
+            self.block = projections[0].block
+            for p in projections:
+                grid = scale_grid(p.weight.shape, self.block)
+                if p.block != self.block or tuple(p.weight_scale_inv.shape) != grid:
+                    raise ValueError(f"FP8 expert projection {tuple(p.weight.shape)}: scales "
+                                     f"{tuple(p.weight_scale_inv.shape)} in blocks {p.block}, "
+                                     f"not {grid} in {self.block}")
+            self.w13_scale_inv = self._stack(
+                [torch.cat([e.gate_proj.weight_scale_inv, e.up_proj.weight_scale_inv])
+                 for e in self.experts])
+            self.w2_scale_inv = self._stack([e.down_proj.weight_scale_inv for e in self.experts])
+        self.w13 = self._stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                                for e in self.experts])
+        self.w2 = self._stack([e.down_proj.weight for e in self.experts])
         self.experts = None
+
+    @staticmethod
+    def _stack(tensors: list[torch.Tensor]) -> nn.Parameter:
+        return nn.Parameter(torch.stack(tensors), requires_grad=False)
+
+    def dense_experts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in ``dtype``: FP8 experts dequantized (transient copies, bit-identical to
+        the dequantize-at-load weights), plain ones as they are."""
+        if self.block is None:
+            return self.w13, self.w2
+        return (dequantize_stacked(self.w13, self.w13_scale_inv, self.block, parts=2).to(dtype),
+                dequantize_stacked(self.w2, self.w2_scale_inv, self.block).to(dtype))
+
+    def expert_scales(self) -> ExpertScales | None:
+        """FP8 experts' scales as the fused kernel takes them; None for plain experts."""
+        if self.block is None:
+            return None
+        from ..kernels.fused_moe import ExpertScales  # needs triton: only with kernels
+
+        return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
@@ -163,17 +210,19 @@ class MoE(nn.Module):
             shared = self._shared_as_experts()
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             weights, ids = self.gate(x, shared=count)
-            out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared)
+            out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
+                                scales=self.expert_scales())
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(x)
-        out = grouped_experts(x, self.w13, self.w2, weights, ids, first=self.expert_first)
+        out = grouped_experts(x, *self.dense_experts(x.dtype), weights, ids,
+                              first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
     def _shared_as_experts(self) -> SharedExperts | None:
         """The shared MLP as extra experts of the fused kernel (read in place), where it is a
         whole number of routed-expert widths in plain weights of the experts' dtype; else None
-        (it runs on its own: FP8 weights, a tensor-parallel shard)."""
+        (it runs on its own: FP8 weights, FP8 routed experts, a tensor-parallel shard)."""
         from ..kernels.fused_moe import SharedExperts
 
         mlp, inter = self.shared_experts, self.w2.shape[2]

@@ -225,3 +225,110 @@ def test_fused_experts_replay_in_a_cuda_graph() -> None:
         ids.copy_(new_ids)
         graph.replay()
         check(out, naive_experts(x, w13, w2, weights.cpu(), ids.cpu()), torch.bfloat16)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block quantization of one matrix, block by block: float8_e4m3fn values
+    and the float32 scale_inv (block amax / 448) that multiplies them back."""
+    br, bc = block
+    rows, cols = -(-w.shape[0] // br), -(-w.shape[1] // bc)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].float()
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).to(q.dtype)
+    return q, scale
+
+
+def dequantize_naive(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Each element times its block's scale, one at a time over the blocks (float64)."""
+    br, bc = block
+    out = q.double()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * br:(i + 1) * br, j * bc:(j + 1) * bc] *= float(scale[i, j])
+    return out
+
+
+FP8_CASES = {  # tokens, experts, k, dim, inter, block, tiles (None: the table's)
+    "v3_blocks": (5, 4, 2, 256, 256, (128, 128), None),  # a scale per column per K step
+    "partial_blocks": (9, 4, 3, 72, 40, (16, 16), (16, 16, 32, 4, 2)),  # 2-D scale gather
+    "oblong_blocks": (7, 8, 2, 64, 48, (32, 16), (16, 32, 16, 4, 2)),  # br != bc, K step = bc
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_match_naive_on_dequantized_weights(case: str, dtype: torch.dtype) -> None:
+    """float8 w13 / w2 with their block scales (gate and up quantized as the checkpoint holds
+    them, each its own grid) give the naive loop's output over the dequantized weights."""
+    from irminsul.kernels.fused_moe import ExpertScales, MoETiles, fused_experts
+
+    tokens, experts, k, dim, inter, block, tiles = FP8_CASES[case]
+    x, w13, w2, weights, ids = problem(tokens, experts, k, dim, inter, torch.float32, seed=3)
+    gate = [quantize_blocks(w[:inter], block) for w in w13]
+    up = [quantize_blocks(w[inter:], block) for w in w13]
+    down = [quantize_blocks(w, block) for w in w2]
+    q13 = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(gate, up)])
+    s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(gate, up)])
+    q2, s2 = torch.stack([d[0] for d in down]), torch.stack([d[1] for d in down])
+    dense13 = torch.stack([torch.cat([dequantize_naive(*g, block), dequantize_naive(*u, block)])
+                           for g, u in zip(gate, up)])
+    dense2 = torch.stack([dequantize_naive(*d, block) for d in down])
+    # Rounded to the dtype the dot reads, as dequantizing at load rounds them.
+    x = x.to(dtype)
+    want = naive_experts(x, dense13.to(dtype), dense2.to(dtype), weights, ids)
+    got = fused_experts(*(t.to(DEVICE) for t in (x, q13, q2, weights, ids)),
+                        tiles=MoETiles(*tiles) if tiles else None,
+                        scales=ExpertScales(s13.to(DEVICE), s2.to(DEVICE), block))
+    check(got, want, dtype)
+    assert want.abs().max() > 0.1
+
+
+def test_fp8_expert_scales_that_do_not_fit_are_refused() -> None:
+    from irminsul.kernels.fused_moe import ExpertScales, fused_experts
+
+    x, w13, w2, weights, ids = problem(3, 4, 2, 32, 32, torch.float32)
+    q13, q2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    good = ExpertScales(torch.ones(4, 4, 2), torch.ones(4, 2, 2), (16, 16))
+    with pytest.raises(ValueError, match=r"w13's scales \(4, 2, 2\)"):
+        fused_experts(x, q13, q2, weights, ids,
+                      scales=ExpertScales(torch.ones(4, 2, 2), good.w2, (16, 16)))
+    with pytest.raises(ValueError, match="not float8_e4m3fn"):
+        fused_experts(x, w13, w2, weights, ids, scales=good)
+
+
+def test_moe_with_fp8_experts_runs_them_in_the_kernel_as_the_torch_path_does() -> None:
+    """A MoE whose experts are FP8Linear (as keep_fp8 loads them) stacks them as float8 with
+    their scales; with kernels on, the fused kernel reads them so, and gives the torch path's
+    output (which dequantizes them per forward)."""
+    from irminsul.model.fp8 import FP8Linear
+
+    config = parse_config(dict(
+        model_type="deepseek_v3", vocab_size=10, hidden_size=40, num_hidden_layers=2,
+        num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, n_group=2,
+        topk_group=1, max_position_embeddings=512, rope_theta=10000))
+    torch.manual_seed(0)
+    moe = MoE(config).requires_grad_(False)
+    for p in moe.parameters():
+        p.normal_(0.0, 0.3)
+    block = (16, 16)
+    for expert in moe.experts:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = getattr(expert, name)
+            fp8 = FP8Linear.like(linear, block)
+            q, s = quantize_blocks(linear.weight, block)
+            fp8.load_state_dict({"weight": q, "weight_scale_inv": s})
+            setattr(expert, name, fp8)
+    moe.fuse()
+    assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale_inv.shape == (8, 4, 3)
+    moe = moe.to(DEVICE)
+    x = torch.randn(6, 40).to(DEVICE)
+    want = moe(x)
+    use_kernels(moe, True)
+    got = moe(x)
+    check(got, want.float().cpu(), torch.float32)

@@ -9,6 +9,8 @@ weights and inputs.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,13 +36,26 @@ from irminsul.model.loader import dequantize_weight  # noqa: E402
 
 __all__ = ["fp8"]  # the imported module-scoped fixture, used below
 
-# Linears whose weights the loader still dequantizes with keep_fp8 (read as dense matrices
-# outside their forward): routed experts (fused into w13 / w2) and kv_b_proj (absorbed attention).
-DENSE_ONLY = (".mlp.experts.", ".self_attn.kv_b_proj.")
+# The linear the loader still dequantizes with keep_fp8 (read as a dense matrix outside its
+# forward: the absorbed attention splits it); the routed experts are kept, stacked by MoE.fuse.
+DENSE_ONLY = (".self_attn.kv_b_proj.",)
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def kept_names(fp8) -> set[str]:
-    return {n for n in fp8.quantized if not any(part in n for part in DENSE_ONLY)}
+    """The checkpoint's float8 weights kept as FP8Linear weights (routed experts excluded)."""
+    return {n for n in fp8.quantized
+            if not any(part in n for part in DENSE_ONLY) and not EXPERT.match(n)}
+
+
+def kept_experts(fp8) -> dict[str, list[str]]:
+    """MoE layer prefix → the checkpoint's float8 expert weights it stacks."""
+    layers: dict[str, list[str]] = {}
+    for name in fp8.quantized:
+        match = EXPERT.match(name)
+        if match:
+            layers.setdefault(match.group(1), []).append(name)
+    return layers
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +69,11 @@ def models(fp8):
 def test_kept_weights_are_float8_in_memory(fp8, models):
     plain, kept = models[torch.bfloat16]
     params = dict(kept.named_parameters())
-    float8 = {n for n, p in params.items() if p.dtype == torch.float8_e4m3fn}
+    experts = kept_experts(fp8)
+    stacked = {f"{layer}.{w}" for layer in experts for w in ("w13", "w2")}
+    float8 = {n for n, p in params.items() if p.dtype == torch.float8_e4m3fn} - stacked
     assert float8 == kept_names(fp8) and len(float8) > 10
+    assert all(params[n].dtype == torch.float8_e4m3fn for n in stacked) and experts
     for name in float8:
         assert isinstance(kept.get_submodule(name.removesuffix(".weight")), FP8Linear)
         assert params[name + "_scale_inv"].dtype == torch.float32
@@ -63,17 +81,32 @@ def test_kept_weights_are_float8_in_memory(fp8, models):
         assert torch.equal(params[name].view(torch.uint8),
                            load_file(str(fp8.directory / "model.safetensors"))[name]
                            .view(torch.uint8))
+    # Each expert's gate, up and down bytes, stacked as the checkpoint stores them.
+    tensors = load_file(str(fp8.directory / "model.safetensors"))
+    for layer in experts:
+        moe = kept.get_submodule(layer)
+        for e in range(moe.w13.shape[0]):
+            gate, up, down = (tensors[f"{layer}.experts.{e}.{p}_proj.weight"]
+                              for p in ("gate", "up", "down"))
+            assert torch.equal(moe.w13[e].view(torch.uint8),
+                               torch.cat([gate, up]).view(torch.uint8))
+            assert torch.equal(moe.w2[e].view(torch.uint8), down.view(torch.uint8))
+            gate_s, up_s, down_s = (tensors[f"{layer}.experts.{e}.{p}_proj.weight_scale_inv"]
+                                    for p in ("gate", "up", "down"))
+            assert torch.equal(moe.w13_scale_inv[e], torch.cat([gate_s, up_s]))
+            assert torch.equal(moe.w2_scale_inv[e], down_s)
     plain_params = dict(plain.named_parameters())
-    fp8_bytes = sum(params[n].nbytes for n in float8)
-    bf16_bytes = sum(plain_params[n].nbytes for n in float8)
+    every = float8 | stacked
+    fp8_bytes = sum(params[n].nbytes for n in every)
+    bf16_bytes = sum(plain_params[n].nbytes for n in every)
     assert plain_params[next(iter(float8))].dtype == torch.bfloat16
     assert 2 * fp8_bytes == bf16_bytes
-    scale_bytes = sum(params[n + "_scale_inv"].nbytes for n in float8)
+    scale_bytes = (sum(params[n + "_scale_inv"].nbytes for n in float8)
+                   + sum(params[n + "_scale_inv"].nbytes for n in stacked))
     total_kept = sum(p.nbytes for p in kept.parameters())
     total_plain = sum(p.nbytes for p in plain.parameters())
     assert total_kept == total_plain - fp8_bytes + scale_bytes < total_plain
-    # routed experts and kv_b_proj stay dense in the model dtype
-    assert kept.model.layers[1].mlp.w13.dtype == torch.bfloat16
+    # kv_b_proj stays dense in the model dtype
     assert kept.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
 
 
