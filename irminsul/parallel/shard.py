@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..model import MLAConfig, MLAModel
+from ..model.fp8 import FP8Linear
 from ..model.mla import MLAttention
 from ..model.moe import MLP, MoE
 from .group import ParallelGroup, all_reduce
@@ -107,46 +108,73 @@ def share_of(size: int, rank: int, world: int) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
-    """An output-split (column-parallel) linear: its rows ``rows`` (and bias)."""
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+def block_share(part: slice, size: int, block: int, what: str) -> slice:
+    """The scale-grid rows (or columns) of an FP8 weight's ``part`` of ``size`` rows (or
+    columns) in blocks of ``block``: the part must start on a block and end on one or at the
+    end, or the rank's scales would cover another rank's weights too. ValueError naming
+    ``what`` otherwise."""
+    if part.start % block or (part.stop % block and part.stop != size):
+        raise ValueError(f"{what}: the share {part.start}..{part.stop} of {size} does not fall "
+                         f"on the float8 weight's {block}-wide scale blocks; load without "
+                         f"keep_fp8 (dequantized) to split it this way")
+    return slice(part.start // block, -(-part.stop // block))
+
+
+def _keep_rows(linear: nn.Linear | FP8Linear, rows: slice, what: str) -> None:
+    """An output-split (column-parallel) linear: its rows ``rows`` (and bias; FP8: the rows of
+    its scale grid, which must fall on blocks)."""
+    if isinstance(linear, FP8Linear):
+        grid = block_share(rows, linear.out_features, linear.block[0], what)
+        linear.weight_scale_inv = _param(linear.weight_scale_inv.data[grid])
+    linear.weight = _param(linear.weight.data[rows])
     if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+        linear.bias = _param(linear.bias.data[rows])
     linear.out_features = linear.weight.shape[0]
 
 
-def _keep_columns(linear: nn.Linear, columns: slice, rank: int) -> None:
-    """An input-split (row-parallel) linear: its columns ``columns``. Its output is a partial
-    sum, so a bias is added by rank 0 alone (the all-reduce would add it once per rank)."""
-    linear.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
+def _keep_columns(linear: nn.Linear | FP8Linear, columns: slice, rank: int, what: str) -> None:
+    """An input-split (row-parallel) linear: its columns ``columns`` (FP8: and those of its
+    scale grid). Its output is a partial sum, so a bias is added by rank 0 alone (the
+    all-reduce would add it once per rank)."""
+    if isinstance(linear, FP8Linear):
+        grid = block_share(columns, linear.in_features, linear.block[1], what)
+        linear.weight_scale_inv = _param(linear.weight_scale_inv.data[:, grid])
+    linear.weight = _param(linear.weight.data[:, columns])
     if linear.bias is not None and rank != 0:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
+        linear.bias = _param(torch.zeros_like(linear.bias.data))
     linear.in_features = linear.weight.shape[1]
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor.clone(), requires_grad=False)
 
 
 def _shard_attention(attn: MLAttention, rank: int, world: int) -> None:
     heads = share_of(attn.heads, rank, world)
     qk, kv = attn.nope + attn.rope_dim, attn.nope + attn.v_dim
     q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
-    _keep_rows(q, slice(heads.start * qk, heads.stop * qk))
-    _keep_rows(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv))
-    _keep_columns(attn.o_proj, slice(heads.start * attn.v_dim, heads.stop * attn.v_dim), rank)
+    _keep_rows(q, slice(heads.start * qk, heads.stop * qk), "attention's query rows")
+    _keep_rows(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv), "kv_b_proj's rows")
+    _keep_columns(attn.o_proj, slice(heads.start * attn.v_dim, heads.stop * attn.v_dim), rank,
+                  "o_proj's columns")
     attn.heads = heads.stop - heads.start
 
 
 def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
     part = share_of(mlp.gate_proj.out_features, rank, world)
-    _keep_rows(mlp.gate_proj, part)
-    _keep_rows(mlp.up_proj, part)
-    _keep_columns(mlp.down_proj, part, rank)
+    _keep_rows(mlp.gate_proj, part, "the MLP's intermediate width")
+    _keep_rows(mlp.up_proj, part, "the MLP's intermediate width")
+    _keep_columns(mlp.down_proj, part, rank, "the MLP's intermediate width")
 
 
 def _shard_moe(moe: MoE, rank: int, world: int) -> None:
     if moe.w13 is None or moe.w2 is None:
         raise ValueError("shard the model after its experts are fused (load_model fuses them)")
     experts = share_of(moe.w13.shape[0], rank, world)
-    moe.w13 = nn.Parameter(moe.w13.data[experts].clone(), requires_grad=False)
-    moe.w2 = nn.Parameter(moe.w2.data[experts].clone(), requires_grad=False)
+    for name in ("w13", "w2", "w13_scale_inv", "w2_scale_inv"):  # FP8 experts: their scales too
+        stacked = getattr(moe, name)
+        if stacked is not None:
+            setattr(moe, name, nn.Parameter(stacked.data[experts].clone(), requires_grad=False))
     moe.expert_first = experts.start
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, rank, world)

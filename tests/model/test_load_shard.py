@@ -12,7 +12,18 @@ import torch
 pytest.importorskip("transformers")  # the checkpoints are written by transformers
 
 # tests/model is on sys.path under pytest (rootdir-relative imports of test modules)
-from test_model_loader import CASES, build_hf, fp8, save  # noqa: E402
+from test_model_loader import (  # noqa: E402
+    CASES,
+    FP8_QUANT,
+    build_hf,
+    config_of,
+    fp8,
+    is_quantized,
+    quantize,
+    read_all,
+    save,
+    write_checkpoint,
+)
 
 from irminsul.model import CheckpointError, load_model  # noqa: E402
 from irminsul.model import loader as loader_module  # noqa: E402
@@ -38,9 +49,31 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def assert_same_shard(path, rank: int, world: int, dtype: torch.dtype) -> None:
-    want = shard_weights(load_model(path, dtype=dtype), rank, world)
-    got = load_shard(path, rank, world, dtype=dtype)
+# A tiny FP8 V3 whose splits over 2 and 4 ranks fall on its 16 x 16 scale blocks (query rows
+# 32 per head, o_proj columns 16 per head, MLP widths 128 and 64), so keep_fp8 can shard it.
+FP8_ALIGNED = ("DeepseekV3", dict(q_lora_rank=32, intermediate_size=128, moe_intermediate_size=64,
+                                  n_group=2, topk_group=1, norm_topk_prob=True,
+                                  routed_scaling_factor=2.5,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+@pytest.fixture(scope="module")
+def fp8_aligned(tmp_path_factory):
+    plain = save(build_hf(FP8_ALIGNED, seed=7), tmp_path_factory.mktemp("fp8_aligned_src"))
+    tensors = {}
+    for name, t in read_all(plain).items():
+        if is_quantized(name, t):
+            tensors[name], tensors[name + "_scale_inv"] = quantize(t)
+        else:
+            tensors[name] = t
+    return write_checkpoint(tmp_path_factory.mktemp("fp8_aligned"), tensors,
+                            dict(config_of(plain), quantization_config=FP8_QUANT))
+
+
+def assert_same_shard(path, rank: int, world: int, dtype: torch.dtype, *,
+                      keep_fp8: bool = False) -> None:
+    want = shard_weights(load_model(path, dtype=dtype, keep_fp8=keep_fp8), rank, world)
+    got = load_shard(path, rank, world, dtype=dtype, keep_fp8=keep_fp8)
     assert got.config == want.config
     want_state, got_state = want.state_dict(), got.state_dict()
     assert want_state.keys() == got_state.keys()
@@ -100,6 +133,33 @@ def test_fp8_checkpoint_shard_equals_load_then_shard(fp8) -> None:
     """Float8 weights are dequantized whole, then sliced: the same as dequantize-at-load."""
     for rank in range(2):
         assert_same_shard(fp8.directory, rank, 2, torch.float32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp8_kept_shard_equals_load_then_shard(fp8_aligned, world: int) -> None:
+    """keep_fp8: each rank reads its float8 slices and their scale grids' rows or columns (and
+    its experts as float8): bit-identical to loading whole with keep_fp8 and sharding — and its
+    partial logits equal the dequantized share's, bit for bit (same per-element arithmetic)."""
+    for rank in range(world):
+        assert_same_shard(fp8_aligned, rank, world, torch.float32, keep_fp8=True)
+    assert_same_shard(fp8_aligned, world - 1, world, torch.bfloat16, keep_fp8=True)
+    kept = load_shard(fp8_aligned, 1, world, keep_fp8=True)
+    dense = load_shard(fp8_aligned, 1, world)
+    float8 = [n for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert any(n.endswith("mlp.w13") for n in float8) and any("q_b_proj" in n for n in float8)
+    assert sum(p.nbytes for p in kept.parameters()) < 0.6 * sum(p.nbytes for p in dense.parameters())
+    ids = torch.tensor([1, 5, 9, 3, 40, 2])
+    assert torch.equal(kept.logits(ids), dense.logits(ids))
+
+
+def test_fp8_kept_shard_off_the_scale_blocks_is_refused(fp8) -> None:
+    """The partial-block FP8 fixture: 2 heads of 28 query rows per rank are not whole 16-row
+    blocks, so its scales would cover the other rank's rows: refused, the split named."""
+    with pytest.raises(ValueError, match=r"attention's query rows: the share 56\.\.112 of 112 "
+                                         r"does not fall on the float8 weight's 16-wide"):
+        load_shard(fp8.directory, 1, 2, keep_fp8=True)
+    with pytest.raises(ValueError, match="does not fall on the float8"):
+        shard_weights(load_model(fp8.directory, keep_fp8=True), 1, 2)
 
 
 def test_other_ranks_experts_are_never_read(checkpoints, monkeypatch) -> None:
