@@ -436,8 +436,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           graphs=False if args.no_graphs else ENGINE.graphs,
                           cache=_repair_cache(args))
     server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
-                          dtype=args.dtype, device=args.device, engine=engine,
-                          max_request_bytes=args.max_request_bytes,
+                          dtype=args.dtype, device=args.device, keep_fp8=args.keep_fp8,
+                          engine=engine, max_request_bytes=args.max_request_bytes,
                           max_waiting=args.max_waiting, kv_memory=args.kv_memory,
                           gate=None if args.no_gate else SERVER.gate,
                           store=StoreConfig(url=args.store,
@@ -669,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")
     serve.add_argument("--device", default=SERVER.device,
                        help="torch device (None: cuda when available, else cpu)")
+    serve.add_argument("--keep-fp8", action="store_true",
+                       help="keep an FP8 checkpoint's weights float8 with their block scales "
+                            "(linears and routed experts; half of bf16's memory) instead of "
+                            "dequantizing them at load")
     serve.add_argument("--served-model-name", default=SERVER.model_name, metavar="NAME",
                        help="the model name clients send (None: the directory's name)")
     serve.add_argument("--no-graphs", action="store_true",

@@ -246,6 +246,10 @@ class ServerConfig:
     model_name: str | None = None  # the name clients send (None: the model directory's name)
     dtype: str = "auto"  # weights and KV (auto: bfloat16 on CUDA, else float32)
     device: str | None = None  # torch device (None: cuda when available, else cpu)
+    # An FP8 block-quantized checkpoint's linear and expert weights stay float8 with their scales
+    # (half of bf16's bytes: DeepSeek-V3 fits 8 GPUs only so), dequantized per use; False:
+    # dequantized at load.
+    keep_fp8: bool = False
     default_max_tokens: int = 1024  # a chat request without max_tokens: this, or what fits
     # A request body larger than this is refused (413) before it is parsed; None: sized for the
     # model's context (request_bytes_for).

@@ -107,13 +107,15 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
                     SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
                     S13, s_stride_e, s_stride_n, up_row0, FP8: tl.constexpr, BR: tl.constexpr,
-                    BC: tl.constexpr, SCALE_VEC: tl.constexpr,
+                    BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(USED):  # a block the worst case allowed for, unused here
         return
     expert = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    if expert == others:  # expert parallel: other ranks' assignments (down writes their zeros)
+        return
     assign = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = assign < n
     token = (assign // topk).to(tl.int64)  # x's row read in place: no gathered copy
@@ -166,7 +168,7 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  h_stride, w_stride_e, w_stride_n, y_stride,
                  SD, sd_stride, routed, HAS_SHARED: tl.constexpr,
                  S2, s_stride_e, s_stride_n, FP8: tl.constexpr, BR: tl.constexpr,
-                 BC: tl.constexpr, SCALE_VEC: tl.constexpr,
+                 BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -178,6 +180,11 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
     rows = assign.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < dim
+    if expert == others:  # expert parallel: another rank's expert adds nothing here
+        tl.store(Y + rows[:, None] * y_stride + cols[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty),
+                 mask=valid[:, None] & col_ok[None, :])
+        return
     ks = tl.arange(0, BLOCK_K)
     a_ptr = H + rows[:, None] * h_stride + ks[None, :]
     b_ptr = W2 + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]
@@ -317,7 +324,7 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, bloc
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None,
                   shared: SharedExperts | None = None,
-                  scales: ExpertScales | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, first: int | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
@@ -335,7 +342,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
     ``scales``: ``w13`` / ``w2`` are float8 with these block scales (FP8 experts, read at one
     byte a weight): each weight tile is multiplied by its scales in float32 and rounded once to
-    x's dtype before the dot, as dequantizing at load rounds it. Not with ``shared``."""
+    x's dtype before the dot, as dequantizing at load rounds it. Not with ``shared``.
+
+    ``first`` (expert parallel, as :func:`~irminsul.model.moe.grouped_experts` takes it): ``w13``
+    / ``w2`` hold experts ``first ..`` of the model's; assignments to other experts sort into
+    one more bin whose rows the kernels skip (gate/up) and zero (down): this rank's share of the
+    sum, with no host synchronisation."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -356,7 +368,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if x.stride(1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    sorted_rows, block_expert, used = align_blocks(ids, experts + n_shared, bm)
+    bins, others = experts + n_shared, -1  # -1: no bin is another rank's
+    if first is not None:
+        local = ids - first
+        ids = torch.where((local >= 0) & (local < experts), local, bins)
+        bins, others = bins + 1, bins
+    sorted_rows, block_expert, used = align_blocks(ids, bins, bm)
     grid_m = block_expert.numel()
     upcast = interpreted() and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
@@ -371,13 +388,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         gate, up, gate.stride(0), up.stride(0), experts, HAS_SHARED=shared is not None,
         S13=s13, s_stride_e=s13.stride(0), s_stride_n=s13.stride(1), up_row0=up_row0,
-        EVEN_K=dim % tiles.block_k == 0, **meta)
+        others=others, EVEN_K=dim % tiles.block_k == 0, **meta)
     y = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     _down_kernel[(grid_m, triton.cdiv(dim, tiles.block_n))](
         h, w2, y, sorted_rows, block_expert, used, weights.reshape(-1).float().contiguous(), n,
         dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         down, down.stride(0), experts, HAS_SHARED=shared is not None,
-        S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1),
+        S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1), others=others,
         EVEN_K=inter % tiles.block_k == 0, **meta)
     if topk == 1:
         return y

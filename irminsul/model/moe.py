@@ -202,16 +202,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
-        # The fused kernel takes every expert's weights: under expert parallel the grouped GEMMs
-        # run, over this rank's experts.
-        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS and self.expert_first is None:
+        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS:
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
-            shared = self._shared_as_experts()
+            # Under expert parallel the router's ids are the model's and the shared MLP is a
+            # tensor-parallel share: it runs on its own.
+            shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             weights, ids = self.gate(x, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
-                                scales=self.expert_scales())
+                                scales=self.expert_scales(), first=self.expert_first)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(x)

@@ -108,7 +108,7 @@ class Follower:
         from .load import load_shard  # this rank's share only: no rank holds the whole model
 
         return load_shard(spec.model_dir, spec.rank, spec.parallel.world_size, dtype=dtype,
-                          device=device)
+                          device=device, keep_fp8=spec.config.keep_fp8)
 
     def fail(self, err: BaseException) -> None:
         """Report ``err`` (log and report file) and end the process (``parallel.abort``)."""

@@ -66,13 +66,13 @@ def check_options(config: ServerConfig, parallel: ParallelConfig) -> None:
                          f"leader's KV pool alone, and the followers' pools would differ")
 
 
-def leader_load(world: int) -> Callable[[Path, torch.dtype, str], MLAModel]:
-    """How rank 0 reads the checkpoint: its share alone (:func:`~.load.load_shard`), as every
-    rank does; what runs the model before serving (the PIC gate) runs it through the ranks'
-    engines (:meth:`Leader.engine`)."""
+def leader_load(world: int, *, keep_fp8: bool = False) -> Callable[..., MLAModel]:
+    """How rank 0 reads the checkpoint (``build_server``'s ``load``): its share alone
+    (:func:`~.load.load_shard`), as every rank does; what runs the model before serving (the
+    PIC gate) runs it through the ranks' engines (:meth:`Leader.engine`)."""
 
-    def share(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
-        return load_shard(path, 0, world, dtype=dtype, device=device)
+    def share(path: Path, *, dtype: torch.dtype, device: str) -> MLAModel:
+        return load_shard(path, 0, world, dtype=dtype, device=device, keep_fp8=keep_fp8)
 
     return share
 
@@ -300,7 +300,7 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         leader.start(specs, address, devices[0])
         app, engine = build_server(path, dataclasses.replace(config, device=devices[0]),
                                    random_weights=random_weights, make_engine=leader.engine,
-                                   load=leader_load(world))
+                                   load=leader_load(world, keep_fp8=config.keep_fp8))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level="info",
                                                timeout_graceful_shutdown=int(GRACE_S)))

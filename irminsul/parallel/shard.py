@@ -18,8 +18,9 @@ What each rank keeps of a layer (W ranks, rank r):
   and one after the MLP or MoE, per layer, and nothing else in the forward.
 
 So each layer's output is the single-process sum regrouped into W partial sums: the same logits
-up to float rounding. The fused Triton MoE kernel takes every expert, so expert-parallel layers
-run the torch grouped GEMMs.
+up to float rounding. The fused Triton MoE kernel runs a rank's experts (``fused_experts``'
+``first``). FP8 linears kept as float8 (``keep_fp8``) are split with their scale grids, which the
+split must cut on its blocks (:func:`block_share`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,14 +66,10 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
     return model
 
 
-def _load_whole(path: Path, dtype: torch.dtype, device: str) -> MLAModel:
-    return load_model(path, dtype=dtype, device=device)
-
-
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
                  random_weights: str | os.PathLike | None = None,
                  make_engine: Callable[..., Engine] = Engine,
-                 load: Callable[[Path, torch.dtype, str], MLAModel] | None = None
+                 load: Callable[..., MLAModel] | None = None
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
@@ -80,7 +77,7 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     gives only the tokenizer, chat template and stop tokens. ``make_engine`` builds the engine
     from the loaded model and the sized engine config, and the PIC gate's engines before it
     (``Engine``'s signature): tensor parallel's leader opens them on every rank's shard
-    (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint (path, dtype, device)
+    (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint (path, dtype=, device=)
     instead of ``load_model``: tensor parallel's leader reads only its share."""
     config = config or ServerConfig()
     path = Path(model_dir)
@@ -89,7 +86,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     device, dtype = resolve_device(config)
     stops = stop_token_ids(path, renderer)
     if random_weights is None:
-        model = (load or _load_whole)(path, dtype, device)
+        load = load or partial(load_model, keep_fp8=config.keep_fp8)
+        model = load(path, dtype=dtype, device=device)
         name, shown = config.model_name or path.resolve().name, str(path)
     else:
         source = Path(random_weights)

@@ -332,3 +332,39 @@ def test_moe_with_fp8_experts_runs_them_in_the_kernel_as_the_torch_path_does() -
     use_kernels(moe, True)
     got = moe(x)
     check(got, want.float().cpu(), torch.float32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_expert_parallel_shares_sum_to_all_experts(world: int, fp8: bool) -> None:
+    """Under expert parallel each rank's call (its experts, ``first``) gives its share: the
+    naive loop over the assignments to its experts only, and the shares sum to the whole."""
+    from irminsul.kernels.fused_moe import ExpertScales, MoETiles, fused_experts
+
+    x, w13, w2, weights, ids = problem(11, 8, 3, 32, 32, torch.float32, seed=5, skew=2.0)
+    block = (16, 16)
+    shares = []
+    for rank in range(world):
+        part = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        local13, local2 = w13[part], w2[part]
+        scales = None
+        if fp8:
+            q13 = [quantize_blocks(w, block) for w in local13]  # 32 rows: gate and up on blocks
+            q2 = [quantize_blocks(w, block) for w in local2]
+            local13 = torch.stack([q for q, _ in q13])
+            local2 = torch.stack([q for q, _ in q2])
+            scales = ExpertScales(torch.stack([s for _, s in q13]).to(DEVICE),
+                                  torch.stack([s for _, s in q2]).to(DEVICE), block)
+        dense13 = (torch.stack([dequantize_naive(*q, block) for q in q13]).float() if fp8
+                   else local13)
+        dense2 = (torch.stack([dequantize_naive(*q, block) for q in q2]).float() if fp8
+                  else local2)
+        mine = (ids >= part.start) & (ids < part.stop)
+        want = naive_experts(x, dense13, dense2, torch.where(mine, weights, 0.0),
+                             torch.where(mine, ids - part.start, 0))
+        got = fused_experts(*(t.to(DEVICE) for t in (x, local13, local2, weights, ids)),
+                            tiles=MoETiles(16, 16, 16, 4, 2), scales=scales, first=part.start)
+        check(got, want, torch.float32)
+        shares.append(got.cpu())
+    if not fp8:
+        check(sum(shares), naive_experts(x, w13, w2, weights, ids), torch.float32)

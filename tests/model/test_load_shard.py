@@ -238,3 +238,23 @@ def test_a_loaded_share_is_not_split_again(checkpoints) -> None:
     assert all(torch.equal(t, before[n]) for n, t in share.state_dict().items())
     with pytest.raises(ValueError, match="rank 1 of 2's share, not rank 0 of 2's"):
         shard_weights(share, 0, 2)
+
+
+def test_serve_keep_fp8_reaches_every_rank_load(fp8_aligned) -> None:
+    """``serve --keep-fp8``: rank 0's load (``leader_load``) and a follower's (``FollowerSpec``'s
+    config) read float8 shares."""
+    from irminsul.cli import build_parser
+    from irminsul.config import ParallelConfig, ServerConfig
+    from irminsul.parallel.follower import Follower, FollowerSpec
+    from irminsul.parallel.serving import leader_load
+
+    assert build_parser().parse_args(["serve", "--keep-fp8"]).keep_fp8
+    leader = leader_load(2, keep_fp8=True)(fp8_aligned, dtype=torch.float32, device="cpu")
+    spec = FollowerSpec(1, ParallelConfig(world_size=2), "tcp://127.0.0.1:1", str(fp8_aligned),
+                        ServerConfig(device="cpu", keep_fp8=True), 1, "/dev/null")
+    follower = Follower(spec)._load("cpu")
+    for model, rank in ((leader, 0), (follower, 1)):
+        want = load_shard(fp8_aligned, rank, 2, keep_fp8=True).state_dict()
+        got = model.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+        assert any(t.dtype == torch.float8_e4m3fn for t in got.values())

@@ -119,7 +119,7 @@ def test_the_leader_reads_its_share() -> None:
     from irminsul.model import default_model_dir, load_model
     from irminsul.parallel.serving import leader_load
 
-    share = leader_load(2)(default_model_dir(), torch.float32, "cpu")
+    share = leader_load(2)(default_model_dir(), dtype=torch.float32, device="cpu")
     assert share.shard == (0, 2)
     whole = shard_weights(load_model(default_model_dir()), 0, 2)
     assert all(torch.equal(t, whole.state_dict()[n]) for n, t in share.state_dict().items())
