@@ -714,6 +714,24 @@ def decode_host_time(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def tp_messages(r: dict[str, Any], name: str) -> list[str]:
+    """The leader's per-step message under tensor parallel, whole against mirrored keys."""
+    lines = ["## CPU: the leader's message per decode step under tensor parallel", "",
+             f"`docs/results/{name}`. " + _run_line(r, Cores=str(r["cores"]),
+                                                    **{"Load average": f"{r['load']:.1f}"}), "",
+             "```bash", "python benchmarks/cpu/tp_messages.py --out F.json", "```", "",
+             f"One decode step of {r['batch']} requests at {r['context']:,} tokens: the message "
+             "the leader sends every follower, with each request's key handles whole or mirrored "
+             "on the followers (only the new handle sent; `irminsul/parallel/keys.py`). Medians "
+             f"over {r['steps'] - 1} steps of the leader's host time to build it, a follower's "
+             "to read it, and the broadcast between two gloo processes on this host (the "
+             "follower's wait, the leader's pickling included).", ""]
+    rows = [[keys, f"{row['bytes']:,}", f"{row['leader_ms']:.2f}", f"{row['follower_ms']:.2f}",
+             f"{row['broadcast_ms']:.2f}"] for keys, row in r["rows"].items()]
+    lines += _table(("keys", "bytes", "leader ms", "follower ms", "broadcast ms"), rows)
+    return lines
+
+
 def analyze_throughput(r: dict[str, Any], name: str) -> list[str]:
     """Wall time, CPU time per kind of process and peak memory of `irminsul analyze` on a log."""
     lines = ["## CPU: `irminsul analyze` on a whole log", "",
@@ -912,6 +930,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),
+        ("cpu-tp-messages.json", lambda p: tp_messages(_load(p), p.name)),
     ]
     sections, used = [], set()
     for pattern, render in renderers:

@@ -28,7 +28,7 @@ class ServeStats:
     prefilled_tokens: int = 0
 
 
-class _Growable:
+class Growable:
     """An int64 array that grows at its end in amortised O(1) per element: a decode step
     appends one token and one handle to sequences thousands long, which a concatenation would
     copy whole every step. :meth:`view` is the array so far; views taken earlier keep their
@@ -70,7 +70,7 @@ class Sequence:
 
     def __init__(self, tokens: np.ndarray, handles: np.ndarray, namespace: int,
                  stats: ServeStats | None = None, finished: bool = False) -> None:
-        self._tokens, self._handles = _Growable(tokens), _Growable(handles)
+        self._tokens, self._handles = Growable(tokens), Growable(handles)
         self.namespace, self.finished = namespace, finished
         self.stats = stats if stats is not None else ServeStats()
         # References the sequence holds that the pool has not counted yet: a prefill's cached
@@ -92,7 +92,7 @@ class Sequence:
 
     @handles.setter
     def handles(self, value: np.ndarray) -> None:
-        self._handles = _Growable(value)
+        self._handles = Growable(value)
 
     def append(self, tokens: np.ndarray) -> None:
         """Tokens whose rows were just computed (a decode step, a teacher-forced run)."""

@@ -4,7 +4,8 @@ Rank 0 (the leader) runs the whole engine — scheduler, planner, cache manager,
 :class:`LeaderRunner` as its model runner. Every call the engine makes on its runner that moves
 rows (a reuse's δ-rotation, a forward) is broadcast to the followers as one message — the
 batch's tokens, positions and slots, or the reuse's slots and δs: once per step, not per layer —
-and then run on the leader. Each follower runs :func:`follow`: the same calls, in the same order,
+and then run on the leader (a forward's key handles as what changed since the last step,
+:mod:`.keys`). Each follower runs :func:`follow`: the same calls, in the same order,
 on a :class:`ModelRunner` of its own over its own pool of the same shape. The runners are
 deterministic and the all-reduces give every rank the same bits, so every rank's latent pool
 holds the same rows in the same slots, and the slot accounting lives on the leader alone.
@@ -18,9 +19,7 @@ measures with engines runs on the sharded model, and no rank ever holds the whol
 Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
 message per step); the live-PIC audit and the repair's latent check (``recompute_share``), which
 run the model outside the runner and would leave the followers out of its all-reduces
-(:func:`leader_engine` turns the first off and refuses the second). The message carries each
-item's key handles (8 bytes per context token per step); mirroring them on the followers, so
-that a step sends only its new tokens' handles, is the next step for long-context decoding.
+(:func:`leader_engine` turns the first off and refuses the second).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from ..engine.batch import ForwardBatch, Reuse
 from ..engine.model_runner import ModelRunner
 from ..model import MLAModel
 from .group import ParallelGroup, RankFailure, broadcast
+from .keys import KeyMirror
 from .shard import check_sharded
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class LeaderRunner(ModelRunner):
                              "graphs off")
         super().__init__(model, ckv, kr, graphs=False, **kwargs)
         self.group, self.channel = group, channel
+        self.mirror = KeyMirror()  # the key handles the followers hold (.keys)
         self.on_failure = on_failure
         self.failure: BaseException | None = None
         self.doing: str | None = None
@@ -79,7 +80,8 @@ class LeaderRunner(ModelRunner):
                    lambda: super(LeaderRunner, self).rotate(reuse))
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
-        return self._step("a forward", (FORWARD, self.channel, batch, all_logits),
+        return self._step("a forward",
+                          (FORWARD, self.channel, self.mirror.encode(batch), all_logits),
                           lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
 
     def _step(self, what: str, message: tuple, run: Callable[[], Any]) -> Any:
@@ -165,6 +167,7 @@ def follow(model: MLAModel, group: ParallelGroup) -> int:
         raise ValueError("rank 0 leads: it runs the engine with leader_engine(), not follow()")
     check_sharded(model, group)
     runners: dict[int, ModelRunner] = {}
+    mirrors: dict[int, KeyMirror] = {}
     forwards = 0
     while True:
         kind, *args = broadcast(group)
@@ -172,18 +175,18 @@ def follow(model: MLAModel, group: ParallelGroup) -> int:
             channel, config, runner = args
             # Only the runner is used: the pool and its accounting are the leader's decisions.
             engine = Engine(model, config, runner=runner)
-            runners[channel] = engine.runner
+            runners[channel], mirrors[channel] = engine.runner, KeyMirror()
             log.info("rank %d of %d: engine %d opened (%s, KV pool %d slots)", group.rank,
                      group.world_size, channel, runner.__name__, engine.pool.num_slots)
         elif kind == ROTATE:
             channel, reuse = args
             runners[channel].rotate(reuse)
         elif kind == FORWARD:
-            channel, batch, all_logits = args
-            runners[channel].forward(batch, all_logits=all_logits)
+            channel, message, all_logits = args
+            runners[channel].forward(mirrors[channel].decode(message), all_logits=all_logits)
             forwards += 1
         elif kind == CLOSE:
-            del runners[args[0]]
+            del runners[args[0]], mirrors[args[0]]
         elif kind == STOP:
             if args[0] is not None:
                 raise RankFailure(f"rank {group.rank} of {group.world_size}: the leader "

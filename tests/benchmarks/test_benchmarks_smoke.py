@@ -143,6 +143,20 @@ def test_decode_host_time_runs(tmp_path: Path) -> None:
     assert cells[0]["host_ms"] > 0
 
 
+def test_tp_messages_runs(tmp_path: Path) -> None:
+    """A decode step's message with mirrored keys carries each request's one new handle: the
+    whole message's handles (3 × 65 × 8 bytes) are gone from it."""
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "tp_messages.py"),
+                    "--batch", "3", "--context", "64", "--steps", "3", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["whole"]["bytes"] - rows["mirrored"]["bytes"] > 3 * 64 * 8
+    assert rows["mirrored"]["first_bytes"] > rows["mirrored"]["bytes"]
+    assert all(row["broadcast_ms"] > 0 for row in rows.values())
+
+
 def test_repair_runs(tmp_path: Path) -> None:
     """k = 0 recomputes nothing; a k past every run recomputes every reused token and serves what
     full recomputation computes; r = 0.5 recomputes half (rounded down per prompt)."""
