@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import dequantize_tile
 from .interpreter import interpreted
 
 # Up to this many assignments (T·k) the Triton kernel sorts them (each program a chunk of them,
@@ -88,21 +89,6 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
 
 
 @triton.jit
-def _dequantize(w, s_ptr, k0, depth, col_ok, BC: tl.constexpr, SCALE_VEC: tl.constexpr,
-                BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """A float8 weight tile [BLOCK_K, BLOCK_N] (reduction index from ``k0``, ``depth`` deep)
-    times its block scales (``s_ptr``: each column's row of the grid), in ``dtype`` for the dot:
-    the dequantize-at-load arithmetic (float32 product, one rounding)."""
-    if SCALE_VEC:  # BLOCK_K divides the block's columns: one scale per column this step
-        scale = tl.load(s_ptr + k0 // BC, mask=col_ok, other=0.0)[None, :]
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        scale = tl.load(s_ptr[None, :] + (kk // BC)[:, None],
-                        mask=col_ok[None, :] & (kk < depth)[:, None], other=0.0)
-    return (w.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
 def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
                     SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
@@ -147,9 +133,9 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
             g = tl.load(g_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8:
-            g = _dequantize(g, sg_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
+            g = dequantize_tile(g, sg_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
                             X.dtype.element_ty)
-            u = _dequantize(u, su_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
+            u = dequantize_tile(u, su_ptr, k * BLOCK_K, dim, col_ok, BC, SCALE_VEC, BLOCK_K,
                             X.dtype.element_ty)
         if UPCAST:  # the interpreter multiplies bf16 tiles wrongly: float32 there
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
@@ -203,7 +189,7 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8:
-            b = _dequantize(b, s_ptr, k * BLOCK_K, inter, col_ok, BC, SCALE_VEC, BLOCK_K,
+            b = dequantize_tile(b, s_ptr, k * BLOCK_K, inter, col_ok, BC, SCALE_VEC, BLOCK_K,
                             H.dtype.element_ty)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)

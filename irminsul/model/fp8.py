@@ -8,8 +8,8 @@ the one definition of that arithmetic; the loader's dequantize-at-load path and
 
 :class:`FP8Linear` holds ``Wq`` and the scales (1 byte a weight instead of bf16's 2) and, per
 forward, dequantizes into the input's dtype and runs ``F.linear``: the reference path, correct on
-any device. A block-scaled FP8 GEMM (a Triton kernel, or ``torch._scaled_mm``) on CUDA can replace
-that forward without changing what is stored.
+any device. With kernels on (:func:`~irminsul.model.model.use_kernels`) the forward is
+:func:`irminsul.kernels.fp8.fp8_linear`, which reads the float8 weight as stored.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class FP8Linear(nn.Module):
                  bias_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.kernels = False  # irminsul.model.model.use_kernels: the Triton FP8 linear
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE,
                                                device=device), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(
@@ -101,8 +102,12 @@ class FP8Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Reference path: a transient full-precision copy of W per call. The memory saved is
-        # the resident weights'; a block-scaled FP8 GEMM would also save the bandwidth.
+        if self.kernels:  # the float8 weight read as stored, its tiles dequantized in registers
+            from ..kernels.fp8 import fp8_linear  # needs triton: only with kernels
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        # The torch path: a transient full-precision copy of W per call. The memory saved is
+        # the resident weights', not their bandwidth.
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
+from .fp8 import FP8Linear
 from .mla import MLAttention
 from .moe import MLP, MoE, Router
 from .norm import RMSNorm
@@ -173,7 +174,8 @@ class MLAModel(nn.Module):
 def use_kernels(model: nn.Module, on: bool) -> None:
     """Switch every module of ``model`` that has Triton kernels to them (``on``) or to torch:
     the MoE's fused experts and router, the attention's fused latent store and query, the
-    residual adds fused with their norms. Kernels need triton (CUDA, or its CPU interpreter)."""
+    residual adds fused with their norms, FP8 linears read as float8. Kernels need triton (CUDA,
+    or its CPU interpreter)."""
     for module in model.modules():
-        if isinstance(module, (MoE, Router, MLAttention, DecoderLayer)):
+        if isinstance(module, (MoE, Router, MLAttention, DecoderLayer, FP8Linear)):
             module.kernels = on

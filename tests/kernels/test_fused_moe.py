@@ -368,3 +368,4 @@ def test_expert_parallel_shares_sum_to_all_experts(world: int, fp8: bool) -> Non
         shares.append(got.cpu())
     if not fp8:
         check(sum(shares), naive_experts(x, w13, w2, weights, ids), torch.float32)
+
