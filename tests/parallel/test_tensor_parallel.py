@@ -9,7 +9,7 @@ import torch
 from parallel_ranks import run_ranks, values
 from tiny_parallel import paged_logits, tiny_model
 
-from irminsul.model.moe import grouped_experts
+from irminsul.model.moe import MoE, grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
 
 CASES = {
@@ -68,6 +68,29 @@ def test_sharded_ranks_match_one_process(world: int) -> None:
         # The all-reduce gives every rank the same bits: the replicated state cannot drift.
         for result in ranks[1:]:
             assert torch.equal(result[name]["logits"], ranks[0][name]["logits"]), name
+
+
+def moe_kernel_logits(group: ParallelGroup) -> dict:
+    """A tiny V3's logits with its experts split over the ranks and run in the fused Triton
+    kernel (each rank's experts, ``first``), against one process on the torch path."""
+    model = tiny_model("v3_like", seed=3)
+    ids = torch.randint(0, 97, (TOKENS,), generator=torch.Generator().manual_seed(4))
+    full = model.logits(ids)
+    shard_model(model, group)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.kernels = True
+    return dict(error=float((model.logits(ids) - full).abs().max()), spread=float(full.std()),
+                first=[m.expert_first for m in moes])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_layers_run_the_fused_kernel_as_one_process(world: int) -> None:
+    for rank, r in enumerate(values(run_ranks(moe_kernel_logits, world, timeout_s=300))):
+        assert r["spread"] > 0.5
+        assert r["error"] <= 1e-4, (rank, r)
+        assert set(r["first"]) == {rank * 8 // world}
 
 
 def test_shard_refuses_uneven_splits() -> None:
