@@ -104,7 +104,8 @@ class Follower:
             from ..server.launch import random_model  # the web stack loads only for this
 
             return random_model(spec.random_weights, vocab=spec.vocab, device=device,
-                                dtype=dtype, never=spec.never)
+                                dtype=dtype, never=spec.never, keep_fp8=spec.config.keep_fp8,
+                                share=(spec.rank, spec.parallel.world_size))
         from .load import load_shard  # this rank's share only: no rank holds the whole model
 
         return load_shard(spec.model_dir, spec.rank, spec.parallel.world_size, dtype=dtype,

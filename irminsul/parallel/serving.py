@@ -300,7 +300,8 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         leader.start(specs, address, devices[0])
         app, engine = build_server(path, dataclasses.replace(config, device=devices[0]),
                                    random_weights=random_weights, make_engine=leader.engine,
-                                   load=leader_load(world, keep_fp8=config.keep_fp8))
+                                   load=leader_load(world, keep_fp8=config.keep_fp8),
+                                   random_share=(0, world))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level="info",
                                                timeout_graceful_shutdown=int(GRACE_S)))

@@ -48,18 +48,29 @@ def resolve_device(config: ServerConfig) -> tuple[str, torch.dtype]:
 
 
 def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
-                 dtype: torch.dtype, never: Sequence[int] = ()) -> MLAModel:
+                 dtype: torch.dtype, never: Sequence[int] = (), keep_fp8: bool = False,
+                 share: tuple[int, int] | None = None) -> MLAModel:
     """Benchmark-only: the shapes of ``config_json`` with random weights made on the device
     (normal, std 0.02; norms 1; routers float32, as the loader keeps them). The output-embedding
     rows of the ids ``never`` (the stop tokens) and of those past the tokenizer's ``vocab`` are
     zero, so greedy decoding never picks them (a score of 0 against the max of thousands of
     random ones): it generates text the tokenizer decodes, and exactly ``max_tokens`` of it.
-    ValueError if the tokenizer has more ids than the config's vocabulary."""
+    ``keep_fp8``: float8 weights with block scales, as an FP8 checkpoint kept so; ``share``:
+    (rank, ranks), only that tensor-parallel rank's share is made (replicated weights are the
+    same on every rank). ValueError if the tokenizer has more ids than the config's
+    vocabulary."""
     config = load_config(config_json)
     if vocab > config.vocab_size:
         raise ValueError(f"{config_json}: vocab_size {config.vocab_size} is smaller than the "
                          f"tokenizer's {vocab} ids; prompt ids would fall outside the embedding")
-    model = random_weights_model(config, device, dtype)
+    prepare = None
+    if share is not None:
+        from ..parallel.shard import shard_weights
+
+        def prepare(model: MLAModel) -> None:
+            shard_weights(model, *share)
+
+    model = random_weights_model(config, device, dtype, keep_fp8=keep_fp8, prepare=prepare)
     with torch.no_grad():
         model.lm_head.weight[vocab:].zero_()
         model.lm_head.weight[list(never)] = 0.0
@@ -69,7 +80,8 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
 def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
                  random_weights: str | os.PathLike | None = None,
                  make_engine: Callable[..., Engine] = Engine,
-                 load: Callable[..., MLAModel] | None = None
+                 load: Callable[..., MLAModel] | None = None,
+                 random_share: tuple[int, int] | None = None
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
@@ -78,7 +90,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     from the loaded model and the sized engine config, and the PIC gate's engines before it
     (``Engine``'s signature): tensor parallel's leader opens them on every rank's shard
     (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint (path, dtype=, device=)
-    instead of ``load_model``: tensor parallel's leader reads only its share."""
+    instead of ``load_model``: tensor parallel's leader reads only its share; ``random_share``:
+    (rank, ranks) of random weights, its share alone made (:func:`random_model`)."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
@@ -92,7 +105,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     else:
         source = Path(random_weights)
         model = random_model(source, vocab=renderer.tokenizer.get_vocab_size(True),
-                             device=device, dtype=dtype, never=stops)
+                             device=device, dtype=dtype, never=stops, keep_fp8=config.keep_fp8,
+                             share=random_share)
         # "config.json" says nothing: name the model after its directory
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"

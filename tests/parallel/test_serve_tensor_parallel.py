@@ -9,13 +9,14 @@ starts. Every wait here has a deadline: a hang fails the test."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +79,12 @@ def wait_until(condition, timeout: float, what: str) -> float:
 
 
 @contextlib.contextmanager
-def tensor_parallel(model_dir: Path, log: Path, world: int = 2, *,
-                    gate_cache: Path | None = None) -> Iterator[Server]:
+def tensor_parallel(model_dir: Path | None, log: Path, world: int = 2, *,
+                    gate_cache: Path | None = None, extra: Sequence[str] = ()) -> Iterator[Server]:
     """``irminsul serve --tensor-parallel world`` on a free port until the block ends; then the
     server and its followers (by the pids it logged) are killed if still running. With
-    ``gate_cache`` the PIC gate runs (its results cached there), else ``--no-gate``."""
+    ``gate_cache`` the PIC gate runs (its results cached there), else ``--no-gate``; ``extra``:
+    more flags (without ``model_dir``, no ``--model``)."""
     port = free_port()
     flags = SERVE if gate_cache is None else [f for f in SERVE if f != "--no-gate"]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -90,7 +92,8 @@ def tensor_parallel(model_dir: Path, log: Path, world: int = 2, *,
         env["XDG_CACHE_HOME"] = str(gate_cache)
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "irminsul.cli", "serve", "--model", str(model_dir), *flags,
+            [sys.executable, "-m", "irminsul.cli", "serve",
+             *(["--model", str(model_dir)] if model_dir is not None else []), *flags, *extra,
              "--tensor-parallel", str(world), "--host", "127.0.0.1", "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log)
@@ -165,6 +168,27 @@ def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_th
     assert "PIC gate passed" in server.text() and "(measured in" in server.text()
     assert "live (gate passed)" in server.text()  # the startup line
     assert len(re.findall(r"engine \d+ opened", server.text())) == 4  # the gate's 3, serving
+
+
+def test_random_fp8_weights_serve_on_two_ranks(tmp_path: Path) -> None:
+    """The benchmark-only server of an FP8 model's shapes (``--random-weights --keep-fp8``):
+    each rank makes only its share, in float8; the two ranks serve a request to its length and
+    stop cleanly."""
+    raw = json.loads((default_model_dir() / "config.json").read_text())
+    raw.update(num_hidden_layers=2, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    flags = ["--random-weights", str(path), "--keep-fp8"]
+    with tensor_parallel(None, tmp_path / "serve.log", extra=flags) as server:
+        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": SHORT, "max_tokens": 8, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(30) == 0, server.text()[-3000:]
+    assert "gate skipped: random weights" in server.text()
+    assert "ERROR" not in server.text()
 
 
 def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Path,

@@ -64,3 +64,33 @@ def test_served_under_a_name_of_its_own(tmp_path: Path) -> None:
 def test_serve_takes_random_weights_or_a_model(capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", "--model", "DIR", "--random-weights", "C.json"]) == 2
     assert "does not take --model" in capsys.readouterr().err
+
+
+def test_random_fp8_shares_hold_each_ranks_part_in_float8(tmp_path: Path) -> None:
+    """``--keep-fp8`` with ``--tensor-parallel``: each rank makes only its share, float8 where an
+    FP8 checkpoint is (linears but the LM head and kv_b_proj; the routed experts), with the
+    shapes sharding a whole model gives; the replicated weights are equal on every rank (each
+    parameter drawn from its name's seed); the share's forward runs."""
+    from irminsul.model.fp8 import FP8Linear
+    from irminsul.parallel.shard import shard_weights
+
+    path = config(tmp_path, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                 "weight_block_size": [16, 16]})
+    shares = [random_model(path, vocab=VOCAB, device="cpu", dtype=torch.float32,
+                           keep_fp8=True, share=(rank, 2)) for rank in range(2)]
+    whole = shard_weights(random_model(path, vocab=VOCAB, device="cpu", dtype=torch.float32,
+                                       keep_fp8=True), 0, 2)
+    want = {n: (tuple(p.shape), p.dtype) for n, p in whole.state_dict().items()}
+    for share in shares:
+        assert {n: (tuple(p.shape), p.dtype) for n, p in share.state_dict().items()} == want
+    zero, one = (dict(s.named_parameters()) for s in shares)
+    float8 = {n for n, p in zero.items() if p.dtype == torch.float8_e4m3fn}
+    assert any(n.endswith("mlp.w13") for n in float8) and any("o_proj" in n for n in float8)
+    assert not any("kv_b_proj" in n or n.startswith("lm_head") for n in float8)
+    assert all(zero[n].float().std() > 0.5 for n in float8)  # ~N(0, 1), scaled by 0.02
+    assert isinstance(shares[0].model.layers[0].self_attn.o_proj, FP8Linear)
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        assert torch.equal(zero[name].float(), one[name].float()), name  # replicated: equal
+    assert shares[1].model.layers[1].mlp.expert_first == 4
+    assert torch.isfinite(shares[0].logits(torch.arange(12) * 300)).all()
