@@ -191,6 +191,28 @@ def test_random_fp8_weights_serve_on_two_ranks(tmp_path: Path) -> None:
     assert "ERROR" not in server.text()
 
 
+def test_the_serving_benchmark_drives_a_tensor_parallel_fp8_server(tmp_path: Path) -> None:
+    """The multi-GPU benchmark's command, CPU-sized: ``irminsul bench serve`` starts
+    ``serve --tensor-parallel 2 --keep-fp8`` on random float8 shares, PIC off then live, and
+    every call is answered; live serves prompt tokens from cache."""
+    raw = json.loads((default_model_dir() / "config.json").read_text())
+    raw.update(num_hidden_layers=2, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    out = tmp_path / "bench.json"
+    assert main(["-q", "bench", "serve", "--random-weights", str(path), "--device", "cpu",
+                 "--server-args", "--tensor-parallel 2 --keep-fp8 --dtype float32",
+                 "--sessions", "2", "--calls", "2", "--max-reply-tokens", "4", "--warmup", "0",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for mode in ("off", "live"):
+        run = report["modes"][mode]
+        assert (run["summary"]["calls"], run["summary"]["failed_calls"]) == (4, 0)
+        assert f"PIC {mode}" in run["server"]["startup_line"]
+    assert report["modes"]["live"]["summary"]["pic_cached_tokens"] > 0
+
+
 def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Path,
                                                                   tmp_path: Path) -> None:
     with tensor_parallel(model_dir, tmp_path / "serve.log") as server:
