@@ -128,9 +128,9 @@ class MoE(nn.Module):
     (one byte a weight); the torch path dequantizes them per forward, as FP8Linear does.
 
     ``kernels`` (default off; :func:`~irminsul.model.model.use_kernels` sets it model-wide):
-    batches of up to :data:`KERNEL_MAX_TOKENS` tokens run the routed experts — and the shared
-    MLP with them, as more experts — in the fused Triton kernel (needs triton: CUDA, or a CPU
-    under Triton's interpreter) instead of torch.
+    batches of up to :data:`KERNEL_MAX_TOKENS` tokens (FP8 experts: all) run the routed
+    experts — and the shared MLP with them, as more experts — in the fused Triton kernel (needs
+    triton: CUDA, or a CPU under Triton's interpreter) instead of torch.
     """
 
     def __init__(self, config: MLAConfig) -> None:
@@ -202,7 +202,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
-        if self.kernels and x.shape[0] <= KERNEL_MAX_TOKENS:
+        # FP8 experts take the kernel at every size: the torch path would dequantize every
+        # expert of the layer for each forward (V3 at 8 ranks: 32 experts, ~5.6 GB in float32).
+        if self.kernels and (x.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
             # Under expert parallel the router's ids are the model's and the shared MLP is a

@@ -300,10 +300,14 @@ def test_fp8_expert_scales_that_do_not_fit_are_refused() -> None:
         fused_experts(x, w13, w2, weights, ids, scales=good)
 
 
-def test_moe_with_fp8_experts_runs_them_in_the_kernel_as_the_torch_path_does() -> None:
+def test_moe_with_fp8_experts_runs_them_in_the_kernel_as_the_torch_path_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A MoE whose experts are FP8Linear (as keep_fp8 loads them) stacks them as float8 with
-    their scales; with kernels on, the fused kernel reads them so, and gives the torch path's
-    output (which dequantizes them per forward)."""
+    their scales; with kernels on, the fused kernel reads them so, at any batch size (above
+    KERNEL_MAX_TOKENS too), and gives the torch path's output (which dequantizes them per
+    forward)."""
+    from irminsul.kernels import fused_moe
+    from irminsul.model import moe as moe_module
     from irminsul.model.fp8 import FP8Linear
 
     config = parse_config(dict(
@@ -330,7 +334,13 @@ def test_moe_with_fp8_experts_runs_them_in_the_kernel_as_the_torch_path_does() -
     x = torch.randn(6, 40).to(DEVICE)
     want = moe(x)
     use_kernels(moe, True)
+    monkeypatch.setattr(moe_module, "KERNEL_MAX_TOKENS", 2)
+    calls = []
+    real = fused_moe.fused_experts
+    monkeypatch.setattr(fused_moe, "fused_experts",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     got = moe(x)
+    assert calls
     check(got, want.float().cpu(), torch.float32)
 
 
