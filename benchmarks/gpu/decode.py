@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,9 +86,16 @@ def touched_experts(scheduler: Scheduler) -> float:
     counts: list[int] = []
     # Ids from E on are the shared MLP folded into the fused MoE as experts (its bytes are
     # counted with the always-read weights): not routed experts.
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda m, _inp, out: counts.append(int(out[1][out[1] < m.experts].unique().numel())))
-        for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    # Under expert parallel (benchmarks/gpu/tp_decode.py) a rank reads its own experts only:
+    # ids first .. first + local - 1.
+    def hook(moe):
+        first = moe.expert_first or 0
+        local = moe.w13.shape[0]
+        return lambda m, _inp, out: counts.append(int(
+            out[1][(out[1] >= first) & (out[1] < first + local)].unique().numel()))
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook(layer.mlp))
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     graphs, runner.graphs = runner.graphs, None
     try:
         # Two steps: the first may only land a step launched ahead (no forward of its own);
@@ -109,8 +117,11 @@ def _check(outputs: list, batch: int) -> None:
 
 
 def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: int,
-                copy_gbps: float, profile: str | None = None) -> dict[str, Any]:
-    """One (batch, context) cell: median step time, tokens/s, floor and their ratio."""
+                copy_gbps: float, profile: str | None = None,
+                make_engine: Callable[..., Engine] = Engine) -> dict[str, Any]:
+    """One (batch, context) cell: median step time, tokens/s, floor and their ratio.
+    ``make_engine``: builds the engine (tensor parallel's leader: over its shard, on every
+    rank; the floor is then this rank's bytes)."""
     device = str(next(model.parameters()).device)
     vocab = model.config.vocab_size
     # Room for the touched-experts step, a profile's 5 steps, and the tokens the requests whose
@@ -118,7 +129,7 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
     total = warmup + steps + 8 + batch
     config = EngineConfig(mode="off", slots=batch * (context + total) + 64,
                           max_running=batch)
-    scheduler = Scheduler(Engine(model, config), batch_tokens=8 * context + batch,
+    scheduler = Scheduler(make_engine(model, config), batch_tokens=8 * context + batch,
                           chunk_tokens=context)
     rng = np.random.default_rng(batch * 100_003 + context)
     for _ in range(batch):

@@ -157,6 +157,29 @@ def test_tp_messages_runs(tmp_path: Path) -> None:
     assert all(row["broadcast_ms"] > 0 for row in rows.values())
 
 
+def test_tensor_parallel_decode_runs_on_float8_shares(tmp_path: Path) -> None:
+    """benchmarks/gpu/tp_decode.py CPU-sized: two gloo ranks, random float8 shares of a small
+    FP8 config; the floor counts only rank 0's experts (at most its 4 of 8 per layer)."""
+    from irminsul.model import default_model_dir
+
+    raw = json.loads((default_model_dir() / "config.json").read_text())
+    raw.update(num_hidden_layers=2, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(raw))
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, "tp_decode.py", "--device", "cpu", "--world", "2",
+                    "--config", str(config), "--keep-fp8", "--batches", "3", "--contexts", "32",
+                    "--steps", "2", "--warmup", "1", "--out", str(out)],
+                   check=True, cwd=ROOT / "benchmarks" / "gpu", timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    result = json.loads(out.read_text())
+    assert (result["world"], result["keep_fp8"]) == (2, True)
+    [cell] = result["cells"]
+    assert (cell["batch"], cell["context"]) == (3, 32) and cell["tokens_per_s"] > 0
+    assert 0 < cell["experts_touched_per_layer"] <= 4
+
+
 def test_repair_runs(tmp_path: Path) -> None:
     """k = 0 recomputes nothing; a k past every run recomputes every reused token and serves what
     full recomputation computes; r = 0.5 recomputes half (rounded down per prompt)."""
