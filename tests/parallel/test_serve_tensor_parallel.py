@@ -246,6 +246,34 @@ def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Pat
                        json={"model": "tiny", "messages": SHORT, "max_tokens": 4})
 
 
+def test_a_follower_killed_during_the_gate_stops_the_server(tmp_path: Path) -> None:
+    """The PIC gate runs on the ranks' engines before serving: a follower killed while it runs
+    them ends the server with status 1 and one error naming the rank and the startup step."""
+    port, log = free_port(), tmp_path / "serve.log"
+    flags = [f for f in SERVE if f != "--no-gate"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "irminsul.cli", "serve", "--model", str(default_model_dir()),
+             *flags, "--tensor-parallel", "2", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)})
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        wait_until(lambda: "engine 1 opened" in server.text() or process.poll() is not None,
+                   START_S, "the gate's second engine on the follower")
+        [follower] = server.followers()
+        os.kill(follower, signal.SIGKILL)
+        assert process.wait(30) == 1, server.text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    errors = [line for line in server.text().splitlines()
+              if "ERROR irminsul.parallel.serving" in line]
+    assert len(errors) == 1, server.text()[-3000:]
+    assert f"rank 1 (pid {follower}) was killed by SIGKILL" in errors[0]
+    assert "running the PIC gate" in errors[0] and "Stopping the server" in errors[0]
+
+
 def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Path) -> None:
     with tensor_parallel(model_dir, tmp_path / "serve.log") as server:
         [follower] = server.followers()
