@@ -345,6 +345,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n_shared = 0 if shared is None else shared.count(dim, inter)
     if scales is not None and shared is not None:
         raise ValueError("the shared MLP is not folded into FP8 experts: run it on its own")
+    if first is not None and shared is not None:
+        raise ValueError("the shared MLP is not folded in under expert parallel (its ids are "
+                         "the model's, not the rank's): run it on its own")
     s13, s2, (br, bc), up_row0 = _scale_args(scales, w13, w2, experts, dim, inter)
     n = tokens * topk
     if n == 0:

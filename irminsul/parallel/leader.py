@@ -178,6 +178,7 @@ def follow(model: MLAModel, group: ParallelGroup) -> int:
             runners[channel], mirrors[channel] = engine.runner, KeyMirror()
             log.info("rank %d of %d: engine %d opened (%s, KV pool %d slots)", group.rank,
                      group.world_size, channel, runner.__name__, engine.pool.num_slots)
+            del engine  # its runner holds the pool: a CLOSE frees it
         elif kind == ROTATE:
             channel, reuse = args
             runners[channel].rotate(reuse)

@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -100,7 +101,10 @@ class Leader:
         self.parallel = parallel
         self.followers = followers
         self.group: ParallelGroup | None = None
-        self.runner: LeaderRunner | None = None
+        # The last engine opened (the serving one, once serving), weakly: a gate engine's pool
+        # must be freed before the serving pool is sized from the memory left.
+        self._runner: Callable[[], LeaderRunner | None] = lambda: None
+        self._opened = False
         self.doing = "starting the follower ranks"
         self._lock = threading.Lock()
         self._cause: str | None = None  # why the leader's own side failed (a collective, a step)
@@ -132,10 +136,15 @@ class Leader:
         assert self.group is not None, "start() first"
         self.doing = "sharding the model"
         shard_model(model, self.group)  # random weights are whole until here; a share stays
-        self.doing = "opening an engine on the ranks (the followers may still be loading)"
+        first = not self._opened
+        self.doing = ("opening an engine on the ranks" if not first else
+                      "opening an engine on the ranks (the followers may still be loading)")
+        # Only the first engine waits for the followers' loads; later ones, the group timeout.
         engine = leader_engine(model, config, self.group, runner=runner,
-                               on_failure=self._step_failed, timeout_s=STARTUP_TIMEOUT_S)
-        self.runner = engine.runner
+                               on_failure=self._step_failed,
+                               timeout_s=STARTUP_TIMEOUT_S if first else None)
+        self._opened = True
+        self._runner = weakref.ref(engine.runner)
         self.doing = "running the PIC gate or starting the HTTP server"
         return engine
 
@@ -181,7 +190,8 @@ class Leader:
             if rank.report:
                 parts.append(str(rank))
             elif self._serving is not None:
-                step = self._failed_step or (self.runner.doing if self.runner else None)
+                runner = self._runner()
+                step = self._failed_step or (runner.doing if runner else None)
                 parts.append(f"{rank} while " + (f"running {step} with the leader" if step else
                                                  "waiting for the leader's next step (idle)"))
             else:
@@ -247,8 +257,9 @@ class Leader:
         self._closing = True
         self._wake.set()
         try:
-            if self.runner is not None:
-                self.runner.stop()
+            runner = self._runner()
+            if runner is not None:
+                runner.stop()
         except RankFailure as err:
             self._cause = str(err)
             return None

@@ -23,6 +23,7 @@ judged again on every read, so changing a threshold needs no new measurement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -148,11 +149,13 @@ def render_probes(model: MLAModel, renderer: ChatRenderer, probes: list[Probe],
     return list(zip(prompts[::2], prompts[1::2]))
 
 
-def reference(engine: Engine, prompt: Prompt, tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Full recomputation of ``prompt`` on ``engine`` (mode off, nothing remembered: no reuse of
-    any kind) and its greedy continuation of ``tokens`` tokens; returns the continuation and the
-    logits [tokens, V] that predicted each of its tokens."""
-    seq, logits = engine.prefill(prompt.tokens, prompt.resets)
+def reference(engine: Engine, prompt: Prompt, tokens: int,
+              namespace: int) -> tuple[list[int], torch.Tensor]:
+    """Full recomputation of ``prompt`` on ``engine`` (mode off) and its greedy continuation of
+    ``tokens`` tokens; returns the continuation and the logits [tokens, V] that predicted each
+    of its tokens. ``namespace``: one no other prompt of the engine used, so that not even an
+    exact prefix is reused (mode off still caches those)."""
+    seq, logits = engine.prefill(prompt.tokens, prompt.resets, namespace=namespace)
     steps, continuation = [logits], []
     try:
         for step in range(tokens):
@@ -177,16 +180,21 @@ def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Pr
     slots = sum(p.size + 2 * tokens for pair in prompts for p in pair)
     config = dataclasses.replace(engine or EngineConfig(), mode="live", slots=slots,
                                  kr_slots=None, graphs=False)
-    full = open_engine(model, dataclasses.replace(config, mode="off"))
-    engines = {"pic": open_engine(model, config, runner=runner),
-               "naive": open_engine(model, config, runner=NaiveReuseRunner)}
     results = []
-    try:
-        for probe, (seen, moved) in zip(probes, prompts):
+    with contextlib.ExitStack() as closing:  # what was opened is closed, whatever happens
+
+        def opening(mode: str, runner: type[ModelRunner]) -> Engine:
+            opened = open_engine(model, dataclasses.replace(config, mode=mode), runner=runner)
+            closing.callback(opened.close)
+            return opened
+
+        full = opening("off", ModelRunner)
+        engines = {"pic": opening("live", runner), "naive": opening("live", NaiveReuseRunner)}
+        for number, (probe, (seen, moved)) in enumerate(zip(probes, prompts), 1):
             for eng in engines.values():  # registers seen's content in both engines
                 seq, _ = eng.prefill(seen.tokens, seen.resets)
                 eng.finish(seq)
-            continuation, full_logits = reference(full, moved, tokens)
+            continuation, full_logits = reference(full, moved, tokens, namespace=number)
             row = {path: serve(eng, moved, continuation, full_logits)
                    for path, eng in engines.items()}
             results.append(ProbeResult(
@@ -196,9 +204,6 @@ def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Pr
                 row["naive"]["first_divergence"]))
         for eng in (full, *engines.values()):
             eng.check()  # the gate doubles as a check of the slot accounting
-    finally:
-        for eng in (full, *engines.values()):
-            eng.close()
     return tuple(results)
 
 
@@ -217,7 +222,7 @@ def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]],
     kernels, _ = resolve_backend(model, engine.kernels, False)
     return {"checkpoint": checkpoint, "irminsul": __version__, "probes": digest.hexdigest(),
             "tokens": tokens, "device": weight.device.type, "dtype": str(weight.dtype),
-            "kernels": kernels, "shard": model.shard, "reference": "engine, mode off",
+            "kernels": kernels, "shard": model.shard, "reference": "engine, mode off, own namespace",
             "planner": repr(engine.cache),
             "runner": f"{runner.__module__}.{runner.__qualname__}"}
 

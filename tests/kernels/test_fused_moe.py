@@ -379,3 +379,13 @@ def test_expert_parallel_shares_sum_to_all_experts(world: int, fp8: bool) -> Non
     if not fp8:
         check(sum(shares), naive_experts(x, w13, w2, weights, ids), torch.float32)
 
+
+
+def test_a_shared_mlp_under_expert_parallel_is_refused() -> None:
+    """Its ids are the model's (E ..), not the rank's: they would land on a local expert."""
+    from irminsul.kernels.fused_moe import SharedExperts, fused_experts
+
+    x, w13, w2, weights, ids = problem(3, 4, 2, 32, 32, torch.float32)
+    shared = SharedExperts(torch.ones(32, 32), torch.ones(32, 32), torch.ones(32, 32))
+    with pytest.raises(ValueError, match="not folded in under expert parallel"):
+        fused_experts(x, w13, w2, weights, ids, shared=shared, first=4)
