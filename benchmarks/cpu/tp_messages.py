@@ -16,7 +16,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import statistics
 import time
 from datetime import datetime, timezone
@@ -25,6 +24,7 @@ import numpy as np
 
 from irminsul.engine.batch import ForwardBatch
 from irminsul.parallel.keys import KeyMirror
+from irminsul.parallel.ranks import free_address
 
 
 def steps(batch: int, context: int, count: int) -> list[ForwardBatch]:
@@ -83,9 +83,7 @@ def _rank(rank: int, address: str, messages: list, results: mp.Queue) -> None:
 
 def broadcast_ms(messages: list) -> float:
     """Median seconds (as ms) a follower waits for each message, gloo over loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = free_address()
     context = mp.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=_rank, args=(r, address, messages, results))

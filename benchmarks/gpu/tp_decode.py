@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 from typing import Any
 
 import roofline
@@ -33,6 +32,7 @@ from irminsul.engine import Engine
 from irminsul.model import MLAModel, parse_config
 from irminsul.model.random_weights import random_model
 from irminsul.parallel import follow, init, leader_engine, release, shard_model, shutdown
+from irminsul.parallel.ranks import free_address
 from irminsul.parallel.shard import shard_weights
 
 
@@ -105,9 +105,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per cell first")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = free_address()
     context = mp.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=_rank, args=(r, args, address, results))

@@ -160,13 +160,9 @@ def test_tp_messages_runs(tmp_path: Path) -> None:
 def test_tensor_parallel_decode_runs_on_float8_shares(tmp_path: Path) -> None:
     """benchmarks/gpu/tp_decode.py CPU-sized: two gloo ranks, random float8 shares of a small
     FP8 config; the floor counts only rank 0's experts (at most its 4 of 8 per layer)."""
-    from irminsul.model import default_model_dir
+    from fixtures.fp8_config import small_fp8_config
 
-    raw = json.loads((default_model_dir() / "config.json").read_text())
-    raw.update(num_hidden_layers=2, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(raw))
+    config = small_fp8_config(tmp_path)
     out = tmp_path / "tp.json"
     subprocess.run([sys.executable, "tp_decode.py", "--device", "cpu", "--world", "2",
                     "--config", str(config), "--keep-fp8", "--batches", "3", "--contexts", "32",

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.fp8_config import small_fp8_config
 from fixtures.served_app import served
 from fixtures.tiny_chat_model import sentences
 from fixtures.tiny_server_model import build
@@ -174,11 +175,7 @@ def test_random_fp8_weights_serve_on_two_ranks(tmp_path: Path) -> None:
     """The benchmark-only server of an FP8 model's shapes (``--random-weights --keep-fp8``):
     each rank makes only its share, in float8; the two ranks serve a request to its length and
     stop cleanly."""
-    raw = json.loads((default_model_dir() / "config.json").read_text())
-    raw.update(num_hidden_layers=2, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(raw))
+    path = small_fp8_config(tmp_path)
     flags = ["--random-weights", str(path), "--keep-fp8"]
     with tensor_parallel(None, tmp_path / "serve.log", extra=flags) as server:
         response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
@@ -195,11 +192,7 @@ def test_the_serving_benchmark_drives_a_tensor_parallel_fp8_server(tmp_path: Pat
     """The multi-GPU benchmark's command, CPU-sized: ``irminsul bench serve`` starts
     ``serve --tensor-parallel 2 --keep-fp8`` on random float8 shares, PIC off then live, and
     every call is answered; live serves prompt tokens from cache."""
-    raw = json.loads((default_model_dir() / "config.json").read_text())
-    raw.update(num_hidden_layers=2, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(raw))
+    path = small_fp8_config(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["-q", "bench", "serve", "--random-weights", str(path), "--device", "cpu",
                  "--server-args", "--tensor-parallel 2 --keep-fp8 --dtype float32",

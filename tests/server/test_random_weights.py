@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.fp8_config import FP8_QUANT
 
 from irminsul.cli import main
 from irminsul.config import ServerConfig
@@ -74,8 +75,7 @@ def test_random_fp8_shares_hold_each_ranks_part_in_float8(tmp_path: Path) -> Non
     from irminsul.model.fp8 import FP8Linear
     from irminsul.parallel.shard import shard_weights
 
-    path = config(tmp_path, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                                 "weight_block_size": [16, 16]})
+    path = config(tmp_path, quantization_config=FP8_QUANT)
     shares = [random_model(path, vocab=VOCAB, device="cpu", dtype=torch.float32,
                            keep_fp8=True, share=(rank, 2)) for rank in range(2)]
     whole = shard_weights(random_model(path, vocab=VOCAB, device="cpu", dtype=torch.float32,
