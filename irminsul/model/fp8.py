@@ -30,31 +30,26 @@ def scale_grid(shape: tuple[int, int] | torch.Size, block: tuple[int, int]) -> t
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
                       block: tuple[int, int]) -> torch.Tensor:
-    """W[m, n] = float(Wq[m, n]) * scale_inv[m // br, n // bc] in float32.
+    """W[..., m, n] = float(Wq[..., m, n]) * scale_inv[..., m // br, n // bc] in float32: one
+    weight [M, N], or a stack of them [E, M, N] with their grids [E, gm, gn].
 
     ``scale_inv`` must already be checked to be :func:`scale_grid` of ``weight`` (the loader does,
     with a message naming the tensor). Float32, whatever the caller wants in the end: the product
     is then rounded once into the target dtype, the same on every path.
     """
     rows, cols = block
-    scale = scale_inv.float().repeat_interleave(rows, 0)[: weight.shape[0]]
-    scale = scale.repeat_interleave(cols, 1)[:, : weight.shape[1]]
+    scale = scale_inv.float().repeat_interleave(rows, -2)[..., : weight.shape[-2], :]
+    scale = scale.repeat_interleave(cols, -1)[..., : weight.shape[-1]]
     return weight.float() * scale
 
 
 def dequantize_stacked(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                        parts: int = 1) -> torch.Tensor:
-    """:func:`dequantize_blocks` over a stack of weights [E, M, N] with their grids [E, gm, gn],
-    float32, element for element the same arithmetic. ``parts``: the stack's rows are that many
+    """:func:`dequantize_blocks` over a stack of weights [E, M, N] whose rows are ``parts``
     matrices of M / parts rows, each with its own grid of gm / parts rows, joined (the MoE's
     ``w13``: each expert's gate, then its up projection)."""
-    rows, cols = block
-    if parts > 1:
-        return torch.cat([dequantize_stacked(w, s, block) for w, s in
-                          zip(weight.chunk(parts, 1), scale_inv.chunk(parts, 1), strict=True)], 1)
-    scale = scale_inv.float().repeat_interleave(rows, 1)[:, : weight.shape[1]]
-    scale = scale.repeat_interleave(cols, 2)[:, :, : weight.shape[2]]
-    return weight.float() * scale
+    return torch.cat([dequantize_blocks(w, s, block) for w, s in
+                      zip(weight.chunk(parts, 1), scale_inv.chunk(parts, 1), strict=True)], 1)
 
 
 class FP8Linear(nn.Module):

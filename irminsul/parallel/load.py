@@ -88,8 +88,8 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
             if tuple(tensor.shape) != expected[part]:
                 raise CheckpointError(f"{path}: tensor {part} gives rank {rank} of {world} "
                                       f"{tuple(tensor.shape)}, expected {expected[part]}")
-            kind = (tensor.dtype if part == name and read.kept else
-                    torch.float32 if part != name else target)
+            # A kept weight stays float8 and its scales float32 (read.scale gives them so).
+            kind = target if part == name and not read.kept else tensor.dtype
             state[part] = tensor.to(device=device, dtype=kind)
     install(model, state, expected, path)
     audit_rotary(model.rotary, config)
