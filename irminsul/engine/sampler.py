@@ -41,6 +41,19 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+def greedy_tokens(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Greedy sampling of a batch: each logits row's argmax (first index of the maximum), int64
+    on the rows' device, nothing read back. On CUDA two Triton launches over chunks of the
+    vocabulary (:mod:`irminsul.kernels.argmax`): torch's one reduction kernel took ~23 µs of an
+    H200 decode step at batch 1 to 8."""
+    stacked = torch.stack(rows)
+    if stacked.is_cuda:
+        from ..kernels.argmax import argmax_rows  # triton: shipped with CUDA builds of torch
+
+        return argmax_rows(stacked)
+    return stacked.argmax(-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits [vocab]. Raises ValueError when sampling logits that are not
     finite (the caller fails that request alone)."""

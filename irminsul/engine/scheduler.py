@@ -33,7 +33,7 @@ import torch
 from .audit import PicAudit
 from .engine import Engine, Prepared
 from .kv_pool import PoolExhausted
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, greedy_tokens, sample
 from .sequence import Prefill, Sequence, ServeStats
 
 log = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ class Scheduler:
         self._prepared = None
         picks = [where[id(r)] for r in prepared.requests]
         try:
-            ids = torch.stack([logits for _, logits in ready]).argmax(-1)
+            ids = greedy_tokens([logits for _, logits in ready])
             read = ids.cpu() if not ids.is_cuda else torch.empty(
                 ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
             sampled = torch.cuda.Event() if ids.is_cuda else None
@@ -467,7 +467,7 @@ class Scheduler:
         alone = [(r, logits) for r, logits in ready if not r.params.greedy]
         if greedy:
             try:
-                ids = torch.stack([logits for _, logits in greedy]).argmax(-1).tolist()
+                ids = greedy_tokens([logits for _, logits in greedy]).tolist()
             except Exception:
                 alone = greedy + alone  # find the one at fault: each on its own
             else:
