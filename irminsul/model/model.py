@@ -173,9 +173,12 @@ class MLAModel(nn.Module):
 
 def use_kernels(model: nn.Module, on: bool) -> None:
     """Switch every module of ``model`` that has Triton kernels to them (``on``) or to torch:
-    the MoE's fused experts and router, the attention's fused latent store and query, the
-    residual adds fused with their norms, FP8 linears read as float8. Kernels need triton (CUDA,
+    the MoE's fused experts and router, the attention's fused latent store and query (its two
+    projections of x joined into one weight), the residual adds fused with their norms, FP8
+    linears read as float8. Kernels need triton (CUDA,
     or its CPU interpreter)."""
     for module in model.modules():
         if isinstance(module, (MoE, Router, MLAttention, DecoderLayer, FP8Linear)):
             module.kernels = on
+        if on and isinstance(module, MLAttention):
+            module.join_projections()
