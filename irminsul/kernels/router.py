@@ -4,9 +4,8 @@ DeepSeek-V2/V3 routers in one Triton launch after cuBLAS's logits.
 Decode is launch-bound. On an H200 a DeepSeek-V2-Lite decode step ran
 :class:`~irminsul.model.moe.Router` as about eight small kernels per MoE layer (cast, GEMV,
 softmax, topk as a gather and a bitonic sort, scale), ~17 µs per layer at batch 1. Here the
-logits are x · weightᵀ in float32 — for up to :data:`GEMV_TOKENS` tokens one Triton launch over
-the experts (x upcast in registers); for more, the Router's own cuBLAS call, bit for bit its
-values — and one program per block of tokens does the rest in registers:
+logits are the Router's own (x.float() · weightᵀ, cuBLAS in float32, bit for bit its values)
+and one program per block of tokens does the rest in registers:
 
 1. the logits [T, E], over a power-of-two padded expert axis (padding masked out);
 2. scores: softmax (V2) or sigmoid (V3, whose choice adds ``e_score_correction_bias``);
@@ -21,10 +20,8 @@ values — and one program per block of tokens does the rest in registers:
 Outputs have sizes fixed by T and nothing is read back to the host, so a CUDA graph captures it.
 
 Ties (equal scores, equal group scores) go to the lowest index. torch.topk leaves tie order
-unspecified, so on exact ties the ids may differ from the Router's. Up to :data:`GEMV_TOKENS`
-tokens the logits' float32 sums run in another order than cuBLAS's, so two experts whose scores
-differ by less than float32 rounding (~1e-7 relative) may also come out in the other order;
-random float logits are never that close in practice.
+unspecified, so on exact ties the ids may differ from the Router's; random float logits never
+tie in practice.
 """
 
 from __future__ import annotations
@@ -37,52 +34,6 @@ import triton.language as tl
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Tokens per program: one block covers decode batches up to 16, larger ones get more programs.
 BLOCK_T = 16
-# Up to this many tokens the logits are one Triton GEMV (:func:`router_logits`); above it,
-# cuBLAS. At decode sizes ``F.linear(x.float(), weight)`` is a cast plus a GEMV that cuBLAS
-# runs as two kernels (a dot and a reduction, or a GEMM and a split-K reduction): ~6 µs per
-# layer at batch 1 and ~11 µs at batch 8 on an H200 (profile of benchmarks/gpu/decode.py), for
-# a weight of 0.5 MB. Beyond a few dozen tokens x is re-read once per program and cuBLAS wins.
-GEMV_TOKENS = 64
-LOGITS_EXPERTS = 2  # experts per program: 32 programs for V2's 64 experts, 128 for V3's 256
-LOGITS_DIM = 256  # the hidden dims one step reads
-
-
-@triton.jit
-def _logits_kernel(X, W, OUT, tokens, experts, dim, x_stride, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """OUT[t, e] = Σ_d float(X[t, d]) · W[e, d] in float32: each program streams BLOCK_E rows of
-    the weight once for a block of tokens (a GEMV needs many programs over the weight, not
-    over the tokens: one program per 16 tokens streaming the whole weight took 87 µs)."""
-    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    row_ok, col_ok = rows < tokens, cols < experts
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for d0 in range(0, dim, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = d < dim
-        x = tl.load(X + rows[:, None].to(tl.int64) * x_stride + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(W + cols[:, None].to(tl.int64) * dim + d[None, :],
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-    tl.store(OUT + rows[:, None].to(tl.int64) * experts + cols[None, :], acc,
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D] (any float dtype, last dim contiguous) · weight [E, D] (float32, contiguous)ᵀ →
-    [T, E] float32, accumulated in float32: :func:`route`'s logits for up to
-    :data:`GEMV_TOKENS` tokens (the same values as ``F.linear(x.float(), weight)`` up to float32
-    summation order)."""
-    tokens, dim = x.shape
-    experts = weight.shape[0]
-    out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
-    block_t = min(BLOCK_T, max(2, triton.next_power_of_2(tokens)))
-    grid = (triton.cdiv(experts, LOGITS_EXPERTS), triton.cdiv(tokens, block_t))
-    _logits_kernel[grid](x, weight.contiguous(), out, tokens, experts, dim, x.stride(0),
-                         BLOCK_T=block_t, BLOCK_E=LOGITS_EXPERTS, BLOCK_D=LOGITS_DIM,
-                         num_warps=4)
-    return out
 
 
 @triton.jit
@@ -188,8 +139,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: str, gro
     ``topk_group``, ``norm`` / ``scaling`` its ``norm_topk_prob`` / ``routed_scaling_factor``.
     Each of the ``shared`` columns after them holds one shared expert, id ``experts_total + j``
     (default E + j), weight 1.0. Ties go to the lowest index (torch.topk's order is unspecified).
-    Two launches (the logits' GEMV, then the rest; the GEMV is cuBLAS's after a cast above
-    :data:`GEMV_TOKENS` tokens), nothing read back to the host; T = 0 launches nothing."""
+    Two launches (the logits' GEMV, then the rest), nothing read back to the host; T = 0
+    launches nothing."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} must be [T, D] and weight {tuple(weight.shape)} "
                          "[E, D]")
@@ -222,7 +173,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: str, gro
     ids = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
     if tokens == 0:
         return weights, ids
-    logits = router_logits(x, weight) if tokens <= GEMV_TOKENS else F.linear(x.float(), weight)
+    # The logits as the Router computes them (cuBLAS, float32): bit for bit its values. A GEMV
+    # inside the kernel, one program per 16 tokens streaming the whole weight, took 87 µs per
+    # layer at batch 1 on an H200 against ~5 µs for the cast and cuBLAS's GEMV.
+    logits = F.linear(x.float(), weight)
     e_p2 = triton.next_power_of_2(experts)
     # V2 renormalises only with k > 1 and then does not scale; V3 always scales.
     renorm = norm and (v3 or top_k > 1)

@@ -2,8 +2,7 @@
 
 Runs on CUDA, or on a CPU under Triton's interpreter (tests/conftest.py switches it on without CUDA).
 The kernel upcasts x before its float32 dot, as the Router does, so bf16 inputs match as closely as
-float32 ones: ids exactly (no two of these seeds' scores are within float32 rounding of each
-other), weights to float32 rounding (different summation orders).
+float32 ones: ids exactly, weights to float32 rounding (different summation orders).
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def check(router: Router, x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
     torch.testing.assert_close(weights[:, :k].cpu(), want_w.cpu(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("count", [1, 5, 33, 70])  # 70: past GEMV_TOKENS, cuBLAS's logits
+@pytest.mark.parametrize("count", [1, 5, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_route_matches_router(case: str, dtype: torch.dtype, count: int) -> None:
@@ -87,25 +86,6 @@ def test_route_matches_router(case: str, dtype: torch.dtype, count: int) -> None
     weights, ids = kernel_route(router, x)
     assert weights.shape == ids.shape == (count, router.k)
     check(router, x, weights, ids)
-
-
-@pytest.mark.parametrize("shape", [(1, 64, 48), (5, 20, 300), (33, 256, 520), (16, 3, 7)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_router_logits_match_float64(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """The decode GEMV against x · Wᵀ in float64: token blocks past 16 (33), hidden sizes that
-    are not a multiple of its 256-wide step (300, 520, 7), odd expert counts (20, 3), row
-    strides above D."""
-    from irminsul.kernels.router import router_logits
-
-    count, experts, dim = shape
-    gen = torch.Generator().manual_seed(count + experts)
-    wide = torch.randn(count, dim + 8, generator=gen).to(dtype)
-    x = wide[:, 4:4 + dim]
-    weight = torch.randn(experts, dim, generator=gen) * 0.3
-    got = router_logits(x.to(DEVICE), weight.to(DEVICE))
-    want = x.double() @ weight.double().T
-    assert got.dtype == torch.float32 and got.shape == (count, experts)
-    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["greedy_norm", "noaux_tc"])
