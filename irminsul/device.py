@@ -1,11 +1,28 @@
 """Device helpers shared by the model, the kernels and the engine: getting host data onto the
-device without stalling the host. Depends on nothing else in the package, so any layer may import
-it."""
+device without stalling the host, and the device's SM count the kernels size their launches by.
+Depends on nothing else in the package, so any layer may import it."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
+
+SMS = 132  # an H100's or H200's SMs: where the device does not say (a CPU under Triton's interpreter)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device (:data:`SMS` elsewhere)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def upload(values: np.ndarray, device: torch.device | str, dtype: np.dtype | type = np.int64,

@@ -26,8 +26,9 @@ import torch
 from common import V2_LITE, per_call, run_metadata
 from triton.runtime.errors import OutOfResources
 
+from irminsul.device import sm_count
 from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention
-from irminsul.kernels.mla_attention import key_splits, sm_count
+from irminsul.kernels.mla_attention import key_splits
 from irminsul.model import parse_config
 from irminsul.model.rope import softmax_scale
 

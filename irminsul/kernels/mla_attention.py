@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import upload
+from ..device import sm_count, upload
 
 SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
-SMS = SM_TARGET // 2  # where the device does not say (a CPU under Triton's interpreter)
 LOG2E = 1.4426950408889634
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill at most
@@ -345,14 +344,6 @@ def scheduled_programs(device: torch.device | str) -> int:
     if torch.device(device).type != "cuda":
         return 4
     return SCHEDULE_WAVES * sm_count(device)
-
-
-def sm_count(device: torch.device | str) -> int:
-    """Streaming multiprocessors of a CUDA device (:data:`SMS` elsewhere)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def key_splits(blocks: int, block_m: int, device: torch.device | str,
