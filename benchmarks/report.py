@@ -566,6 +566,38 @@ def moe(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def fp8(r: dict[str, Any], name: str) -> list[str]:
+    """FP8 weights read as float8: the w8a16 linear and the fused experts against their floor and
+    against the same work on bf16 weights."""
+    shape = r["expert_shape"]
+    lines = _bandwidth_header("GPU FP8 weights: linears and experts read as float8", r, name,
+                              "python benchmarks/gpu/fp8.py --out F.json") + [
+             f"DeepSeek-V3's block-quantized weights (float8_e4m3fn, {r['block'][0]} × "
+             f"{r['block'][1]} scale blocks), random, activations {r['dtype']}; floor = the "
+             "float8 bytes a call must read (weights and scales; for the experts, the touched "
+             "ones) over the copy bandwidth. Device time per call. *fp8*: the kernel; *bf16*: the "
+             "same product on the weight dequantized at load (twice the bytes; the experts: the "
+             "same fused kernel); *dequantize + linear*: FP8Linear's torch path (the whole weight "
+             "dequantized every call). " + r.get("about", ""), "", "Linears (one rank of 8 "
+             "unless *whole*):", ""]
+    rows = [[c["name"], f"{c['out']}×{c['in']}", c["tokens"], f"{c['floor_ms'] * 1e3:.1f}",
+             f"{c['fp8']['ms'] * 1e3:.1f}", f"{c['fp8']['of_copy_bw']:.0%}",
+             f"{c['bf16']['ms'] * 1e3:.1f}", f"{c['dequantize_then_linear']['ms'] * 1e3:.1f}",
+             f"{c['max_rel_diff']:.1e}"] for c in r["linears"]]
+    lines += _table(("weight", "N×K", "T", "floor (µs)", "fp8 (µs)", "fp8 / bw", "bf16 (µs)",
+                     "dequantize + linear (µs)", "max rel. diff"), rows)
+    lines += [f"Routed experts (hidden {shape['hidden']}, intermediate {shape['inter']}, top-"
+              f"{shape['topk']} of {shape['experts']}): *ep* the {shape['experts'] // shape['ranks']}"
+              " experts of rank 0 under expert parallel (the other assignments skipped in the "
+              "kernel), *all* every expert on one GPU:", ""]
+    rows = [[c["scope"], c["tokens"], c["experts_touched"], f"{c['floor_ms']:.3f}",
+             f"{c['fp8']['ms']:.3f}", f"{c['fp8']['of_copy_bw']:.0%}", f"{c['bf16']['ms']:.3f}",
+             f"{c['max_rel_diff']:.1e}"] for c in r["experts"]]
+    lines += _table(("scope", "T", "experts touched", "floor (ms)", "fp8 (ms)", "fp8 / bw",
+                     "bf16 (ms)", "max rel. diff"), rows)
+    return lines
+
+
 def break_even(r: dict[str, Any], name: str) -> list[str]:
     """TTFT of a new header + D tokens seen before + one token, PIC off against live."""
     lines = ["## GPU break-even of reuse", "",
@@ -918,6 +950,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
+        ("gpu-fp8.json", lambda p: fp8(_load(p), p.name)),
         ("gpu-break-even.json", lambda p: break_even(_load(p), p.name)),
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
