@@ -464,3 +464,26 @@ def test_merge_splits_matches_float64(splits: int, rows: int, rank: int) -> None
         assert got.dtype == dtype and got.shape == (rows, rank)
         err = (got.double().cpu() - want).abs().max()
         assert err <= tol * want.abs().max(), float(err)
+
+
+def test_fp8_kernel_path_equals_torch_path(tmp_path) -> None:
+    """A model kept in FP8 (16 × 16 blocks, random float8 weights): live PIC prefill, decode and
+    a scheduler batch through the kernels — the float8 linears, its joined q_proj / kv_a GEMM,
+    the FP8 experts — give the torch path's logits and tokens."""
+    from fixtures.fp8_config import small_fp8_config
+
+    from irminsul.engine import Engine
+    from irminsul.model import load_config
+    from irminsul.model.random_weights import random_model
+
+    config = load_config(small_fp8_config(tmp_path).parent)
+    model = random_model(config, DEVICE, torch.float32, keep_fp8=True)
+    served = {kernels: serve_shifted(
+        Engine(model, EngineConfig(slots=3000, mode="live", kernels=kernels)), seed=3,
+        headers=(40, 45), docs=(150, 120), question=9,
+        requests=lambda source, target, _: [source, target[:90]], batch_tokens=200,
+        chunk_tokens=64, max_tokens=4) for kernels in (False, True)}
+    attention = model.model.layers[0].self_attn
+    assert attention._joined() is not None and "weight_scale_inv" in attention._joined()
+    assert served[False].pic_tokens >= 200
+    assert_same(served[True], served[False], 1e-3)

@@ -4,6 +4,7 @@ join dropped (two GEMMs again) when a weight is replaced."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -34,9 +35,11 @@ def test_join_keeps_the_checkpoint_tensors_as_views_of_one_weight() -> None:
         after = module.state_dict()
         assert before.keys() == after.keys()
         assert all(torch.equal(before[k], after[k]) for k in before)
-        joint = module._joined()
+        joints = module._joined()
         first = module._first()
-        assert joint is not None and joint.shape[0] == first.out_features + 16 + 8
+        assert joints is not None and list(joints) == ["weight"]
+        joint = joints["weight"]
+        assert joint.shape[0] == first.out_features + 16 + 8
         assert first.weight.data_ptr() == joint.data_ptr()  # views, not copies
         assert module.kv_a_proj_with_mqa.weight.data_ptr() == joint[first.out_features:].data_ptr()
         x = torch.randn(3, 32)
@@ -56,11 +59,39 @@ def test_a_replaced_weight_ends_the_join() -> None:
     assert module._joined() is None
 
 
-def test_biased_and_fp8_projections_stay_apart() -> None:
+def fp8_pair(module: MLAttention, q_rows: int, block: tuple[int, int]) -> None:
+    """Give ``module`` FP8 q_a / kv_a projections with random float8 weights and scales."""
+    gen = torch.Generator().manual_seed(q_rows)
+    for name, rows in (("q_a_proj", q_rows), ("kv_a_proj_with_mqa", 24)):
+        layer = FP8Linear(32, rows, bias=False, block=block)
+        layer.weight.copy_((torch.randn(rows, 32, generator=gen) * 20).to(torch.float8_e4m3fn))
+        layer.weight_scale_inv.copy_(torch.rand(layer.weight_scale_inv.shape, generator=gen) + 0.01)
+        setattr(module, name, layer)
+
+
+@pytest.mark.triton
+def test_fp8_projections_join_on_a_scale_block() -> None:
+    """q_a_proj of 32 rows in 16-row blocks: weights and scale grids joined; the joint FP8 GEMM
+    gives each projection's own output (the kernel, as with kernels on)."""
+    module = attention(q_lora_rank=32)
+    fp8_pair(module, 32, (16, 16))
+    module.q_a_proj.kernels = module.kv_a_proj_with_mqa.kernels = True
+    module.join_projections()
+    joints = module._joined()
+    assert joints is not None and set(joints) == {"weight", "weight_scale_inv"}
+    assert joints["weight"].shape == (56, 32) and joints["weight_scale_inv"].shape == (4, 2)
+    assert module.q_a_proj.weight_scale_inv.data_ptr() == joints["weight_scale_inv"].data_ptr()
+    x = torch.randn(3, 32)
+    both = module._joint_projection(x, joints)
+    torch.testing.assert_close(both, torch.cat([module.q_a_proj(x),
+                                                module.kv_a_proj_with_mqa(x)], 1))
+
+
+def test_biased_and_unaligned_projections_stay_apart() -> None:
     biased = attention(attention_bias=True)
     biased.join_projections()
     assert biased._joined() is None
-    module = attention(q_lora_rank=32)
-    module.q_a_proj = FP8Linear(32, 32, bias=False, block=(16, 16))
+    module = attention(q_lora_rank=24)
+    fp8_pair(module, 24, (16, 16))  # 24 rows: kv_a's rows would start inside a scale block
     module.join_projections()
     assert module._joined() is None
