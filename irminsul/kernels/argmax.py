@@ -55,10 +55,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"argmax_rows takes float logits [B, V], got {x.dtype} {tuple(x.shape)}")
     rows, vocab = x.shape
+    if vocab == 0 and rows:
+        raise ValueError("argmax_rows: an empty vocabulary has no argmax")
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0 or vocab == 0:
-        if vocab == 0 and rows:
-            raise ValueError("argmax_rows: an empty vocabulary has no argmax")
+    if rows == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()

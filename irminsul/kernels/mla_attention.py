@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import sm_count, upload
+from ..device import SMS, sm_count, upload
 
-SM_TARGET = 264  # programs to aim for: two waves over an H100/H200's 132 SMs
+SM_TARGET = 2 * SMS  # programs to aim for: two waves over an H100/H200's 132 SMs
 LOG2E = 1.4426950408889634
 _SPLIT_ALIGN = tl.constexpr(64)  # split lengths are multiples of this many keys
 SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill at most

@@ -116,9 +116,11 @@ class MLAttention(nn.Module):
         first, kv = self._first(), self.kv_a_proj_with_mqa
         for name, whole in self._joint.items():
             a, b = getattr(first, name, None), getattr(kv, name, None)
+            # Addresses only (a decode step's hot path): kv's rows start where first's end.
+            rows_bytes = whole.stride(0) * whole.element_size()
             if (a is None or b is None or a.data_ptr() != whole.data_ptr()
                     or a.shape[0] + b.shape[0] != whole.shape[0]
-                    or b.data_ptr() != whole[a.shape[0]:].data_ptr()):
+                    or b.data_ptr() != whole.data_ptr() + a.shape[0] * rows_bytes):
                 return None
         return self._joint
 

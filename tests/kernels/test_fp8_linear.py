@@ -21,6 +21,19 @@ LINEAR_CASES = {  # tokens, out, in, block, tiles (None: the table's)
 }
 
 
+def reference(tokens: int, out: int, inp: int, block: tuple[int, int], dtype: torch.dtype,
+              bias: bool, seed: int = 11) -> tuple[torch.Tensor, ...]:
+    """x, float8 weight, scales, bias (or None) and the float64 product over the naively
+    dequantized weight rounded to ``dtype`` (F.linear's view of the dequantize-at-load path)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, s = quantize_blocks(torch.randn(out, inp, generator=gen) / inp ** 0.5, block)
+    x = torch.randn(tokens, inp, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype) if bias else None
+    dense = dequantize_naive(q, s, block)
+    want = x.double() @ dense.to(dtype).double().T + (b.double() if bias else 0.0)
+    return x, q, s, b, want.float()
+
+
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -29,15 +42,10 @@ def test_fp8_linear_matches_f_linear_on_dequantized_weight(case: str, dtype: tor
     from irminsul.kernels.fp8 import fp8_linear
 
     tokens, out, inp, block, tiles = LINEAR_CASES[case]
-    gen = torch.Generator().manual_seed(7)
-    q, s = quantize_blocks(torch.randn(out, inp, generator=gen) / inp ** 0.5, block)
-    x = torch.randn(tokens, inp, generator=gen).to(dtype)
-    b = torch.randn(out, generator=gen).to(dtype) if bias else None
-    dense = dequantize_naive(q, s, block)
-    want = x.double() @ dense.to(dtype).double().T + (b.double() if bias else 0.0)
+    x, q, s, b, want = reference(tokens, out, inp, block, dtype, bias, seed=7)
     got = fp8_linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), block,
                      None if b is None else b.to(DEVICE), tiles=tiles)
-    check(got, want.float(), dtype)
+    check(got, want, dtype)
 
 
 SPLIT_CASES = {  # tokens, out, in, block, tiles, split_k asked, splits launched
@@ -51,19 +59,6 @@ SPLIT_CASES = {  # tokens, out, in, block, tiles, split_k asked, splits launched
     # 6 steps give 3 of 64 (whole steps: no split reads into the next one's columns)
     "wide_steps": (7, 40, 192, (16, 16), (16, 16, 32, 4, 2), 4, 3),
 }
-
-
-def reference(tokens: int, out: int, inp: int, block: tuple[int, int], dtype: torch.dtype,
-              bias: bool) -> tuple[torch.Tensor, ...]:
-    """x, float8 weight, scales, bias (or None) and the float64 product over the naively
-    dequantized weight rounded to ``dtype`` (F.linear's view of the dequantize-at-load path)."""
-    gen = torch.Generator().manual_seed(11)
-    q, s = quantize_blocks(torch.randn(out, inp, generator=gen) / inp ** 0.5, block)
-    x = torch.randn(tokens, inp, generator=gen).to(dtype)
-    b = torch.randn(out, generator=gen).to(dtype) if bias else None
-    dense = dequantize_naive(q, s, block)
-    want = x.double() @ dense.to(dtype).double().T + (b.double() if bias else 0.0)
-    return x, q, s, b, want.float()
 
 
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
