@@ -369,7 +369,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"--url replays against a running server; {', '.join(given)} "
                              "start one (leave out --url for that)")
-    if args.reply_tokens < 1 or (args.max_reply_tokens or 1) < 1 or args.warmup < 0:
+    if args.reply_tokens < 1 or (args.max_reply_tokens or 1) < 1 or (args.warmup or 0) < 0:
         raise ValueError("--reply-tokens and --max-reply-tokens must be >= 1, --warmup >= 0")
     if args.system_tokens < 0:
         raise ValueError("--system-tokens must be >= 0")
@@ -801,9 +801,10 @@ def _bench_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="sessions arrive as a Poisson process of R per second instead")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the arrivals and the workload's variations (default 0)")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N",
-                        help="unmeasured first calls of N sessions before each replay, under a "
-                             "cache salt of their own (default 2)")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help="unmeasured first calls of N sessions, sent at once before each "
+                             "replay under a cache salt of their own (default: the concurrency, "
+                             "else 4)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["off", "live"],
                         help="PIC modes to start a server in, one after another "
                              "(default: off live)")

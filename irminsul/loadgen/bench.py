@@ -6,8 +6,11 @@ server is replayed against (``url``; each replay then sends its own ``cache_salt
 earlier run left in the server's cache is not reused by it).
 
 Before the clock starts, ``warmup`` calls (the first call of each of the first sessions, replies
-cut to a few tokens) run one after another under a cache salt of their own: kernels compile and
-graphs load on them, and nothing they leave in the cache is reused by the measured calls.
+cut to a few tokens) are sent at once under a cache salt of their own: kernels compile and graphs
+load on them, at the batch shapes the load will bring (prefill chunks beside decodes, batched
+decode), and nothing they leave in the cache is reused by the measured calls. Sent one after
+another they left the batched shapes to compile on the clock, and only in the mode that ran
+first: Triton keeps compiled kernels on disk, so the next mode's server found them there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 import secrets
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +43,13 @@ class Load:
     concurrency: int | None = 4
     rate: float | None = None
     seed: int = 0
-    warmup: int = 2
+    warmup: int | None = None  # None: as many as run at once (the concurrency, else 4)
+
+    def warmup_calls(self) -> int:
+        """How many warm-up calls are sent at once before the clock starts."""
+        if self.warmup is not None:
+            return self.warmup
+        return self.concurrency or 4
 
     def describe(self) -> str:
         if self.rate is None:
@@ -65,6 +74,16 @@ async def model_id(client: httpx.AsyncClient, url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
+async def warm_up(sessions: Sequence[Session], calls: int,
+                  send: Callable[[Call], Awaitable[CallRecord]]) -> str | None:
+    """Send the first call of each of the first ``calls`` sessions at once, replies cut to
+    WARMUP_TOKENS; the first error, if any."""
+    first = [dataclasses.replace(s.calls[0], max_tokens=min(s.calls[0].max_tokens, WARMUP_TOKENS))
+             for s in sessions[:calls] if s.calls]
+    records = await asyncio.gather(*(send(call) for call in first))
+    return next((r.error for r in records if r.error), None)
+
+
 async def _replay(url: str, sessions: Sequence[Session], load: Load, *, label: str,
                   cache_salt: str | None, progress: bool) -> tuple[str, Run]:
     async with _client() as client:
@@ -73,13 +92,14 @@ async def _replay(url: str, sessions: Sequence[Session], load: Load, *, label: s
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
             raise ServerError(f"{url}: no model id from /v1/models ({err!r})") from err
         warm = f"irminsul-bench-warmup-{secrets.token_hex(8)}"
-        for session in sessions[:load.warmup]:
-            call = dataclasses.replace(session.calls[0],
-                                       max_tokens=min(session.calls[0].max_tokens, WARMUP_TOKENS))
-            record = await send_call(client, url, model, call, origin=time.perf_counter(),
-                                     cache_salt=warm)
-            if record.error:
-                raise ServerError(f"{url}: the warm-up call failed: {record.error}")
+
+        async def send_warm(call: Call) -> CallRecord:
+            return await send_call(client, url, model, call, origin=time.perf_counter(),
+                                   cache_salt=warm)
+
+        failed = await warm_up(sessions, load.warmup_calls(), send_warm)
+        if failed:
+            raise ServerError(f"{url}: a warm-up call failed: {failed}")
 
         async def send(call: Call, origin: float) -> CallRecord:
             return await send_call(client, url, model, call, origin=origin, cache_salt=cache_salt)
@@ -121,7 +141,9 @@ def bench_serve(workload: str, sessions: Sequence[Session], load: Load, *,
     if not calls:
         raise ValueError(f"{workload}: no calls to replay")
     report: dict = {"workload": workload, "sessions": len(sessions), "calls": calls,
-                    "load": load.describe(), "config": dataclasses.asdict(load), "modes": {}}
+                    "load": load.describe(),
+                    "config": {**dataclasses.asdict(load), "warmup": load.warmup_calls()},
+                    "modes": {}}
     if url is not None:
         report["modes"]["server"] = replay_mode(sessions, load, label="server", url=url,
                                                 progress=progress)

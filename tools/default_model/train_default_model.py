@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
         batches.restore(resumed["batches"])
-        torch.set_rng_state(resumed["torch_rng"])
+        torch.set_rng_state(resumed["torch_rng"].cpu())  # map_location moved it
         log(f"resumed from {args.state}: step {resumed['step']} of {resumed['steps']}, "
             f"{resumed['train_seconds']:.0f} s trained in {resumed['calls']} call(s)")
 
