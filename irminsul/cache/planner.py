@@ -315,10 +315,11 @@ class Planner:
         for region, entry in run:
             self.registry.join_run(entry, whole, region.start - first)
 
-    def commit(self, plan: Plan, handles: np.ndarray) -> Commit:
+    def commit(self, plan: Plan, handles: np.ndarray, exact: int | None = None) -> Commit:
         """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
 
-        ``handles`` holds one handle per prompt token (what the engine now stores for each).
+        ``handles`` holds one handle per prompt token (what the engine now stores for each);
+        ``exact``: how many leading tokens have exact rows (default all; see :meth:`remember`).
         The result says which handles the indexes took a reference to and which they dropped,
         so an engine can keep its slot reference counts exact.
         """
@@ -327,13 +328,17 @@ class Planner:
             raise ValueError(f"need one handle per prompt token: {handles.shape} vs "
                              f"{plan.tokens.shape}")
         held = self.register_misses(plan, handles)
-        done = self.remember(plan.tokens, handles, plan.namespace)
+        done = self.remember(plan.tokens, handles, plan.namespace, exact)
         return Commit(held + done.held, done.freed)
 
-    def remember(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0) -> Commit:
+    def remember(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0,
+                 exact: int | None = None) -> Commit:
         """Insert a sequence into the radix tree (a finished request's prompt and output) and
-        evict both indexes down to capacity."""
-        present = self.radix.insert(tokens, handles, namespace)
+        evict both indexes down to capacity. ``exact``: how many leading tokens have exact rows
+        (default all): from the first position reused position-independently on, a sequence's
+        rows are not a full prefill's, and a later prompt that matches them is told so
+        (:attr:`~.radix.PrefixMatch.exact`)."""
+        present = self.radix.insert(tokens, handles, namespace, exact)
         freed = self.registry.evict_to_capacity()
         capacity = self.config.capacity
         if capacity is not None and self.radix.total_tokens > capacity:

@@ -18,11 +18,16 @@ import numpy as np
 class RadixNode:
     """A tree node; ``key``/``value`` describe the edge from ``parent`` into it."""
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "exact")
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: RadixNode | None,
-                 last_access: int) -> None:
+                 last_access: int, exact: int | None = None) -> None:
         self.key, self.value, self.parent = key, value, parent
+        # How many leading tokens of the edge have exact rows: rows computed over exact rows
+        # only. A sequence that reused content position-independently stores rows from its
+        # first reused position on that differ from a full prefill's; they stay served as its
+        # continuation's prefix, but are not exact (see RadixTree.insert).
+        self.exact = len(key) if exact is None else exact
         # Keyed by the first token of the child's edge: edges out of a node
         # never share a first token, so this finds the only candidate in O(1).
         self.children: dict[int, RadixNode] = {}
@@ -43,6 +48,11 @@ class PrefixMatch:
     length: int  # number of leading tokens matched
     handles: np.ndarray  # int64 [length], stored handles of the matched tokens
     node: RadixNode  # deepest matched node (root if length == 0); pass to lock/unlock
+    exact: int = -1  # leading matched tokens whose rows are exact (-1: all ``length``)
+
+    def __post_init__(self) -> None:
+        if self.exact < 0:
+            self.exact = self.length
 
 
 def _as_1d_int(x: np.ndarray, name: str) -> np.ndarray:
@@ -111,13 +121,17 @@ class RadixTree:
         node, length, pieces = self._walk(self._root(namespace), tokens)
         self._touch(node)
         handles = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-        return PrefixMatch(length=length, handles=handles, node=node)
+        return PrefixMatch(length=length, handles=handles, node=node, exact=self._exact(node))
 
-    def insert(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0) -> int:
+    def insert(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0,
+               exact: int | None = None) -> int:
         """Insert ``tokens`` with per-token ``handles``; return how many leading tokens were present.
 
         Already-present tokens keep their old handles, so the caller's handles
         for them (``handles[:returned]``) are redundant and may be freed.
+        ``exact``: how many leading tokens have exact rows (default: all); the rows of the
+        tokens stored here from there on are marked as not exact, and so is any prefix match
+        that reaches them (:attr:`PrefixMatch.exact`).
         """
         tokens, handles = _as_1d_int(tokens, "tokens"), _as_1d_int(handles, "handles")
         if len(tokens) != len(handles):
@@ -128,8 +142,10 @@ class RadixTree:
             # _walk stopped because no child starts with tokens[present]
             # (after a split, the remaining child differs at exactly that token).
             # Copy so the tree never aliases (or pins) the caller's buffers.
+            n = len(tokens) - present
+            stored = n if exact is None else min(max(exact - present, 0), n)
             leaf = RadixNode(tokens[present:].copy(), handles[present:].astype(np.int64),
-                             node, 0)  # stamped by _touch below
+                             node, 0, stored)  # stamped by _touch below
             node.children[int(tokens[present])] = leaf
             self._num_nodes += 1
             self._total += len(leaf.key)
@@ -222,6 +238,7 @@ class RadixTree:
                     assert int(k[0]) == first, f"child keyed {first} but edge starts with {int(k[0])}"
                     assert child.parent is node, "broken parent link"
                     assert child.lock_ref >= 0, f"negative lock_ref {child.lock_ref}"
+                    assert 0 <= child.exact <= len(k), f"exact {child.exact} of {len(k)} tokens"
                     if node.parent is not None:
                         assert node.lock_ref >= child.lock_ref, (
                             f"parent lock_ref {node.lock_ref} < child lock_ref {child.lock_ref}")
@@ -277,13 +294,30 @@ class RadixTree:
         """
         parent = child.parent
         assert parent is not None
-        upper = RadixNode(child.key[:k], child.value[:k], parent, child.last_access)
+        upper = RadixNode(child.key[:k], child.value[:k], parent, child.last_access,
+                          min(child.exact, k))
+        child.exact = max(child.exact - k, 0)
         upper.lock_ref = child.lock_ref
         parent.children[int(child.key[0])] = upper
         child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
         upper.children[int(child.key[0])] = child
         self._num_nodes += 1
         return upper
+
+    @staticmethod
+    def _exact(node: RadixNode) -> int:
+        """Leading tokens with exact rows on the path from the root to ``node``: the edges'
+        exact counts up to the first edge that is not exact throughout."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        exact = 0
+        for edge in reversed(path):
+            exact += edge.exact
+            if edge.exact < len(edge.key):
+                break
+        return exact
 
     def _touch(self, node: RadixNode) -> None:
         """Stamp ``node`` and its ancestors with a fresh logical time."""

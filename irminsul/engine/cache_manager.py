@@ -127,12 +127,17 @@ class CacheManager:
                 if kind == "prefix":
                     pieces.append(prefill.plan.prefix.handles[start:end])
                     seq.owed.append(pieces[-1])
-                    seq.stats.prefix_tokens += end - start
+                    exact = min(max(prefill.plan.prefix.exact, start), end)
+                    seq.stats.prefix_tokens += exact - start
+                    seq.stats.derived_prefix_tokens += end - exact
+                    if exact < end:
+                        seq.exact = _first(seq.exact, exact)
                 else:
                     handles, reuse = self._share(seq, hits)
                     pieces.append(handles)
                     reuses.append(reuse)
                     seq.stats.pic_tokens += end - start
+                    seq.exact = _first(seq.exact, start)
                 served = end
         finally:  # what was served belongs to the sequence, whatever happens next
             if len(pieces) > 1:
@@ -146,7 +151,8 @@ class CacheManager:
         """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
         self.settle(prefill.seq)  # before the plan's locks go
         try:
-            self._apply(self.planner.commit(prefill.plan, prefill.seq.handles))
+            self._apply(self.planner.commit(prefill.plan, prefill.seq.handles,
+                                            prefill.seq.exact))
             if self.store is not None:  # off the request path: rows handed to a thread
                 self.store.publish(prefill.plan, self.planner.registry, self.pool)
         finally:
@@ -305,7 +311,8 @@ class CacheManager:
         if seq.finished:
             raise ValueError("cannot fork a finished sequence")
         self.settle(seq)
-        twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats)
+        twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats,
+                        exact=seq.exact)
         self.pool.retain(twin.handles)
         self.sequences.append(twin)
         return twin
@@ -316,7 +323,8 @@ class CacheManager:
             return
         self.settle(seq)
         if remember and seq.handles.size == len(seq.tokens):
-            self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace))
+            self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace,
+                                              seq.exact))
         self.pool.release(seq.handles)
         seq.finished = True
         self.sequences.remove(seq)
@@ -360,3 +368,8 @@ class CacheManager:
         references sequences are owed not yet)."""
         owed = [seq.owed_slots() for seq in self.sequences]
         self.pool.check(self.references(), uncounted=([c for c, _ in owed], [k for _, k in owed]))
+
+
+def _first(at: int | None, position: int) -> int:
+    """The earlier of a sequence's first inexact position so far (None: none) and ``position``."""
+    return position if at is None else min(at, position)

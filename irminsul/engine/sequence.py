@@ -22,7 +22,11 @@ class ServeStats:
     """Where a prompt's tokens came from."""
 
     prompt_tokens: int = 0
-    prefix_tokens: int = 0  # served by the exact-prefix radix tree
+    prefix_tokens: int = 0  # served by the exact-prefix radix tree, rows exact
+    # Served by the radix tree too, but from an earlier sequence's rows that derive from
+    # position-independent reuse (its reused rows, or rows computed after them): cached, not
+    # exact, and never counted as an exact prefix hit (live mode)
+    derived_prefix_tokens: int = 0
     pic_tokens: int = 0  # served from the registry (live mode)
     would_be_pic_tokens: int = 0  # registry hits prefilled anyway (observer mode)
     prefilled_tokens: int = 0
@@ -69,10 +73,15 @@ class Sequence:
     either is amortised O(1) per element (:meth:`append`, :meth:`extend_handles`)."""
 
     def __init__(self, tokens: np.ndarray, handles: np.ndarray, namespace: int,
-                 stats: ServeStats | None = None, finished: bool = False) -> None:
+                 stats: ServeStats | None = None, finished: bool = False,
+                 exact: int | None = None) -> None:
         self._tokens, self._handles = Growable(tokens), Growable(handles)
         self.namespace, self.finished = namespace, finished
         self.stats = stats if stats is not None else ServeStats()
+        # The first position whose row is not a full prefill's (None: none so far): where the
+        # sequence was first served reused rows, from the registry or derived from a radix
+        # match. Every row from there on, computed or decoded, attended to such rows.
+        self.exact = exact
         # References the sequence holds that the pool has not counted yet: a prefill's cached
         # stretches are served without counting them, so that their forward is issued sooner,
         # and they are counted once it is (the plan's locks on the radix node and the registry

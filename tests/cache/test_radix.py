@@ -84,6 +84,56 @@ def test_matches_list_model(ops, dtype):
         assert tree.evictable_tokens == len(stored)
 
 
+ops_exact = st.lists(
+    st.tuples(st.sampled_from(["insert", "match"]), namespaces, seqs, st.integers(-1, 10)),
+    min_size=1, max_size=30)
+
+
+@SETTINGS
+@given(ops=ops_exact)
+def test_exact_rows_against_list_model(ops):
+    """Each stored row is exact iff it lies before the ``exact`` count of the FIRST insertion
+    that stored it (later insertions keep its handle, whatever theirs were); a match's exact
+    length is the leading run of exact rows on its path."""
+    tree, model = RadixTree(), ListModel()
+    flags: dict[tuple, bool] = {}  # (ns, prefix) -> whether the row at its last token is exact
+    next_handle = itertools.count(1000)
+    for op, ns, toks, exact in ops:
+        if op == "insert":
+            given_exact = None if exact < 0 else exact
+            tree.insert(arr(toks), arr([next(next_handle) for _ in toks], np.int64),
+                        namespace=ns, exact=given_exact)
+            for i in range(len(toks)):
+                flags.setdefault((ns, tuple(toks[:i + 1])),
+                                 given_exact is None or i < given_exact)
+            model.insert(ns, toks, [0] * len(toks))
+        else:
+            m = tree.match_prefix(arr(toks), namespace=ns)
+            want = 0
+            while want < m.length and flags[(ns, tuple(toks[:want + 1]))]:
+                want += 1
+            assert m.length == model.match(ns, toks)[0]
+            assert m.exact == want
+        tree.check_integrity()
+
+
+def test_exact_stops_at_the_first_inexact_row_hand_built():
+    """A follow-up stored after a turn whose last row was not exact: its own rows were computed
+    over that row, so a match through both is exact only before it, and a split keeps the
+    counts on each side."""
+    tree = RadixTree()
+    tree.insert(arr([0, 1]), arr([5, 6], np.int64), exact=1)
+    tree.insert(arr([0, 1, 2]), arr([5, 6, 7], np.int64))  # 'all exact', but over row 1
+    assert tree.match_prefix(arr([0, 1, 2])).exact == 1
+    assert tree.match_prefix(arr([0])).exact == 1  # splits [0, 1] after 0
+    assert tree.match_prefix(arr([0, 1])).exact == 1
+    tree.insert(arr([3, 4, 5, 6]), arr([1, 2, 3, 4], np.int64), exact=2)
+    m = tree.match_prefix(arr([3, 4, 5, 9]))  # splits [3, 4, 5, 6] after 5
+    assert (m.length, m.exact) == (3, 2)
+    assert tree.match_prefix(arr([3, 4, 5, 6])).exact == 2
+    tree.check_integrity()
+
+
 def _path_len(m: PrefixMatch) -> int:
     n, node = 0, m.node
     while node.parent is not None:

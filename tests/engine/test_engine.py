@@ -319,6 +319,38 @@ def test_novel_spans_run_in_one_forward(models1) -> None:
 
 
 
+def test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit(model3) -> None:
+    """A turn that reused documents is inserted in the radix tree whole; its follow-up matches
+    all of it, but only the rows before the first reused token are a full prefill's. Those are
+    counted as the exact prefix, the rest as a derived prefix — and the pool's rows agree: the
+    exact part equals a fresh prefill of the follow-up, the derived part does not (3 layers)."""
+    source, rs, target, rt, cont = shifted_docs(4)
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    seq, _ = engine.prefill(target, rt)
+    assert seq.stats.pic_tokens > 400
+    first_reused = seq.exact
+    assert 75 <= first_reused < 100  # reuse starts inside the first shifted document
+    turn = seq.tokens.copy()
+    engine.finish(seq)
+    follow = np.concatenate([turn, cont])
+    seq, _ = engine.prefill(follow, rt + [len(turn)])
+    s = seq.stats
+    assert (s.prefix_tokens, s.derived_prefix_tokens) == (first_reused, len(turn) - first_reused)
+    assert seq.exact == first_reused
+    fresh = Engine(model3, EngineConfig(slots=4000, mode="off"))
+    ref, _ = fresh.prefill(follow, rt + [len(turn)])
+    rows = engine.pool.ckv[:, unpack(seq.handles[:len(turn)])[0]]
+    want = fresh.pool.ckv[:, unpack(ref.handles[:len(turn)])[0]]
+    gap = (rows - want).abs().amax(dim=(0, 2))  # per position, over layers and latent dims
+    assert gap[:first_reused].max() <= 1e-5
+    assert gap[first_reused + 32:].min() > 1e-4  # layers >= 1 attended to reused rows
+    engine.finish(seq)
+    fresh.finish(ref)
+    engine.check()
+
+
 def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     """advance serves an exact prefix and PIC hits without counting their slots; until the
     forward counts them, check() sees them as owed, and the plan's locks keep eviction off them
@@ -333,7 +365,9 @@ def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     prefill = engine.start_prefill(target, rt)
     tokens, at = engine.advance(prefill, len(target))
     seq = prefill.seq
-    assert seq.stats.prefix_tokens == 100 and seq.stats.pic_tokens > 400
+    # target[:100] reused some of source's rows itself: its tail is served as a derived prefix
+    assert seq.stats.prefix_tokens + seq.stats.derived_prefix_tokens == 100
+    assert seq.stats.pic_tokens > 400
     assert seq.owed and seq.owed_ckv
     engine.check()
     with pytest.raises(PoolExhausted):
@@ -554,15 +588,20 @@ def test_soak_slot_accounting_and_outputs(model3, models1, mode: str, layers: in
                 return tokens, resets
 
     def served(seq) -> bool:
-        """Account a just-prefilled sequence: stats add up; taint if reuse may reach its rows."""
+        """Account a just-prefilled sequence: stats add up; whether its rows are all exact."""
         nonlocal allocated
         s = seq.stats
-        assert s.prefix_tokens + s.pic_tokens + s.prefilled_tokens == s.prompt_tokens
-        assert s.pic_tokens == 0 or mode == "live"
+        cached = s.prefix_tokens + s.derived_prefix_tokens
+        assert cached + s.pic_tokens + s.prefilled_tokens == s.prompt_tokens
+        assert s.pic_tokens == s.derived_prefix_tokens == 0 or mode == "live"
         assert s.would_be_pic_tokens == 0 or mode == "observer"
-        allocated += s.prompt_tokens - s.prefix_tokens
-        prefix = seq.handles[:s.prefix_tokens].tolist()
-        return s.pic_tokens == 0 and not tainted.intersection(prefix)
+        allocated += s.prompt_tokens - cached
+        # Rows the radix tree serves as derived came from a sequence that reused content.
+        assert tainted.issuperset(seq.handles[s.prefix_tokens:cached].tolist())
+        # Clean: every row it was served is a full prefill's (an exact prefix, no reuse), so
+        # its output must be a fresh engine's, even where the rows came from a sequence that
+        # reused content after them.
+        return s.pic_tokens == 0 and s.derived_prefix_tokens == 0
 
     def account(seq, clean: bool) -> None:
         if not clean:
