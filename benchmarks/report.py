@@ -645,6 +645,11 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
              ["prompt tokens by exact prefix / PIC / computed (%)",
               *[f"{100 * summaries[m]['prefix_share']:.1f} / {100 * summaries[m]['pic_share']:.1f}"
                 f" / {100 * summaries[m]['computed_share']:.1f}" for m in modes]]]
+    if any(summaries[m].get("derived_prefix_share") is not None for m in modes):
+        # Since 2026-12-02 a radix match over rows an earlier turn reused is not exact.
+        rows.append(["prompt tokens by a derived prefix: an earlier turn's reused rows (%)",
+                     *[f"{100 * (summaries[m].get('derived_prefix_share') or 0):.1f}"
+                       for m in modes]])
     lines += _table(("figure", *modes), rows)
     ratio = r.get("live_vs_off")
     if ratio:

@@ -47,6 +47,7 @@ class CallRecord:
     cached_tokens: int | None = None
     prefix_cached_tokens: int | None = None  # usage.irminsul; None from other servers
     pic_cached_tokens: int | None = None
+    derived_prefix_cached_tokens: int | None = None  # radix rows derived from reuse (not exact)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -132,3 +133,4 @@ def _read_usage(record: CallRecord, usage: dict) -> None:
     if isinstance(split, dict):
         record.prefix_cached_tokens = split.get("prefix_cached_tokens")
         record.pic_cached_tokens = split.get("pic_cached_tokens")
+        record.derived_prefix_cached_tokens = split.get("derived_prefix_cached_tokens", 0)

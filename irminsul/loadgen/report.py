@@ -41,6 +41,7 @@ def summarize(run: Run) -> dict:
     split = all(c.prefix_cached_tokens is not None for c in ok)  # usage.irminsul everywhere
     prefix = sum(c.prefix_cached_tokens for c in ok) if split else None
     pic = sum(c.pic_cached_tokens or 0 for c in ok) if split else None
+    derived = sum(c.derived_prefix_cached_tokens or 0 for c in ok) if split else None
     return {
         "sessions": len(run.sessions), "calls": len(run.calls),
         "failed_calls": len(run.calls) - len(ok),
@@ -54,9 +55,11 @@ def summarize(run: Run) -> dict:
         "prompt_tokens": prompt, "completion_tokens": completion,
         "max_tokens": sum(c.max_tokens for c in ok),
         "cached_tokens": cached, "prefix_cached_tokens": prefix, "pic_cached_tokens": pic,
+        "derived_prefix_cached_tokens": derived,
         "computed_tokens": prompt - cached,
         "prefix_share": _share(prefix if split else cached, prompt),
         "pic_share": _share(pic, prompt),
+        "derived_prefix_share": _share(derived, prompt),
         "computed_share": _share(prompt - cached, prompt),
     }
 
@@ -106,6 +109,8 @@ def _rows(summaries: Sequence[dict]) -> list[list[str]]:
                                         for s in summaries)],
         ["served by exact prefix", *(_fmt(s["prefix_share"], "%") for s in summaries)],
         ["served by PIC", *(_fmt(s["pic_share"], "%") for s in summaries)],
+        ["derived prefix (not exact)",
+         *(_fmt(s.get("derived_prefix_share"), "%") for s in summaries)],
         ["computed", *(_fmt(s["computed_share"], "%") for s in summaries)],
     ]
     return rows

@@ -31,12 +31,14 @@ class Usage:
 
     def to_json(self) -> dict:
         prefix = self.stats.prefix_tokens if self.stats else 0
+        derived = self.stats.derived_prefix_tokens if self.stats else 0
         pic = self.stats.pic_tokens if self.stats else 0
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": prefix + pic},
-                "irminsul": {"prefix_cached_tokens": prefix, "pic_cached_tokens": pic}}
+                "prompt_tokens_details": {"cached_tokens": prefix + derived + pic},
+                "irminsul": {"prefix_cached_tokens": prefix, "pic_cached_tokens": pic,
+                             "derived_prefix_cached_tokens": derived}}
 
 
 class Generation:

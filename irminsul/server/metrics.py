@@ -53,6 +53,9 @@ class ServerMetrics:
             "prefix_cached_tokens", "Prompt tokens served from the exact-prefix radix tree")
         self.pic_cached_tokens = counter(
             "pic_cached_tokens", "Prompt tokens served from the position-independent registry")
+        self.derived_prefix_cached_tokens = counter(
+            "derived_prefix_cached_tokens", "Prompt tokens served from the radix tree whose rows "
+            "derive from position-independent reuse (an earlier turn's): cached, not exact")
         self.would_be_pic_tokens = counter(
             "would_be_pic_tokens", "Registry hits prefilled anyway (observer mode)")
         self.prefilled_tokens = counter("prefilled_tokens", "Prompt tokens computed")
@@ -106,6 +109,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.prefix_cached_tokens.inc(stats.prefix_tokens)
         self.pic_cached_tokens.inc(stats.pic_tokens)
+        self.derived_prefix_cached_tokens.inc(stats.derived_prefix_tokens)
         self.would_be_pic_tokens.inc(stats.would_be_pic_tokens)
         self.prefilled_tokens.inc(stats.prefilled_tokens)
         if ttft is not None:

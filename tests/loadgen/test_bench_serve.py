@@ -27,7 +27,8 @@ def check_summary(summary: dict, calls: int) -> None:
         assert all(summary[figure][q] is not None for q in ("p50", "p90", "p99", "mean")), figure
         assert summary[figure]["p50"] <= summary[figure]["p90"] <= summary[figure]["p99"]
     assert all(summary[key] is not None for key in SCALARS)
-    shares = summary["prefix_share"] + summary["pic_share"] + summary["computed_share"]
+    shares = (summary["prefix_share"] + summary["derived_prefix_share"] + summary["pic_share"]
+              + summary["computed_share"])
     assert shares == pytest.approx(1.0)
 
 

@@ -56,6 +56,21 @@ def test_summary_of_a_replay() -> None:
     assert (s["prefix_share"], s["pic_share"], s["computed_share"]) == (0.075, 0.3, 0.625)
 
 
+def test_a_derived_prefix_is_its_own_share() -> None:
+    replay = run(600, wall=4.0, session_walls=(2.0, 3.0))
+    call = replay.calls[2]  # 2,000 prompt tokens: 200 prefix, of which now 150 derived
+    call.prefix_cached_tokens, call.derived_prefix_cached_tokens = 50, 150
+    s = summarize(replay)
+    assert s["derived_prefix_cached_tokens"] == 150
+    assert (s["prefix_share"], s["derived_prefix_share"], s["pic_share"]) == (
+        150 / 4000, 150 / 4000, 0.3)
+    assert s["computed_share"] == 0.625  # the same tokens were cached
+    text = render([{"workload": "w", "sessions": 2, "calls": 4, "load": "2 sessions at a time",
+                    "modes": {"live": {"summary": s}}}])
+    assert any(line.startswith("derived prefix (not exact)") and line.endswith("3.8%")
+               for line in text.splitlines())
+
+
 def test_a_server_without_the_split_counts_cached_tokens_as_prefix() -> None:
     replay = run(600, wall=4.0, session_walls=(2.0, 3.0))
     for call in replay.calls:
@@ -85,7 +100,7 @@ def test_table_has_a_unit_on_every_figure() -> None:
     units = ("ms", "s", "req/s", "tok/s", "tok", "calls", "%", "×")
     rows = [line for line in text.splitlines()
             if line and not line.startswith(("-", "figure", "workload", "bench serve", "live /"))]
-    assert len(rows) == 22  # 21 figures and the ratio row
+    assert len(rows) == 23  # 22 figures and the ratio row
     for row in rows:
         cells = [c for c in row.split("  ") if c.strip()][1:]
         assert cells and all(c.strip().endswith(units) or c.strip() == "-" for c in cells), row

@@ -126,7 +126,8 @@ def test_shared_prefix_is_reported_cached(server: Server) -> None:
     second = _chat(server, follow_up, **salt)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 1  # the whole first prompt but its last token
-    assert second.usage.irminsul == {"prefix_cached_tokens": cached, "pic_cached_tokens": 0}
+    assert second.usage.irminsul == {"prefix_cached_tokens": cached, "pic_cached_tokens": 0,
+                                     "derived_prefix_cached_tokens": 0}
     server.check()
 
 
@@ -137,14 +138,22 @@ def test_shifted_document_is_served_by_pic(server: Server) -> None:
                    {"role": "user", "content": doc},
                    {"role": "user", "content": "Summarise."}], **salt)
     # The same document after a longer system prompt and another message: shifted, not a prefix.
-    later = _chat(server, [{"role": "system", "content": " ".join(sentences(5, 5))},
-                           {"role": "user", "content": "Here is a file."},
-                           {"role": "user", "content": doc},
-                           {"role": "user", "content": "Which gate?"}], **salt)
+    messages = [{"role": "system", "content": " ".join(sentences(5, 5))},
+                {"role": "user", "content": "Here is a file."},
+                {"role": "user", "content": doc},
+                {"role": "user", "content": "Which gate?"}]
+    later = _chat(server, messages, **salt)
     pic = later.usage.irminsul["pic_cached_tokens"]
     assert pic > 100
     assert later.usage.prompt_tokens_details.cached_tokens == (
         pic + later.usage.irminsul["prefix_cached_tokens"])
+    # Its next turn matches it in the radix tree; the rows from the reused document on are not
+    # a full prefill's, and are not reported as an exact prefix.
+    again = _chat(server, messages + [{"role": "user", "content": "And then?"}], **salt)
+    split = again.usage.irminsul
+    assert split["derived_prefix_cached_tokens"] >= pic
+    assert split["prefix_cached_tokens"] < later.usage.prompt_tokens - pic
+    assert again.usage.prompt_tokens_details.cached_tokens == sum(split.values())
     server.check()
 
 
@@ -155,7 +164,8 @@ def test_cache_salt_isolates_tenants(server: Server) -> None:
     assert _chat(server, messages, **salt_a).usage.prompt_tokens_details.cached_tokens > 0
     other = _chat(server, messages, **salt_b)
     assert other.usage.prompt_tokens_details.cached_tokens == 0
-    assert other.usage.irminsul == {"prefix_cached_tokens": 0, "pic_cached_tokens": 0}
+    assert other.usage.irminsul == {"prefix_cached_tokens": 0, "pic_cached_tokens": 0,
+                                    "derived_prefix_cached_tokens": 0}
 
 
 def test_stop_string_truncates_and_frees(server: Server) -> None:
@@ -242,6 +252,7 @@ def test_metrics_count_tokens_and_latency(server: Server) -> None:
         "irminsul:time_to_first_token_seconds_count"] + 2
     text = httpx.get(f"{server.url}/metrics").text
     assert "irminsul:pic_cached_tokens_total" in text
+    assert "irminsul:derived_prefix_cached_tokens_total" in text
     usage = server.metric("irminsul:kv_pool_usage_ratio")
     assert 0 < usage <= 1  # the indexes keep what was served
     assert server.metric("irminsul:kv_pool_capacity_slots") == SLOTS
