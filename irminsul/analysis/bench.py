@@ -49,7 +49,11 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
             ttft.append(time.perf_counter() - started)
             engine.finish(seq)
             s = seq.stats
-            counts += (s.prefix_tokens, s.pic_tokens + s.would_be_pic_tokens, s.prompt_tokens)
+            # A derived prefix (an earlier turn's reused rows, matched in the radix tree) is
+            # reuse too: counted with PIC, never as the exact prefix.
+            counts += (s.prefix_tokens,
+                       s.pic_tokens + s.would_be_pic_tokens + s.derived_prefix_tokens,
+                       s.prompt_tokens)
             kl.append(float(kl_per_step(reference[None], logits[None])[0]))
             bar.update()  # after the clock stopped: drawing the bar is no part of the TTFT
         engine.check()

@@ -102,6 +102,7 @@ def serve(engine: Engine, prompt: Prompt, continuation: list[int],
             "argmax": float(matches.double().mean()),
             "first_divergence": divergence,
             "pic_tokens": stats.pic_tokens, "prefix_tokens": stats.prefix_tokens,
+            "derived_prefix_tokens": stats.derived_prefix_tokens,
             "prefilled_tokens": stats.prefilled_tokens}
 
 
@@ -166,7 +167,8 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
     hit = [r for r in rows if any(r[path]["pic_tokens"] for path in PATHS)]
     prompt_tokens = sum(r["prompt_tokens"] for r in rows)
     served = {path: {key: sum(r[path][key] for r in rows)
-                     for key in ("pic_tokens", "prefix_tokens", "prefilled_tokens")}
+                     for key in ("pic_tokens", "prefix_tokens", "derived_prefix_tokens",
+                                 "prefilled_tokens")}
               for path in PATHS}
     for path in PATHS:
         served[path]["requests_with_hits"] = sum(bool(r[path]["pic_tokens"]) for r in rows)

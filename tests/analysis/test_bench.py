@@ -28,8 +28,11 @@ def test_modes_serve_what_they_should(report: dict) -> None:
     off, observer, live = report["off"], report["observer"], report["live"]
     assert report["requests"] == len(workload())
     assert off["pic_unique"] == 0 and not observer["pic_served"] and live["pic_served"]
-    assert observer["pic_unique"] == live["pic_unique"] > 0
-    assert off["exact_prefix"] == observer["exact_prefix"] == live["exact_prefix"]
+    # live's exact prefix stops where an earlier turn's reused rows begin; the rest of the
+    # same radix match is a derived prefix, counted with PIC: the totals agree.
+    assert 0 < observer["pic_unique"] <= live["pic_unique"]
+    assert off["exact_prefix"] == observer["exact_prefix"] >= live["exact_prefix"]
+    assert live["total"] == pytest.approx(observer["total"])
     assert observer["kl_first_token"] == off["kl_first_token"]
     for mode in (off, observer, live):
         assert mode["total"] == pytest.approx(mode["exact_prefix"] + mode["pic_unique"])
