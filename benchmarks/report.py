@@ -878,6 +878,34 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def kl_anatomy(r: dict[str, Any], name: str) -> list[str]:
+    """Live PIC's KL request by request: the session in order against one level of reuse."""
+    lines = [f"## CPU: where live PIC's KL comes from ({r['workload']})", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"]), "",
+             "```bash", r["meta"]["command"], "```", "",
+             f"Model `{r['model']}`, float32. Each request served in order by one live engine "
+             "(*session*), and again by a fresh live engine that first served only the request "
+             "before it, fully computed (*after one*: one level of reuse, an exact history). "
+             f"KL(full ‖ served) over {r['tokens']} teacher-forced tokens; *largest step*: the "
+             "one step with the most KL. Prompt tokens by where they came from: exact prefix, "
+             "*derived* prefix (the radix tree's match over an earlier turn's reused rows), PIC "
+             "hits, computed.", ""]
+    rows = []
+    for row in r["rows"]:
+        s, one = row["session"], row.get("after_one")
+        rows.append([row["request"], f"{s['prefix_tokens']:,}", f"{s['derived_prefix_tokens']:,}",
+                     f"{s['pic_tokens']:,}", f"{s['prefilled_tokens']:,}", f"{s['kl']:.2e}",
+                     f"{max(s['kl_steps']):.2e}", f"{s['argmax']:.3f}",
+                     f"{one['kl']:.2e}" if one else "–"])
+    lines += _table(("request", "exact prefix", "derived", "PIC", "computed", "KL, session",
+                     "largest step", "argmax", "KL, after one"), rows)
+    m = r["means"]
+    lines += [f"Mean KL over the {m['requests_with_reuse']} requests with reuse: session "
+              f"{m['session_kl']:.3e}, after one {m['after_one_kl']:.3e}; the largest request "
+              f"holds {m['largest_request_share']:.0%} of the session's sum.", ""]
+    return lines
+
+
 def repair_ttft(r: dict[str, Any], name: str) -> list[str]:
     """The TTFT each repair setting costs on agent_meta prompts whose header changed."""
     meta = r["meta"]
@@ -967,6 +995,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
+        ("cpu-kl-anatomy-*.json", lambda p: kl_anatomy(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),
         ("cpu-tp-messages.json", lambda p: tp_messages(_load(p), p.name)),
     ]

@@ -196,6 +196,27 @@ def test_repair_runs(tmp_path: Path) -> None:
     assert 0 <= workload["floor_kl"] < 1e-6
 
 
+def test_kl_anatomy_runs(tmp_path: Path) -> None:
+    """Request 0 is computed whole (KL at float32 noise); the stats add up to each prompt; the
+    one-level replay exists from request 1 on."""
+    out = tmp_path / "anatomy.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "kl_anatomy.py"),
+                    "--workload", "agent_meta", "--requests", "3", "--tokens", "2",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    result = json.loads(out.read_text())
+    first, *rest = result["rows"]
+    assert first["session"]["kl"] < 1e-6 and "after_one" not in first
+    assert all("after_one" in row for row in rest)
+    for row in result["rows"]:
+        s = row["session"]
+        assert (s["prefix_tokens"] + s["derived_prefix_tokens"] + s["pic_tokens"]
+                + s["prefilled_tokens"]) == s["prompt_tokens"]
+        assert len(s["kl_steps"]) == 2
+    assert result["means"]["requests_with_reuse"] > 0
+
+
 def test_sessions_held_at_a_budget_hand_counted() -> None:
     """Sessions of a 64-token header and a shared 512-token body in the bytes of 1,920 full
     rows: exact prefixes hold 3 (1,920 // 576); live PIC with equal spaces also 3 (each session
