@@ -2,7 +2,9 @@
 
 The correctness gate (:mod:`irminsul.quality`) vouches for a checkpoint on a probe set before
 serving; the audit watches what is actually served. A request whose prompt took rows from the
-registry is picked with probability ``rate``; its prompt and the first-token logits it was
+registry, or whose exact-prefix match ran over rows an earlier turn reused (a derived prefix,
+which carries that turn's approximation), is picked with probability ``rate``; its prompt and the
+first-token logits it was
 served are kept (a few at most: the queue is bounded, a full queue skips), and when the scheduler
 has nothing else to do one of them is recomputed from scratch — a plain forward over the whole
 prompt, no cache — and KL(full ‖ served) of the first token is recorded. Operators see the KL
@@ -61,11 +63,11 @@ class PicAudit:
     def pending(self) -> int:
         return len(self._pending)
 
-    def consider(self, prompt: np.ndarray, served: torch.Tensor, pic_tokens: int) -> None:
+    def consider(self, prompt: np.ndarray, served: torch.Tensor, reused_tokens: int) -> None:
         """A request's prompt and the first-token logits it was served: kept for an audit if
-        PIC served some of it, the prompt is at most AUDIT_MAX_TOKENS long, and the draw picks
-        it."""
-        if (pic_tokens <= 0 or self.rate <= 0 or len(prompt) > AUDIT_MAX_TOKENS
+        some of it was served reused rows (``reused_tokens``: PIC hits and derived prefix), the
+        prompt is at most AUDIT_MAX_TOKENS long, and the draw picks it."""
+        if (reused_tokens <= 0 or self.rate <= 0 or len(prompt) > AUDIT_MAX_TOKENS
                 or self._rng.random() >= self.rate):
             return
         if len(self._pending) >= self._room:

@@ -348,7 +348,9 @@ class Scheduler:
                         request.state = "decode"
                         self._landed += 1
                     request.first_token_time = time.perf_counter()
-                    self.audit.consider(request.seq.tokens, out[-1], request.seq.stats.pic_tokens)
+                    stats = request.seq.stats
+                    self.audit.consider(request.seq.tokens, out[-1],
+                                        stats.pic_tokens + stats.derived_prefix_tokens)
             except Exception as err:
                 outputs.append(self._fail(request, err, "completing its prefill"))
                 continue

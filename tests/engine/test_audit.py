@@ -43,13 +43,13 @@ def shifted(seed: int) -> tuple[np.ndarray, list[int], np.ndarray, list[int]]:
 def test_sampling_queue_and_histogram_by_hand(model) -> None:
     served = torch.zeros(V)
     never = PicAudit(0.0)
-    never.consider(np.arange(10), served, pic_tokens=100)
+    never.consider(np.arange(10), served, reused_tokens=100)
     assert never.pending == 0
     audit = PicAudit(1.0, queue=2)
-    audit.consider(np.arange(10), served, pic_tokens=0)  # PIC served nothing: nothing to audit
+    audit.consider(np.arange(10), served, reused_tokens=0)  # nothing reused: nothing to audit
     assert audit.pending == 0
     for _ in range(3):
-        audit.consider(np.arange(10), served, pic_tokens=5)
+        audit.consider(np.arange(10), served, reused_tokens=5)
     assert audit.pending == 2 and audit.stats.skipped == 1
     stats = AuditStats()
     for value in (5e-7, 2e-4, 0.015, 0.5, 7.0):
@@ -85,6 +85,33 @@ def test_idle_scheduler_recomputes_what_pic_served(model) -> None:
     full = model.logits(torch.as_tensor(target))[-1]
     assert scheduler.audit.stats.kl_sum == pytest.approx(kl(full, served), rel=1e-4, abs=1e-9)
     assert scheduler.audit.stats.kl_sum > 0
+
+
+def test_a_follow_up_over_reused_rows_is_audited(model) -> None:
+    """The next turn of a request PIC served reuses nothing itself, but its exact-prefix match
+    runs over that turn's reused rows (a derived prefix): it is audited too, and its KL is the
+    one a same-history engine serves it with."""
+    source, rs, target, rt = shifted(5)
+    follow = np.concatenate([target, [5, 6, 7]])
+    engine = Engine(model, EngineConfig(slots=3000, mode="live", pic_audit_rate=1.0))
+    scheduler = Scheduler(engine)
+    for prompt, resets in ((source, rs), (target, rt), (follow, rt + [len(target)])):
+        scheduler.add(prompt, SamplingParams(max_tokens=1), resets=resets)
+        while scheduler.has_work():
+            scheduler.step()
+        before = scheduler.audit.stats.kl_sum
+        scheduler.run_audit()
+    assert scheduler.audit.stats.audited == 2
+
+    twin = Engine(model, EngineConfig(slots=3000, mode="live"))
+    for prompt, resets in ((source, rs), (target, rt)):
+        seq, _ = twin.prefill(prompt, resets)
+        twin.finish(seq)
+    seq, served = twin.prefill(follow, rt + [len(target)])
+    assert seq.stats.pic_tokens == 0 and seq.stats.derived_prefix_tokens > 200
+    full = model.logits(torch.as_tensor(follow))[-1]
+    got = scheduler.audit.stats.kl_sum - before
+    assert got == pytest.approx(kl(full, served), rel=1e-4, abs=1e-9) and got > 0
 
 
 def test_off_mode_audits_nothing(model) -> None:
