@@ -310,7 +310,8 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, bloc
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoETiles | None = None,
                   shared: SharedExperts | None = None,
-                  scales: ExpertScales | None = None, first: int | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, first: int | None = None,
+                  routed: int | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
@@ -333,7 +334,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     ``first`` (expert parallel, as :func:`~irminsul.model.moe.grouped_experts` takes it): ``w13``
     / ``w2`` hold experts ``first ..`` of the model's; assignments to other experts sort into
     one more bin whose rows the kernels skip (gate/up) and zero (down): this rank's share of the
-    sum, with no host synchronisation."""
+    sum, with no host synchronisation. ``routed``: the model's routed experts, with ``first``:
+    the default tiles are sized for the T·k/routed assignments each of this rank's experts
+    expects, not T·k over the rank's own experts (W times too many at W ranks: V3 on 8 ranks at
+    512 tokens took 128-row blocks for ~16 rows an expert)."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -352,7 +356,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n = tokens * topk
     if n == 0:
         return x.new_zeros(x.shape)
-    tiles = tiles or MoETiles.for_tokens(tokens, topk, experts + n_shared, x.dtype)
+    sized_for = routed if first is not None and routed else experts + n_shared
+    tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype)
     bm = tiles.block_m
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -213,7 +213,8 @@ class MoE(nn.Module):
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             weights, ids = self.gate(x, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
-                                scales=self.expert_scales(), first=self.expert_first)
+                                scales=self.expert_scales(), first=self.expert_first,
+                                routed=self.gate.experts)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(x)

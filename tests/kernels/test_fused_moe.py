@@ -381,6 +381,39 @@ def test_expert_parallel_shares_sum_to_all_experts(world: int, fp8: bool) -> Non
 
 
 
+def test_expert_parallel_tiles_are_sized_by_the_models_experts(monkeypatch) -> None:
+    """With ``routed``, a rank's default launch is sized for T·k/routed assignments an expert
+    (hand-counted: 64 tokens × 8 of 256 experts is 2 an expert, 16-row blocks), not T·k over its
+    own 32 (16 an expert, 32-row blocks); without ``first`` the rank's count stands. The share
+    it computes does not change."""
+    from irminsul.kernels import fused_moe
+
+    seen = []
+    for_tokens = fused_moe.MoETiles.for_tokens.__func__
+
+    def spy(cls, tokens, topk, experts, dtype):  # noqa: ANN001, ANN202
+        seen.append((tokens, topk, experts))
+        return for_tokens(cls, tokens, topk, experts, dtype)
+
+    monkeypatch.setattr(fused_moe.MoETiles, "for_tokens", classmethod(spy))
+    assert for_tokens(fused_moe.MoETiles, 64, 8, 256, torch.float32).block_m == 16
+    assert for_tokens(fused_moe.MoETiles, 64, 8, 32, torch.float32).block_m == 32
+    x, w13, w2, weights, ids = problem(64, 8, 8, 32, 32, torch.float32, seed=7)
+    ids = (ids * 32 + torch.arange(8)) % 256  # distinct experts of 256 per token
+    local = slice(64, 96)
+    w13 = w13.repeat(4, 1, 1)[:32]
+    w2 = w2.repeat(4, 1, 1)[:32]
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    sized = fused_moe.fused_experts(*args, first=local.start, routed=256)
+    own = fused_moe.fused_experts(*args, first=local.start)
+    assert seen == [(64, 8, 256), (64, 8, 32)]
+    mine = (ids >= local.start) & (ids < local.stop)
+    want = naive_experts(x, w13, w2, torch.where(mine, weights, 0.0),
+                         torch.where(mine, ids - local.start, 0))
+    check(sized, want, torch.float32)
+    check(own, want, torch.float32)
+
+
 def test_a_shared_mlp_under_expert_parallel_is_refused() -> None:
     """Its ids are the model's (E ..), not the rank's: they would land on a local expert."""
     from irminsul.kernels.fused_moe import SharedExperts, fused_experts
