@@ -124,7 +124,7 @@ class CacheManager:
                     served = stop
                     continue
                 stretches.popleft()  # cached stretches are served whole
-                if kind == "prefix":
+                if kind in ("prefix", "derived"):
                     pieces.append(prefill.plan.prefix.handles[start:end])
                     seq.owed.append(pieces[-1])
                     exact = min(max(prefill.plan.prefix.exact, start), end)
@@ -212,6 +212,11 @@ class CacheManager:
         for seg in plan.segments:
             kind = ("prefix" if seg.kind == "prefix" else
                     "reuse" if seg.kind == "hit" and self.mode == "live" else "compute")
+            if kind == "prefix" and plan.prefix.exact < seg.end:  # its derived part apart
+                if plan.prefix.exact > seg.start:
+                    stretches.append(["prefix", seg.start, plan.prefix.exact, []])
+                stretches.append(["derived", max(seg.start, plan.prefix.exact), seg.end, []])
+                continue
             if stretches and kind == stretches[-1][0] and kind != "prefix":
                 stretches[-1][2] = seg.end
             else:
@@ -222,7 +227,7 @@ class CacheManager:
             stretches = recompute_heads(stretches, self.recompute_head)
         if self.recompute_share and self.latent_check is not None:
             stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
-                                            self.latent_check)
+                                            self.latent_check, plan.prefix.handles)
         kind, start, end, hits = stretches[-1]
         if kind != "compute":
             if kind == "reuse":

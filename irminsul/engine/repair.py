@@ -19,7 +19,9 @@ compute):
   reused)`` of them, are computed.
 
 The stretches are the cache manager's ``[kind, start, end, hits]`` lists (kind "prefix",
-"reuse" or "compute"; a reuse's hits are the plan's segments it serves, trimmed to its tokens).
+"derived", "reuse" or "compute"; a reuse's hits are the plan's segments it serves, trimmed to
+its tokens). The deviating rule also takes the derived prefix's rows as candidates: an earlier
+turn's reused rows, matched in the radix tree, carry that turn's approximation into this one.
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ def recompute_heads(stretches: list[list], k: int) -> list[list]:
 
 
 def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,
-                        deviation: Deviation) -> list[list]:
+                        deviation: Deviation, prefix: np.ndarray | None = None) -> list[list]:
     """The ``floor(share · reused)`` reused tokens with the largest ``deviation`` computed
-    instead (CacheBlend's selection, on c_KV); ties go to the earlier position."""
-    positions, slots = reused_rows(stretches)
+    instead (CacheBlend's selection, on c_KV); ties go to the earlier position. ``prefix``: the
+    radix match's handles, whose "derived" stretches (an earlier turn's reused rows) are
+    candidates too: they carry that turn's approximation into this one."""
+    positions, slots = reused_rows(stretches, prefix)
     count = int(share * positions.size)
     if count == 0:
         return stretches
@@ -69,10 +73,15 @@ def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,
     return recompute_at(stretches, positions[order[:count]])
 
 
-def reused_rows(stretches: list[list]) -> tuple[np.ndarray, np.ndarray]:
-    """The positions the reuse stretches serve and the c_KV slots of the rows they serve there."""
+def reused_rows(stretches: list[list], prefix: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The positions the reuse stretches (and, given the radix match's handles ``prefix``, the
+    derived stretches) serve and the c_KV slots of the rows they serve there."""
     positions, slots = [], []
-    for kind, _, _, hits in stretches:
+    for kind, start, end, hits in stretches:
+        if kind == "derived" and prefix is not None:
+            positions.append(np.arange(start, end))
+            slots.append(unpack(prefix[start:end])[0])
         if kind != "reuse":
             continue
         for hit in hits:
@@ -99,17 +108,17 @@ def recompute_at(stretches: list[list], picked: np.ndarray) -> list[list]:
 
     for kind, start, end, hits in stretches:
         lo, hi = np.searchsorted(picked, [start, end])
-        if kind != "reuse" or lo == hi:
+        if kind not in ("reuse", "derived") or lo == hi:
             add(kind, start, end, hits)
             continue
         inside = picked[lo:hi]
         cursor = start
         for run in np.split(inside, np.flatnonzero(np.diff(inside) != 1) + 1):
             first, stop = int(run[0]), int(run[-1]) + 1
-            add("reuse", cursor, first, _trimmed(hits, cursor, first))
+            add(kind, cursor, first, _trimmed(hits, cursor, first))
             add("compute", first, stop, [])
             cursor = stop
-        add("reuse", cursor, end, _trimmed(hits, cursor, end))
+        add(kind, cursor, end, _trimmed(hits, cursor, end))
     return out
 
 

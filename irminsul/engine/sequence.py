@@ -123,10 +123,11 @@ class Sequence:
 
 
 class Stretch(NamedTuple):
-    """Prompt tokens [start, end) served one way: "prefix" (the exact prefix), "reuse" (live
-    hits, consecutive ones together: ``hits``) or "compute"."""
+    """Prompt tokens [start, end) served one way: "prefix" (the exact prefix), "derived" (the
+    radix tree's match past its exact rows: an earlier sequence's reused rows and those computed
+    over them), "reuse" (live hits, consecutive ones together: ``hits``) or "compute"."""
 
-    kind: Literal["prefix", "reuse", "compute"]
+    kind: Literal["prefix", "derived", "reuse", "compute"]
     start: int
     end: int
     hits: list[Segment]

@@ -168,6 +168,46 @@ def test_repaired_prefill_serves_the_assembled_cache(model3, docs, share: float)
     engine.check()
 
 
+@pytest.mark.parametrize("share", [0.1, 1.0])
+def test_repair_reaches_a_derived_prefix(model3, docs, share: float) -> None:
+    """The target's next turn matches it whole in the radix tree, its rows from the first reused
+    token on derived. Those rows are repair's candidates too: at share 1 every one is computed
+    and the follow-up's logits are full recomputation's; at 0.1 a tenth of them, picked by
+    their deviation, are computed and the rest served as a derived prefix."""
+    source, rs, target, rt, _ = docs
+    follow = np.concatenate([target, [5, 6, 7]])
+    engine = Engine(model3, EngineConfig(slots=6000, mode="live",
+                                         cache=CacheConfig(recompute_share=share)))
+    engine.cache.recompute_share = 0.0  # the earlier turns served without repair
+    for prompt, resets in ((source, rs), (target, rt)):
+        seq, _ = engine.prefill(prompt, resets)
+        engine.finish(seq)
+    engine.cache.recompute_share = share
+    plain = Engine(model3, EngineConfig(slots=6000, mode="live"))
+    for prompt, resets in ((source, rs), (target, rt)):
+        seq, _ = plain.prefill(prompt, resets)
+        plain.finish(seq)
+    derived = plain.start_prefill(follow, rt + [len(target)])
+    candidates = positions_of(derived, "derived")
+    assert len(candidates) > 300 and not positions_of(derived, "reuse")
+    plain.abort_prefill(derived)
+    prefill = engine.start_prefill(follow, rt + [len(target)])
+    computed = positions_of(prefill, "compute") & candidates
+    assert len(computed) == int(share * len(candidates))
+    assert positions_of(prefill, "derived") == candidates - computed
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        logits = engine.run_batch([(prefill.seq, *span)])[0][-1]
+    engine.complete_prefill(prefill)
+    full = model3.logits(torch.as_tensor(follow))[-1]
+    gap = float((logits - full).abs().max() / full.abs().max())
+    if share == 1.0:
+        assert gap <= 1e-4 and prefill.seq.stats.derived_prefix_tokens == 0
+    else:
+        assert gap > 1e-4 and prefill.seq.stats.derived_prefix_tokens == len(candidates - computed)
+    engine.finish(prefill.seq)
+    engine.check()
+
+
 def test_scheduler_admits_the_repaired_plan(model3, docs) -> None:
     """Served through the scheduler (which plans through the cache manager directly), the same
     tokens are repaired: the reused count is the unrepaired one less floor(r · reused)."""
