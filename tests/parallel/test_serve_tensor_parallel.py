@@ -264,7 +264,11 @@ def test_a_follower_killed_during_the_gate_stops_the_server(tmp_path: Path) -> N
               if "ERROR irminsul.parallel.serving" in line]
     assert len(errors) == 1, server.text()[-3000:]
     assert f"rank 1 (pid {follower}) was killed by SIGKILL" in errors[0]
-    assert "running the PIC gate" in errors[0] and "Stopping the server" in errors[0]
+    # The follower logs its engine opened before the leader's own open returns: under load the
+    # kill can land while the leader still opens the gate's engine (the CI of 2026-12-02 saw it).
+    assert ("running the PIC gate" in errors[0]
+            or "opening an engine on the ranks" in errors[0]), errors[0]
+    assert "Stopping the server" in errors[0]
 
 
 def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Path) -> None:
