@@ -142,8 +142,13 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
     floor = [serve(engine, prompt, continuation, logits)["kl"]
              for (_, prompt), (continuation, logits) in zip(prompts, references)]
     engine.check()
-    hit = [i for i, s in enumerate(served_by[0]) if s["pic_tokens"]]
-    reused = sum(served_by[0][i]["pic_tokens"] for i in hit)
+    def reused_of(s: dict[str, Any]) -> int:
+        # A derived prefix (an earlier turn's reused rows, matched in the radix tree) is reused
+        # too, and the deviating rule's candidate since 2026-12-02.
+        return s["pic_tokens"] + s.get("derived_prefix_tokens", 0)
+
+    hit = [i for i, s in enumerate(served_by[0]) if reused_of(s)]
+    reused = sum(reused_of(served_by[0][i]) for i in hit)
     rows = []
     for setting, served in zip(repairs, served_by):
         picked = [served[i] for i in hit]
@@ -152,7 +157,7 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
             return statistics.fmean(s[key] for s in picked) if picked else None  # noqa: B023
 
         rows.append({**setting,
-                     "recomputed_share": (1 - sum(s["pic_tokens"] for s in picked) / reused)
+                     "recomputed_share": (1 - sum(reused_of(s) for s in picked) / reused)
                      if reused else 0.0,
                      "kl": mean("kl"), "argmax": mean("argmax"),
                      "first_divergence": mean("first_divergence"), "prefill_s": mean("prefill_s"),
