@@ -127,11 +127,11 @@ class CacheManager:
                 if kind in ("prefix", "derived"):
                     pieces.append(prefill.plan.prefix.handles[start:end])
                     seq.owed.append(pieces[-1])
-                    exact = min(max(prefill.plan.prefix.exact, start), end)
-                    seq.stats.prefix_tokens += exact - start
-                    seq.stats.derived_prefix_tokens += end - exact
-                    if exact < end:
-                        seq.exact = _first(seq.exact, exact)
+                    if kind == "prefix":
+                        seq.stats.prefix_tokens += end - start
+                    else:  # the radix match past its exact rows (_stretches split it off)
+                        seq.stats.derived_prefix_tokens += end - start
+                        seq.exact = _first(seq.exact, start)
                 else:
                     handles, reuse = self._share(seq, hits)
                     pieces.append(handles)

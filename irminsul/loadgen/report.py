@@ -110,7 +110,7 @@ def _rows(summaries: Sequence[dict]) -> list[list[str]]:
         ["served by exact prefix", *(_fmt(s["prefix_share"], "%") for s in summaries)],
         ["served by PIC", *(_fmt(s["pic_share"], "%") for s in summaries)],
         ["derived prefix (not exact)",
-         *(_fmt(s.get("derived_prefix_share"), "%") for s in summaries)],
+         *(_fmt(s["derived_prefix_share"], "%") for s in summaries)],
         ["computed", *(_fmt(s["computed_share"], "%") for s in summaries)],
     ]
     return rows
