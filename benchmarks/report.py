@@ -622,6 +622,40 @@ def break_even(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def chunked_prefill(r: dict[str, Any], name: str) -> list[str]:
+    """A long prompt's prefill against the chunk size, alone and under decode load, per run."""
+    runs = r["runs"]
+    latest = runs[-1]["result"]
+    lines = ["## GPU chunked prefill: a 16K prompt against the chunk size", "",
+             f"`docs/results/{name}`. " + _run_line(latest["meta"]), "",
+             r.get("about", "") + " Runs: " + "; ".join(
+                 f"*{run['label']}*: {run['note']}" for run in runs), "",
+             "```bash", "python benchmarks/gpu/chunked_prefill.py --out F.json  # one run", "```",
+             "", f"PIC off, one fresh {latest['prompt']:,}-token prompt (random ids). *alone*: "
+             "median TTFT of 3 after a warm-up, the forwards it took and how many replayed a CUDA "
+             "graph, the device's kernel time for one (torch.profiler) and wall ÷ device; *load*: "
+             f"the prompt arriving while {latest['decoders']} requests decode over "
+             f"{_k(latest['context'])}-token contexts: its TTFT, their step intervals meanwhile "
+             "and their tokens/s. batch_tokens is max(2048, chunk + decoders). The floor is the "
+             "one-forward prefill (the last row).", ""]
+    by_run = [{c["chunk_tokens"]: c for c in run["result"]["cells"]} for run in runs]
+    rows = []
+    for c in latest["cells"]:
+        a, b = c["alone"], c["load"]
+        rows.append([f"{c['chunk_tokens']:,}", f"{c['batch_tokens']:,}",
+                     *[f"{cells[c['chunk_tokens']]['alone']['ttft_ms']:,.0f}"
+                       if c["chunk_tokens"] in cells else "" for cells in by_run],
+                     f"{a['forwards']} ({a['graphed_forwards']})", f"{a['device_ms']:,.0f}",
+                     f"{a['wall_over_device']:.2f}", f"{b['ttft_ms']:,.0f}",
+                     f"{b['decode_step_p50_ms']:.0f} / {b['decode_step_max_ms']:.0f}",
+                     f"{b['decode_tokens_per_s']:,.0f}"])
+    lines += _table(("chunk", "batch tokens",
+                     *[f"alone TTFT {run['label']} (ms)" for run in runs],
+                     "forwards (graphed)", "device (ms)", "wall ÷ device", "load TTFT (ms)",
+                     "decode step p50 / max (ms)", "decode tok/s"), rows)
+    return lines
+
+
 def serve(r: dict[str, Any], name: str) -> list[str]:
     """A `bench serve` run: the client's figures per PIC mode, and live against off."""
     meta = r.get("meta", {})
@@ -985,6 +1019,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
         ("gpu-fp8.json", lambda p: fp8(_load(p), p.name)),
         ("gpu-break-even.json", lambda p: break_even(_load(p), p.name)),
+        ("gpu-chunked-prefill.json", lambda p: chunked_prefill(_load(p), p.name)),
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
