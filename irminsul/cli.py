@@ -440,6 +440,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           engine=engine, max_request_bytes=args.max_request_bytes,
                           max_waiting=args.max_waiting, kv_memory=args.kv_memory,
                           gate=None if args.no_gate else SERVER.gate,
+                          warmup=args.warmup,
                           store=StoreConfig(url=args.store,
                                             prefill_tokens_per_second=args.store_prefill_rate))
     return serve(_model_dir(args), server, parallel=ParallelConfig(world_size=args.tensor_parallel),
@@ -675,6 +676,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "dequantizing them at load")
     serve.add_argument("--served-model-name", default=SERVER.model_name, metavar="NAME",
                        help="the model name clients send (None: the directory's name)")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=SERVER.warmup,
+                       help="before listening, run a few synthetic requests through the engine "
+                            "(kernels compiled, attention planned for long prompts, PIC and "
+                            "sampling), then empty its cache (None: on CUDA only)")
     serve.add_argument("--no-graphs", action="store_true",
                        help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
                             "decode steps, short spans and prefill chunks of up to 2K tokens, "

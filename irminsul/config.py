@@ -265,6 +265,10 @@ class ServerConfig:
     # On CUDA with engine.slots None: the KV pool takes this share of the GPU memory left once
     # the weights are loaded (the rest: activations, CUDA graphs, logits).
     kv_memory: float = 0.85
+    # Before serving, run a few synthetic requests through the engine (kernels compiled,
+    # attention planned for the paths long prompts, PIC and sampling take), then empty its
+    # cache (irminsul.engine.warmup); None: on CUDA, where a cold path costs seconds.
+    warmup: bool | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Live PIC is served only if the gate passes (else exact prefixes only); None: no gate
     # (the operator's override, logged as a warning).

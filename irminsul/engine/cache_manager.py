@@ -363,6 +363,11 @@ class CacheManager:
                                     "nothing evictable")
             pool.release(np.concatenate(freed))
 
+    def clear(self) -> None:
+        """Evict every index entry (never what a sequence holds): the cache as it started."""
+        while freed := self.planner.evict(self.pool.capacity):
+            self.pool.release(np.concatenate(freed))
+
     def references(self) -> list[np.ndarray]:
         """Every handle array that holds a slot reference: sequences, radix nodes, registry."""
         return ([self.pool.reserved] + [seq.handles for seq in self.sequences]

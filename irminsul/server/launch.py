@@ -25,6 +25,7 @@ from .. import __version__
 from ..config import EngineConfig, ParallelConfig, ServerConfig
 from ..engine import Engine, Scheduler
 from ..engine.kv_pool import free_device_memory, slots_for_memory
+from ..engine.warmup import warm_up
 from ..model import MLAModel, load_config, load_model
 from ..model.random_weights import random_model as random_weights_model
 from ..traffic.render import ChatRenderer
@@ -116,6 +117,12 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     if gate is not None and not gate.passed:
         config = replace(config, engine=replace(config.engine, mode="off"))
     scheduler = Scheduler(make_engine(model, _sized_pool(config, model, device)))
+    if config.warmup if config.warmup is not None else device.startswith("cuda"):
+        # Before the store is attached: nothing of the warm-up is published.
+        report = warm_up(scheduler)
+        log.info("warm-up: %d requests, %d prompt tokens (%d served by PIC) in %.1f s; "
+                 "cache emptied", report.requests, report.prompt_tokens, report.pic_tokens,
+                 report.seconds)
     if config.store.url is not None:
         from ..store import attach  # the Redis client loads only with a store
 
