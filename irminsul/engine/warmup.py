@@ -26,6 +26,9 @@ from .scheduler import Scheduler
 HEADER_TOKENS = 64  # the header that shifts the warm-up body for PIC
 SHORT_TOKENS = 200  # the short prompts that arrive together
 SHORT_PROMPTS = 8
+# Turns that extend the first prompt (an exact prefix hit, then a span after its context, as
+# every agent's next call): lengths in both of Triton's integer classes (a multiple of 16 or not).
+TAILS = (301, 1040)
 REPLY_TOKENS = 8
 
 
@@ -35,6 +38,7 @@ class WarmUpReport:
 
     requests: int
     prompt_tokens: int
+    prefix_tokens: int  # served by the exact prefix (the turns extending the first prompt)
     pic_tokens: int  # served by PIC (live mode: the shifted body reused)
     seconds: float
 
@@ -48,8 +52,9 @@ def warm_up(scheduler: Scheduler, seed: int = 0) -> WarmUpReport:
        allow): a chunk from scratch, then one after its context;
     2. together: another header and the same body (live mode reuses the body's chunks shifted:
        the rotation and spans around reused runs; a prompt's first chunk is never registered,
-       hence the headers), and short prompts, some sampled at a temperature with top-k /
-       top-p and a seed, all decoding a few tokens side by side.
+       hence the headers), turns extending the first prompt by :data:`TAILS` tokens (its
+       exact prefix, then a span after it), and short prompts, some sampled at a temperature
+       with top-k / top-p and a seed, all decoding a few tokens side by side.
     """
     if scheduler.has_work():
         raise RuntimeError("warm up an idle scheduler: requests are queued or running")
@@ -66,11 +71,14 @@ def warm_up(scheduler: Scheduler, seed: int = 0) -> WarmUpReport:
     namespace = secrets.randbits(64)
     audit, scheduler.audit = scheduler.audit, PicAudit(0.0)  # nothing of it is audited
     try:
-        waves = [[(np.concatenate([headers[0], body]), greedy)],
+        first = np.concatenate([headers[0], body])
+        waves = [[(first, greedy)],
                  [(np.concatenate([headers[1], body]), greedy)]
+                 + [(np.concatenate([first, rng.integers(0, limits.vocab_size, min(tail, room))]),
+                     greedy) for tail in TAILS]
                  + [(rng.integers(0, limits.vocab_size, min(SHORT_TOKENS, room)),
                      sampled if i % 2 else greedy) for i in range(SHORT_PROMPTS)]]
-        requests = prompt_tokens = pic_tokens = 0
+        requests = prompt_tokens = prefix_tokens = pic_tokens = 0
         for wave in waves:
             for prompt, params in wave:
                 # The body's first token starts a message: it is chunked alike after either header.
@@ -83,9 +91,10 @@ def warm_up(scheduler: Scheduler, seed: int = 0) -> WarmUpReport:
                     if out.error:
                         raise RuntimeError(f"the warm-up's request failed: {out.error}")
                     if out.stats is not None:  # with its first token
+                        prefix_tokens += out.stats.prefix_tokens
                         pic_tokens += out.stats.pic_tokens
     finally:
         scheduler.audit = audit
     scheduler.cache.clear()
     scheduler.check()
-    return WarmUpReport(requests, prompt_tokens, pic_tokens, time.perf_counter() - start)
+    return WarmUpReport(requests, prompt_tokens, prefix_tokens, pic_tokens, time.perf_counter() - start)

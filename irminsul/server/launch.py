@@ -120,9 +120,9 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     if config.warmup if config.warmup is not None else device.startswith("cuda"):
         # Before the store is attached: nothing of the warm-up is published.
         report = warm_up(scheduler)
-        log.info("warm-up: %d requests, %d prompt tokens (%d served by PIC) in %.1f s; "
-                 "cache emptied", report.requests, report.prompt_tokens, report.pic_tokens,
-                 report.seconds)
+        log.info("warm-up: %d requests, %d prompt tokens (%d by exact prefix, %d by PIC) in "
+                 "%.1f s; cache emptied", report.requests, report.prompt_tokens,
+                 report.prefix_tokens, report.pic_tokens, report.seconds)
     if config.store.url is not None:
         from ..store import attach  # the Redis client loads only with a store
 

@@ -1,5 +1,5 @@
 """The warm-up before serving: it runs the paths it names (a multi-chunk prefill, a shifted
-body PIC reuses, sampled and greedy decodes side by side) and leaves nothing behind — every slot
+body PIC reuses, turns extending a cached prefix, sampled and greedy decodes side by side) and leaves nothing behind — every slot
 free, nothing reusable, the same outputs as a scheduler that never warmed up."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fixtures.tiny_models import build
 
 from irminsul.config import EngineConfig, ServerConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
-from irminsul.engine.warmup import SHORT_PROMPTS, warm_up
+from irminsul.engine.warmup import SHORT_PROMPTS, TAILS, warm_up
 from irminsul.model import default_model_dir, load_model
 
 
@@ -44,10 +44,12 @@ def test_warm_up_runs_its_paths_and_leaves_the_cache_empty(model) -> None:
     pool = scheduler.engine.pool
     free = (pool.ckv_slots.free, pool.kr_slots.free)
     report = warm_up(scheduler)
-    assert report.requests == 2 + SHORT_PROMPTS
+    assert report.requests == 2 + len(TAILS) + SHORT_PROMPTS
     # The body is longer than a chunk (two forwards), and its shifted copy was served by PIC.
     assert report.prompt_tokens >= 2 * (64 + 160)
     assert report.pic_tokens > 0
+    # The turns extending the first prompt found it whole as their exact prefix.
+    assert report.prefix_tokens >= len(TAILS) * (64 + 160)
     assert (pool.ckv_slots.free, pool.kr_slots.free) == free  # every slot back
     assert all(r.size == 0 for r in scheduler.cache.references()[1:])  # past the reserved
     scheduler.check()
@@ -81,6 +83,6 @@ def test_server_warms_up_when_asked(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="irminsul"):
         _, engine = build_server(default_model_dir(), ServerConfig(device="cpu", warmup=True,
                                                                    gate=None))
-    assert any("warm-up: 10 requests" in r.getMessage() for r in caplog.records)
+    assert any("warm-up: 12 requests" in r.getMessage() for r in caplog.records)
     pool = engine.scheduler.engine.pool
     assert pool.ckv_slots.free == pool.capacity
