@@ -1,6 +1,7 @@
 """The warm-up before serving: it runs the paths it names (a multi-chunk prefill, a shifted
-body PIC reuses, turns extending a cached prefix, sampled and greedy decodes side by side) and leaves nothing behind — every slot
-free, nothing reusable, the same outputs as a scheduler that never warmed up."""
+body PIC reuses, turns extending a cached prefix, sampled and greedy decodes side by side) and
+leaves nothing behind: every slot free, nothing reusable, the same outputs as a scheduler that
+never warmed up."""
 
 from __future__ import annotations
 
