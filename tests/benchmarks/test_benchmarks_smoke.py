@@ -257,6 +257,20 @@ def test_decode_steps_against_their_floor_run(tmp_path: Path) -> None:
         assert c["bytes"]["kv"] == rows * layers * (rank + rope) * 4
 
 
+def test_chunked_prefill_run(tmp_path: Path) -> None:
+    """The chunk-size benchmark on the tiny model: a 256-token prompt takes ceil(256 / chunk)
+    forwards alone, and under load its first token comes after the decoders' steps."""
+    results = _script("chunked_prefill", "--prompt", "256", "--chunks", "64", "100", "256",
+                      "--decoders", "2", "--context", "64", "--repeats", "1", tmp_path=tmp_path)
+    cells = results["cells"]
+    assert [c["chunk_tokens"] for c in cells] == [64, 100, 256]
+    assert [c["batch_tokens"] for c in cells] == [2048, 2048, 2048]  # max(2048, chunk + 2)
+    assert [c["alone"]["forwards"] for c in cells] == [4, 3, 1]
+    for c in cells:
+        assert c["alone"]["ttft_ms"] > 0 and c["load"]["ttft_ms"] > 0
+        assert c["load"]["steps"] == c["alone"]["forwards"]  # one chunk per step, decodes beside
+
+
 def test_break_even_run_and_rule(tmp_path: Path) -> None:
     import break_even
 
