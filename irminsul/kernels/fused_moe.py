@@ -311,10 +311,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, tiles: MoETiles | None = None,
                   shared: SharedExperts | None = None,
                   scales: ExpertScales | None = None, first: int | None = None,
-                  routed: int | None = None) -> torch.Tensor:
+                  routed: int | None = None, summed: bool = True) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
-    :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path.
+    :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path. ``summed`` False: the terms of that
+    sum [T, k, D] (each rounded to x's dtype), for a caller that sums them in a launch it makes
+    anyway (:func:`~irminsul.kernels.fused_norm.add_rms_norm`).
 
     ``x`` [T, D]; ``w13`` [E, 2I, D] (gate rows, then up rows); ``w2`` [E, D, I]; ``weights``
     [T, k] (float32); ``ids`` [T, k] (distinct experts per token). ``tiles``: a launch shape
@@ -355,7 +357,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     s13, s2, (br, bc), up_row0 = _scale_args(scales, w13, w2, experts, dim, inter)
     n = tokens * topk
     if n == 0:
-        return x.new_zeros(x.shape)
+        return x.new_zeros(x.shape if summed else (tokens, topk, dim))
     sized_for = routed if first is not None and routed else experts + n_shared
     tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype)
     bm = tiles.block_m
@@ -390,6 +392,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         down, down.stride(0), experts, HAS_SHARED=shared is not None,
         S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1), others=others,
         EVEN_K=inter % tiles.block_k == 0, **meta)
+    if not summed:
+        return y.view(tokens, topk, dim)
     if topk == 1:
         return y
     # Sum over k in one kernel: torch's reductions of bf16 accumulate in float32 (on both

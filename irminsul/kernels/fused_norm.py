@@ -56,17 +56,22 @@ def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, dim, delta_s0, delta_s1,
-                         residual_s0, residual_s1, eps, BLOCK: tl.constexpr,
-                         BY_HAND: tl.constexpr):
+                         delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
+                         BLOCK: tl.constexpr, BY_HAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    d = tl.load(DELTA + row * delta_s0 + cols * delta_s1, mask=ok, other=0.0).to(tl.float32)
+    dtype = SUMMED.dtype.element_ty
+    d = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TERMS):
+        d += tl.load(DELTA + row * delta_s0 + j * delta_s1 + cols * delta_s2, mask=ok,
+                     other=0.0).to(tl.float32)
+    if TERMS > 1:  # torch sums half-precision terms in float32 and rounds the sum once
+        d = _round(d, dtype, BY_HAND).to(tl.float32)
     r = tl.load(RESIDUAL + row * residual_s0 + cols * residual_s1, mask=ok,
                 other=0.0).to(tl.float32)
     # torch adds half-precision tensors in float32 and rounds the sum once; the norm then sees
     # the rounded sum — the residual the next layer adds to — so its statistics do too.
-    dtype = SUMMED.dtype.element_ty
     summed = _round(r + d, dtype, BY_HAND)
     tl.store(SUMMED + row * dim + cols, summed, mask=ok)
     x = summed.to(tl.float32)
@@ -171,11 +176,15 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     F.rms_norm(summed, (D,), weight.to(summed.dtype), eps)`` — statistics in float32 over the
     rounded sum, times the weight, rounded once. Both new contiguous [T, D] tensors.
 
-    ``delta`` and ``residual``: [T, D] of one floating dtype, any strides; ``weight``: [D], any
-    floating dtype. D up to :data:`MAX_NORM_DIM`."""
-    if delta.dim() != 2 or delta.shape != residual.shape:
-        raise ValueError(f"delta {tuple(delta.shape)} and residual {tuple(residual.shape)} must "
-                         f"be one [T, D] shape")
+    ``delta``: [T, D], or [T, J, D] terms added as ``delta.sum(1)`` (float32, rounded once to
+    the dtype: torch's sum of a half-precision tensor) — the routed experts' per-assignment
+    outputs, summed here rather than by a launch of their own. ``residual``: [T, D] of the same
+    floating dtype; both any strides. ``weight``: [D], any floating dtype. D up to
+    :data:`MAX_NORM_DIM`."""
+    if delta.dim() not in (2, 3) or (delta.shape[0], delta.shape[-1]) != residual.shape \
+            or residual.dim() != 2:
+        raise ValueError(f"delta {tuple(delta.shape)} must be [T, D] or [T, J, D] and residual "
+                         f"{tuple(residual.shape)} [T, D] of the same T and D")
     tokens, dim = residual.shape
     if delta.dtype != residual.dtype or not residual.dtype.is_floating_point:
         raise ValueError(f"delta ({delta.dtype}) and residual ({residual.dtype}) must share a "
@@ -190,10 +199,11 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                       for _ in range(2))
     if tokens == 0:
         return normed, summed
+    terms = delta if delta.dim() == 3 else delta[:, None]
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(tokens,)](
-        delta, residual, weight.contiguous(), normed, summed, dim, *delta.stride(),
-        *residual.stride(), eps, BLOCK=block, BY_HAND=interpreted(),
+        terms, residual, weight.contiguous(), normed, summed, dim, *terms.stride(),
+        *residual.stride(), eps, TERMS=terms.shape[1], BLOCK=block, BY_HAND=interpreted(),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
 

@@ -457,10 +457,12 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
     return out.view(tokens, heads, rank)
 
 
-def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
+                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The rows' outputs [rows, rank] in ``dtype`` from the key splits' partial outputs
     [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max), a
-    fully masked split's 0.
+    fully masked split's 0. ``tiles``: (rows, columns, warps) per program, overriding the
+    default (a benchmark's sweep).
 
     One launch: in torch this was a softmax, a product, a sum and a cast — four kernels per
     layer, ~12 µs of a batch-1 decode step's ~160 µs per layer on an H200."""
@@ -468,15 +470,24 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> to
     merged = torch.empty(rows, rank, dtype=dtype, device=out.device)
     if rows == 0:
         return merged
-    # Many splits (short batches): few rows, so small blocks keep enough programs streaming the
-    # partials; few splits (large batches): larger blocks, fewer programs.
-    block_r = 2 if splits >= 16 else 8
-    block_d = min(64, triton.next_power_of_2(rank))
+    block_r, block_d, warps = tiles or merge_tiles(splits, rank)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(rank, block_d))
     _merge_kernel[grid](out, lse, merged, rows, rank, SPLITS=splits,
                         S_P2=triton.next_power_of_2(splits), BLOCK_R=block_r, BLOCK_D=block_d,
-                        num_warps=2)
+                        num_warps=warps)
     return merged
+
+
+def merge_tiles(splits: int, rank: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of a merge program. Every split's partials of a program's tile
+    are read in one wide load (a chain of one load per split kept a batch-1 step's merge at
+    ~7 µs a layer on an H200): many splits (short batches) take few rows and columns each, so
+    there are enough programs to stream the partials; few splits, larger tiles."""
+    if splits >= 32:
+        return 1, 32, 4
+    if splits >= 8:
+        return 2, 64, 4
+    return 8, min(64, triton.next_power_of_2(rank)), 2
 
 
 @triton.jit
@@ -486,17 +497,16 @@ def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.cons
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok, d_ok = r < rows, d < rank
     s = tl.arange(0, S_P2)
-    lse = tl.load(LSE + s[:, None] * rows + r[None, :],
-                  mask=(s[:, None] < SPLITS) & row_ok[None, :], other=float("-inf"))
+    at = s[:, None] * rows + r[None, :]  # [S, R]
+    seen = (s[:, None] < SPLITS) & row_ok[None, :]
+    lse = tl.load(LSE + at, mask=seen, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
-    total = tl.sum(tl.exp2(lse - top[None, :]), 0)
-    total = tl.where(total > 0, total, 1.0)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for sp in tl.static_range(SPLITS):
-        weight = tl.exp2(tl.load(LSE + sp * rows + r, mask=row_ok, other=float("-inf")) - top)
-        part = tl.load(OUT + (sp * rows + r)[:, None].to(tl.int64) * rank + d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += part * (weight / total)[:, None]
-    tl.store(DST + r[:, None].to(tl.int64) * rank + d[None, :], acc.to(DST.dtype.element_ty),
+    weight = tl.exp2(lse - top[None, :])
+    total = tl.sum(weight, 0)
+    part = tl.load(OUT + at[:, :, None].to(tl.int64) * rank + d[None, None, :],
+                   mask=seen[:, :, None] & d_ok[None, None, :], other=0.0)
+    acc = tl.sum(part * weight[:, :, None], 0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(DST + r[:, None].to(tl.int64) * rank + d[None, :], out.to(DST.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])

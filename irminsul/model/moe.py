@@ -199,7 +199,10 @@ class MoE(nn.Module):
 
         return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, terms: bool = False) -> torch.Tensor:
+        """The block's output [T, D]; ``terms``: where the fused kernel runs with the shared MLP
+        folded in, its terms [T, J, D] instead (each assignment's weighted expert output, J =
+        top-k + shared widths), which sum to the output (the caller sums them)."""
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         # FP8 experts take the kernel at every size: the torch path would dequantize every
@@ -214,7 +217,7 @@ class MoE(nn.Module):
             weights, ids = self.gate(x, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
                                 scales=self.expert_scales(), first=self.expert_first,
-                                routed=self.gate.experts)
+                                routed=self.gate.experts, summed=not terms or shared is None)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(x)

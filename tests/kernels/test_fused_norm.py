@@ -116,6 +116,37 @@ def test_add_rms_norm_matches_torch(tokens: int, dim: int, weight_dtype: torch.d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, terms, dim", [(1, 8, 96), (5, 3, 448), (2, 1, 2048)])
+def test_add_rms_norm_sums_terms_as_torch(tokens: int, terms: int, dim: int,
+                                          dtype: torch.dtype) -> None:
+    """delta [T, J, D] (the routed experts' per-assignment outputs, a strided view) is summed
+    over J as torch's ``delta.sum(1)`` sums it (float32, one rounding) before the add: the
+    result equals the torch chain sum → add → norm, and within an ulp of float64 by hand."""
+    from irminsul.kernels.fused_norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(tokens * terms * dim)
+    wide = (torch.randn(tokens, terms + 1, dim, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    delta = wide[:, 1:]  # not contiguous: strides are followed
+    residual = (torch.randn(tokens, dim, generator=gen) * 4).to(dtype).to(DEVICE)
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    norm = norm.to(device=DEVICE, dtype=dtype)
+    normed, summed = add_rms_norm(delta, residual, norm.weight, norm.eps)
+    want_summed = residual + delta.sum(1)
+    assert torch.equal(summed, want_summed)
+    with torch.no_grad():
+        check(normed, norm(want_summed))
+    # The sum by hand: float64 over the terms, rounded to the dtype, then the add rounded
+    # (float32 terms: the kernel's float32 adds round as they go, so within a few ulps).
+    hand = (residual.double() + delta.double().sum(1).to(dtype).double()).to(dtype)
+    if dtype == torch.bfloat16:
+        assert torch.equal(summed, hand)
+    else:
+        torch.testing.assert_close(summed, hand, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("name", list(ROTARIES))
 def test_store_latent_matches_torch_path(name: str, tokens: int, dtype: torch.dtype) -> None:
@@ -205,8 +236,10 @@ def test_bad_arguments_raise() -> None:
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, device=DEVICE)
 
-    with pytest.raises(ValueError, match="one \\[T, D\\] shape"):
+    with pytest.raises(ValueError, match="same T and D"):
         add_rms_norm(t(2, 96), t(2, 64), t(96), 1e-6)
+    with pytest.raises(ValueError, match="same T and D"):
+        add_rms_norm(t(2, 3, 96), t(3, 96), t(96), 1e-6)
     with pytest.raises(ValueError, match="share a floating dtype"):
         add_rms_norm(t(2, 96), t(2, 96, dtype=torch.bfloat16), t(96), 1e-6)
     with pytest.raises(ValueError, match="weight"):
