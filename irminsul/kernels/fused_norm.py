@@ -1,19 +1,19 @@
-"""Fused elementwise steps of a decoder layer: residual add + RMSNorm, the latent rows' norm +
-RoPE + pool store, and the absorbed query's RoPE + concatenation.
+"""Fused elementwise steps of a decoder layer: residual add + RMSNorm, and the new tokens'
+RoPE: the latent rows' norm + RoPE + pool store with the query's RoPE.
 
 A decode step moves a few kilobytes per token through each of these, so what it pays is kernel
 launches, not bytes. In the torch path each step is a chain of small kernels:
 
-* :func:`add_rms_norm` — ``residual + delta`` then ``F.rms_norm`` (an add, and the norm's own
-  cast / square / mean / rsqrt / multiply kernels, or its fused kernel): one launch that writes
-  both the new residual and its normed copy.
+* :func:`add_rms_norm` — ``residual + delta`` (or the sum of several terms, e.g. the MoE's
+  per-expert outputs) then ``F.rms_norm`` (an add, and the norm's own cast / square / mean /
+  rsqrt / multiply kernels, or its fused kernel): one launch that writes both the new residual
+  and its normed copy.
 * :func:`store_latent` — ``MLAttention.latent`` then ``PagedKV.store``: a split, kv_a_layernorm,
   the rotary's float cast, complex multiply and cast back, a ``cat``, and two ``index_copy_``
-  into the pool: one launch that reads the kv_a_proj_with_mqa row once and writes the normed
-  c_KV and the rotated k_r straight into their slots.
-* :func:`assemble_query` — the rotary on q_rope (cast, complex multiply, cast back) and the
-  ``cat`` of the absorbed query with it: one launch that writes the attention kernel's
-  [T, H, rank + rope] query.
+  into the pool; and the rotary on the query's q_rope columns: one launch that reads the
+  kv_a_proj_with_mqa row once, writes the normed c_KV and the rotated k_r straight into their
+  slots, and the rotated query columns straight into the attention kernel's query buffer (whose
+  latent part the absorb bmm writes in place: no ``cat``).
 
 Each matches its torch chain's arithmetic: statistics and rotations in float32 and one rounding
 of each output to its dtype (torch's F.rms_norm rounds x·rsqrt·weight once as well; its bf16 add
@@ -39,7 +39,6 @@ from .rotate import pair_layout
 # A normed row is held whole in one program's registers (one pass: read once, write once).
 # DeepSeek-V3's 7168 pads to 8192; 16 warps keep that at 16 float32 values per thread per input.
 MAX_NORM_DIM = 16384
-QUERY_TILE = 4096  # elements of latent query per program: heads per program = this / rank
 
 
 @triton.jit
@@ -107,11 +106,12 @@ def _rotate_pairs(SRC, src_col, DST, dst_col, pairs, ok, cos, sin, STEP: tl.cons
 
 
 @triton.jit
-def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS,
-                         kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
+def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE, Q_OUT, heads,
+                         kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1,
+                         q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, eps,
                          RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
                          HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
-                         BY_HAND: tl.constexpr):
+                         QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = KV_A + t * kv_s0
     # c_KV: RMSNorm of the first RANK columns, written to this token's c_KV slot.
@@ -130,29 +130,11 @@ def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS,
     kr_slot = tl.load(KR_SLOTS + t).to(tl.int64)
     _rotate_pairs(row + RANK * kv_s1, kv_s1, KR + kr_slot * kr_s0, kr_s1, pairs, pair_ok, cos,
                   sin, STEP, SHIFT, BY_HAND)
-
-
-@triton.jit
-def _assemble_query_kernel(Q_LATENT, Q_ROPE, CIS, OUT, heads,
-                           lat_s0, lat_s1, lat_s2, rope_s0, rope_s1, rope_s2,
-                           cis_s0, cis_s1, cis_s2,
-                           RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
-                           HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BY_HAND: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
-    head_ok = h < heads
-    out_row = OUT + (t * heads + h) * (RANK + 2 * HALF)  # OUT is contiguous [T, H, RANK + ROPE]
-    # The latent part: a strided copy of BLOCK_H heads' rows (OUT has q_latent's dtype).
-    cols = tl.arange(0, RANK_P2)[None, :]
-    ok = head_ok & (cols < RANK)
-    x = tl.load(Q_LATENT + t * lat_s0 + h * lat_s1 + cols * lat_s2, mask=ok, other=0.0)
-    tl.store(out_row + cols, x, mask=ok)
-    # The rope part: every head of the token rotates by the same phasors.
-    pairs, pair_ok, cos, sin = _phasors(CIS, t, cis_s0, cis_s1, cis_s2, HALF, HALF_P2)
-    _rotate_pairs(Q_ROPE + t * rope_s0 + h * rope_s1, rope_s2, out_row + RANK, 1,
-                  pairs[None, :], head_ok & pair_ok[None, :], cos[None, :], sin[None, :],
-                  STEP, SHIFT, BY_HAND)
+    if QUERY:  # every head's query rope columns, by the same phasors
+        h = tl.arange(0, HEADS_P2).to(tl.int64)[:, None]
+        _rotate_pairs(Q_ROPE + t * q_s0 + h * q_s1, q_s2, Q_OUT + t * out_s0 + h * out_s1, out_s2,
+                      pairs[None, :], (h < heads) & pair_ok[None, :], cos[None, :],
+                      sin[None, :], STEP, SHIFT, BY_HAND)
 
 
 def _check_devices(*tensors: torch.Tensor) -> None:
@@ -210,7 +192,8 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis: torch.Tensor,
                  interleaved: bool, ckv: torch.Tensor, kr: torch.Tensor, ckv_slots: torch.Tensor,
-                 kr_slots: torch.Tensor) -> None:
+                 kr_slots: torch.Tensor, q_rope: torch.Tensor | None = None,
+                 q_out: torch.Tensor | None = None) -> None:
     """Store the new tokens' latent rows in one layer of the pool: ``ckv[ckv_slots[t]] =
     rms_norm(kv_a[t, :rank]) · norm_weight`` and ``kr[kr_slots[t]] = kv_a[t, rank:]`` rotated
     by ``cis[t]`` — ``MLAttention.latent`` followed by ``PagedKV.store``.
@@ -223,7 +206,12 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
     ``ckv_slots`` / ``kr_slots``: integer [T], each token's slot (not range-checked: that
     would read them on the host). The norm and the rotation compute in float32 and round once
     to the pool's dtype — the torch path's roundings when the pool has kv_a's dtype, as the
-    engine's does (with another dtype the torch path rounds twice)."""
+    engine's does (with another dtype the torch path rounds twice).
+
+    ``q_rope`` [T, H, rope] and ``q_out`` [T, H, rope] (any strides, e.g. the rope columns of
+    the q projection and of the attention kernel's query buffer): also ``q_out = q_rope``
+    rotated by ``cis`` — ``Rotary.apply`` on the query — in the same launch, as the tokens'
+    phasors are already loaded; in float32, rounded once to q_out's dtype."""
     if kv_a.dim() != 2 or ckv.dim() != 2 or kr.dim() != 2:
         raise ValueError(f"kv_a {tuple(kv_a.shape)}, ckv {tuple(ckv.shape)} and kr "
                          f"{tuple(kr.shape)} must be 2-D (one layer's pool slices)")
@@ -242,46 +230,29 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
                              f"int32) ({tokens},)")
     _check_cis(cis, tokens, rope)
     _check_devices(kv_a, norm_weight, cis, ckv, kr, ckv_slots, kr_slots)
+    query = q_rope is not None
+    if query != (q_out is not None):
+        raise ValueError("q_rope and q_out go together: pass both or neither")
+    heads = 0
+    if q_rope is not None and q_out is not None:
+        heads = q_rope.shape[1] if q_rope.dim() == 3 else -1
+        if q_rope.shape != q_out.shape or q_rope.shape != (tokens, heads, rope):
+            raise ValueError(f"q_rope {tuple(q_rope.shape)} and q_out {tuple(q_out.shape)} must "
+                             f"both be [T={tokens}, H, rope={rope}]")
+        if not (q_rope.dtype.is_floating_point and q_out.dtype.is_floating_point):
+            raise ValueError(f"q_rope ({q_rope.dtype}) and q_out ({q_out.dtype}) must be "
+                             "floating point")
+        _check_devices(kv_a, q_rope, q_out)
     if tokens == 0:
         return
     step, shift = pair_layout(rope, interleaved)
+    q_strides = (*q_rope.stride(), *q_out.stride()) if q_rope is not None and q_out is not None \
+        else (0,) * 6
     _store_latent_kernel[(tokens,)](
         kv_a, norm_weight.contiguous(), cis, ckv, kr, ckv_slots.contiguous(),
-        kr_slots.contiguous(), *kv_a.stride(), *cis.stride(), *ckv.stride(), *kr.stride(), eps,
+        kr_slots.contiguous(), q_rope if query else kv_a, q_out if query else kv_a, heads,
+        *kv_a.stride(), *cis.stride(), *ckv.stride(), *kr.stride(), *q_strides, eps,
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
-        HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift,
-        BY_HAND=interpreted(), num_warps=4 if rank <= 1024 else 8)
-
-
-def assemble_query(q_latent: torch.Tensor, q_rope: torch.Tensor, cis: torch.Tensor,
-                   interleaved: bool) -> torch.Tensor:
-    """The absorbed-form query ``[q_latent | q_rope rotated by cis]``, a new contiguous [T, H,
-    rank + rope] tensor in q_latent's dtype — ``torch.cat([q̃, rotary.apply(q_rope, positions)],
-    -1)`` of the torch path.
-
-    ``q_latent`` [T, H, rank]: W_UKᵀ q_nope, any strides (e.g. a bmm's [H, T, rank] output
-    transposed); ``q_rope`` [T, H, rope], same dtype: the not yet rotated RoPE columns of the q
-    projection, any strides (a split view); ``cis`` float32 [T, rope/2, 2]: ``torch.view_as_real``
-    of the rotary's phasors at the tokens' positions; ``interleaved``: rotation pairs (2i, 2i+1),
-    else (i, i + rope/2). The rotation computes in float32 and rounds once."""
-    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
-        raise ValueError(f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)} "
-                         f"must be [T, H, ·] of one T and H")
-    tokens, heads, rank = q_latent.shape
-    rope = q_rope.shape[2]
-    if q_latent.dtype != q_rope.dtype or not q_latent.dtype.is_floating_point:
-        raise ValueError(f"q_latent ({q_latent.dtype}) and q_rope ({q_rope.dtype}) must share a "
-                         f"floating dtype")
-    _check_cis(cis, tokens, rope)
-    _check_devices(q_latent, q_rope, cis)
-    out = q_latent.new_empty(tokens, heads, rank + rope)
-    if out.numel() == 0:
-        return out
-    rank_p2 = triton.next_power_of_2(rank)
-    block_h = min(triton.next_power_of_2(heads), max(1, QUERY_TILE // rank_p2))
-    step, shift = pair_layout(rope, interleaved)
-    _assemble_query_kernel[(tokens, triton.cdiv(heads, block_h))](
-        q_latent, q_rope, cis, out, heads, *q_latent.stride(), *q_rope.stride(), *cis.stride(),
-        RANK=rank, RANK_P2=rank_p2, HALF=rope // 2, HALF_P2=triton.next_power_of_2(rope // 2),
-        STEP=step, SHIFT=shift, BLOCK_H=block_h, BY_HAND=interpreted(), num_warps=4)
-    return out
+        HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=query,
+        HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
+        num_warps=4 if rank <= 1024 else 8)

@@ -224,11 +224,11 @@ class MLAttention(nn.Module):
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV
                        ) -> torch.Tensor:
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
-        short spans), in few launches — a decode step is launch-bound: the new rows are normed,
-        rotated and stored in one kernel, the query rotated and joined to its absorbed part in
-        another, W_UV writes the o_proj's input layout directly; the same arithmetic as the
-        torch ops they replace."""
-        from ..kernels import assemble_query, paged_mla_attention, store_latent
+        short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
+        and stores the new latent rows and rotates the query's rope columns into the attention
+        query's buffer, whose latent part W_UK's bmm writes in place; W_UV writes the o_proj's
+        input layout directly; the same arithmetic as the torch ops they replace."""
+        from ..kernels import paged_mla_attention, store_latent
 
         tokens = x.shape[0]
         joint = self._joined()
@@ -240,13 +240,17 @@ class MLAttention(nn.Module):
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
+        query = x.new_empty(tokens, self.heads, self.rank + self.rope_dim)
         store_latent(latent_in, norm.weight, norm.eps, cis,
                      self.rotary.interleaved, kv.ckv[self.layer], kv.kr[self.layer], kv.new_ckv,
-                     kv.new_kr)
+                     kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:])
         w_uk, w_uv = self._weights()
-        q = assemble_query(self._absorb(q[..., :self.nope], w_uk), q[..., self.nope:], cis,
-                           self.rotary.interleaved)
-        latent = paged_mla_attention(q, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
+        # q̃ = W_UKᵀ q_nope per head, as _absorb computes it, written into the query's
+        # first rank columns ([H, T, rank] with a row stride of H·(rank + rope): cuBLAS takes
+        # it as it is).
+        torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk,
+                  out=query[..., :self.rank].transpose(0, 1))
+        latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale)
         out = x.new_empty(tokens, self.heads, self.v_dim)
         torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))

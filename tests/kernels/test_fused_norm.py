@@ -1,6 +1,6 @@
 """The fused norm / RoPE kernels (irminsul.kernels.fused_norm) against the torch path they replace
-— ``residual + delta`` and RMSNorm; ``MLAttention.latent`` with ``PagedKV.store``; the absorbed
-query's rotary and ``cat`` — and against float64 hand computations.
+— ``residual + delta`` and RMSNorm; ``MLAttention.latent`` with ``PagedKV.store``; the query's
+rotary — and against float64 hand computations.
 
 bf16 results must lie within one bf16 ulp of the reference and nearly all be bit-equal (each
 kernel rounds once, as torch does; float32 arithmetic in another order may flip a rare rounding).
@@ -188,32 +188,41 @@ def test_store_latent_matches_torch_path(name: str, tokens: int, dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("name", list(ROTARIES))
-def test_assemble_query_matches_torch_path(name: str, tokens: int, dtype: torch.dtype) -> None:
-    """[q̃ | rotated q_rope] from a transposed bmm view and a split view of the q projection
-    equals forward_paged's ``cat([_absorb(q_nope), q_rope rotated by _query])``."""
-    from irminsul.kernels.fused_norm import assemble_query
+def test_store_latent_rotates_the_query_as_torch(name: str, tokens: int, dtype: torch.dtype
+                                                 ) -> None:
+    """store_latent's query rotation, from a split view of the q projection into the rope
+    columns of a [T, H, rank + rope] buffer, equals ``Rotary.apply`` (``_query``); the buffer's
+    other columns are left as they were, and the pool is written as without it."""
+    from irminsul.kernels.fused_norm import store_latent
 
     attn = attention_for(name, dtype, seed=tokens + 10)
+    rank, rope = attn.rank, attn.rope_dim
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen).to(device=DEVICE, dtype=dtype)
     positions = positions_for(tokens, gen)
+    slots = torch.randperm(16, generator=gen)[:tokens].to(DEVICE)
+    ckv = torch.zeros(16, rank, device=DEVICE, dtype=dtype)
+    kr = torch.zeros(16, rope, device=DEVICE, dtype=dtype)
+    ckv_alone, kr_alone = ckv.clone(), kr.clone()
+    query = torch.randn(tokens, HEADS, rank + rope, generator=gen).to(device=DEVICE, dtype=dtype)
+    latent_before = query[..., :rank].clone()
     with torch.no_grad():
-        w_uk, _ = attn._weights()
-        q = attn.q_proj(x).view(tokens, HEADS, attn.nope + attn.rope_dim)
-        q_nope, q_rope = q.split([attn.nope, attn.rope_dim], dim=-1)  # q_rope not yet rotated
-        q_latent = attn._absorb(q_nope, w_uk)
-        assert tokens == 1 or not q_latent.is_contiguous()
-        got = assemble_query(q_latent, q_rope, phasors(attn.rotary, positions),
-                             attn.rotary.interleaved)
-        want_nope, want_rope = attn._query(x, positions)
-        want = torch.cat([attn._absorb(want_nope, w_uk), want_rope], dim=-1)
-    assert got.is_contiguous() and got.dtype == dtype
-    assert torch.equal(got[..., :attn.rank], want[..., :attn.rank])  # a copy: bit-equal
-    check(got[..., attn.rank:], want[..., attn.rank:])
+        q = attn.q_proj(x).view(tokens, HEADS, attn.nope + rope)
+        kv_a = attn.kv_a_proj_with_mqa(x)
+        cis = phasors(attn.rotary, positions)
+        store_latent(kv_a, attn.kv_a_layernorm.weight, LATENT_NORM_EPS, cis,
+                     attn.rotary.interleaved, ckv, kr, slots, slots, q_rope=q[..., attn.nope:],
+                     q_out=query[..., rank:])
+        store_latent(kv_a, attn.kv_a_layernorm.weight, LATENT_NORM_EPS, cis,
+                     attn.rotary.interleaved, ckv_alone, kr_alone, slots, slots)
+        _, want_rope = attn._query(x, positions)
+    check(query[..., rank:], want_rope)
+    assert torch.equal(query[..., :rank], latent_before)
+    assert torch.equal(ckv, ckv_alone) and torch.equal(kr, kr_alone)
 
 
 def test_no_tokens_launch_nothing() -> None:
-    from irminsul.kernels.fused_norm import add_rms_norm, assemble_query, store_latent
+    from irminsul.kernels.fused_norm import add_rms_norm, store_latent
 
     normed, summed = add_rms_norm(torch.empty(0, 96, device=DEVICE),
                                   torch.empty(0, 96, device=DEVICE),
@@ -225,13 +234,15 @@ def test_no_tokens_launch_nothing() -> None:
     store_latent(torch.empty(0, 48, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6,
                  torch.empty(0, 8, 2, device=DEVICE), True, ckv, kr, no_slots, no_slots)
     assert torch.equal(ckv, before[0]) and torch.equal(kr, before[1])
-    q = assemble_query(torch.empty(0, 4, 32, device=DEVICE), torch.empty(0, 4, 16, device=DEVICE),
-                       torch.empty(0, 8, 2, device=DEVICE), False)
-    assert q.shape == (0, 4, 48)
+    store_latent(torch.empty(0, 48, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6,
+                 torch.empty(0, 8, 2, device=DEVICE), True, ckv, kr, no_slots, no_slots,
+                 q_rope=torch.empty(0, 4, 16, device=DEVICE),
+                 q_out=torch.empty(0, 4, 16, device=DEVICE))
+    assert torch.equal(ckv, before[0]) and torch.equal(kr, before[1])
 
 
 def test_bad_arguments_raise() -> None:
-    from irminsul.kernels.fused_norm import add_rms_norm, assemble_query, store_latent
+    from irminsul.kernels.fused_norm import add_rms_norm, store_latent
 
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, device=DEVICE)
@@ -260,9 +271,11 @@ def test_bad_arguments_raise() -> None:
                             (dict(ckv=t(2, 8, 32)), "2-D")):
         with pytest.raises(ValueError, match=message):
             store_latent(**{**good, **change})
-    with pytest.raises(ValueError, match="one T and H"):
-        assemble_query(t(3, 4, 32), t(3, 5, 16), t(3, 8, 2), True)
-    with pytest.raises(ValueError, match="share a floating dtype"):
-        assemble_query(t(3, 4, 32), t(3, 4, 16, dtype=torch.bfloat16), t(3, 8, 2), True)
-    with pytest.raises(ValueError, match="cis"):
-        assemble_query(t(3, 4, 32), t(3, 4, 16), t(2, 8, 2), True)
+    with pytest.raises(ValueError, match="pass both or neither"):
+        store_latent(**good, q_rope=t(3, 4, 16))
+    with pytest.raises(ValueError, match="must both be"):
+        store_latent(**good, q_rope=t(3, 4, 16), q_out=t(3, 5, 16))
+    with pytest.raises(ValueError, match="must both be"):
+        store_latent(**good, q_rope=t(3, 4, 12), q_out=t(3, 4, 12))
+    with pytest.raises(ValueError, match="floating point"):
+        store_latent(**good, q_rope=t(3, 4, 16), q_out=t(3, 4, 16, dtype=torch.int32))
