@@ -54,9 +54,9 @@ def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, dim, delta_s0, delta_s1,
-                         delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
-                         BLOCK: tl.constexpr, BY_HAND: tl.constexpr):
+def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, NORMED_FLOAT, dim, delta_s0,
+                         delta_s1, delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
+                         FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -78,7 +78,10 @@ def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, dim, delta_s0,
     # F.rms_norm gets weight.to(x.dtype): round the weight the same way before it multiplies.
     w = _round(tl.load(WEIGHT + cols, mask=ok, other=0.0).to(tl.float32), dtype,
                BY_HAND).to(tl.float32)
-    tl.store(NORMED + row * dim + cols, _round(x * inv * w, dtype, BY_HAND), mask=ok)
+    normed = _round(x * inv * w, dtype, BY_HAND)
+    tl.store(NORMED + row * dim + cols, normed, mask=ok)
+    if FLOAT:  # the rounded values again, widened: what normed.float() would write
+        tl.store(NORMED_FLOAT + row * dim + cols, normed.to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -153,7 +156,8 @@ def _check_cis(cis: torch.Tensor, tokens: int, rope: int) -> None:
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, normed_float: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed): ``summed = residual + delta`` rounded to their dtype, and ``normed =
     F.rms_norm(summed, (D,), weight.to(summed.dtype), eps)`` — statistics in float32 over the
     rounded sum, times the weight, rounded once. Both new contiguous [T, D] tensors.
@@ -162,7 +166,8 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     the dtype: torch's sum of a half-precision tensor) — the routed experts' per-assignment
     outputs, summed here rather than by a launch of their own. ``residual``: [T, D] of the same
     floating dtype; both any strides. ``weight``: [D], any floating dtype. D up to
-    :data:`MAX_NORM_DIM`."""
+    :data:`MAX_NORM_DIM`. ``normed_float``: a contiguous float32 [T, D] that also receives
+    ``normed.float()`` (the MoE router's input, which reads in float32: no cast launch)."""
     if delta.dim() not in (2, 3) or (delta.shape[0], delta.shape[-1]) != residual.shape \
             or residual.dim() != 2:
         raise ValueError(f"delta {tuple(delta.shape)} must be [T, D] or [T, J, D] and residual "
@@ -176,6 +181,13 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     if not 0 < dim <= MAX_NORM_DIM:
         raise ValueError(f"hidden size {dim} outside 1..{MAX_NORM_DIM} (one row per program)")
     _check_devices(delta, residual, weight)
+    if normed_float is not None and (normed_float.dtype != torch.float32
+                                     or normed_float.shape != residual.shape
+                                     or not normed_float.is_contiguous()):
+        raise ValueError(f"normed_float is {normed_float.dtype} {tuple(normed_float.shape)}, "
+                         f"want a contiguous torch.float32 {tuple(residual.shape)}")
+    if normed_float is not None:
+        _check_devices(residual, normed_float)
     # Not empty_like: that would copy a transposed input's layout; the kernel writes rows.
     normed, summed = (torch.empty(tokens, dim, dtype=residual.dtype, device=residual.device)
                       for _ in range(2))
@@ -184,8 +196,10 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     terms = delta if delta.dim() == 3 else delta[:, None]
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(tokens,)](
-        terms, residual, weight.contiguous(), normed, summed, dim, *terms.stride(),
-        *residual.stride(), eps, TERMS=terms.shape[1], BLOCK=block, BY_HAND=interpreted(),
+        terms, residual, weight.contiguous(), normed, summed,
+        normed if normed_float is None else normed_float, dim, *terms.stride(),
+        *residual.stride(), eps, TERMS=terms.shape[1], FLOAT=normed_float is not None,
+        BLOCK=block, BY_HAND=interpreted(),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
 

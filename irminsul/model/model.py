@@ -57,12 +57,16 @@ class DecoderLayer(nn.Module):
         (:meth:`settle` sums them elsewhere)."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
-        h, x = self._add_norm(self.post_attention_layernorm, x,
-                              self._summed(self.self_attn.forward_paged(h, positions, kv)))
+        attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
         if self.kernels and self.reduce is None and isinstance(self.mlp, MoE):
-            # The experts' terms [T, J, D], summed by the next add + norm launch: a decode
-            # step's sum over J was a launch of its own per layer (~4.8 µs at batch 1, H200).
-            return x, self.mlp(h, terms=True)
+            # The norm's launch also writes its output widened to float32, which the router
+            # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
+            # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
+            # 1 on an H200).
+            widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
+            return x, self.mlp(h, terms=True, widened=widened)
+        h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 
     @staticmethod
@@ -70,16 +74,20 @@ class DecoderLayer(nn.Module):
         """A layer's pending MLP output as [T, D]: its terms summed where it holds them."""
         return pending.sum(1) if pending.dim() == 3 else pending
 
-    def _add_norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor,
+                  widened: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta), the sum rounded to x's dtype before the norm reads it;
-        ``delta`` [T, D], or [T, J, D] terms summed first."""
+        ``delta`` [T, D], or [T, J, D] terms summed first; ``widened``: a float32 [T, D] that
+        also receives the normed output as float32."""
         if self.kernels:
             from ..kernels import add_rms_norm  # needs triton: only with kernels
 
-            return add_rms_norm(delta, x, norm.weight, norm.eps)
+            return add_rms_norm(delta, x, norm.weight, norm.eps, normed_float=widened)
         x = x + self.settle(delta)
-        return norm(x), x
+        h = norm(x)
+        if widened is not None:
+            widened.copy_(h)
+        return h, x
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self._summed(self.mlp(self.post_attention_layernorm(x)))

@@ -199,10 +199,13 @@ class MoE(nn.Module):
 
         return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
-    def forward(self, x: torch.Tensor, terms: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, terms: bool = False,
+                widened: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output [T, D]; ``terms``: where the fused kernel runs with the shared MLP
         folded in, its terms [T, J, D] instead (each assignment's weighted expert output, J =
-        top-k + shared widths), which sum to the output (the caller sums them)."""
+        top-k + shared widths), which sum to the output (the caller sums them). ``widened``:
+        ``x.float()``, already computed (the router reads it instead of casting x)."""
+        routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         # FP8 experts take the kernel at every size: the torch path would dequantize every
@@ -214,13 +217,13 @@ class MoE(nn.Module):
             # tensor-parallel share: it runs on its own.
             shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
-            weights, ids = self.gate(x, shared=count)
+            weights, ids = self.gate(routed_input, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
                                 scales=self.expert_scales(), first=self.expert_first,
                                 routed=self.gate.experts, summed=not terms or shared is None)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(routed_input)
         out = grouped_experts(x, *self.dense_experts(x.dtype), weights, ids,
                               first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out

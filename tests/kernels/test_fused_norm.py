@@ -102,8 +102,10 @@ def test_add_rms_norm_matches_torch(tokens: int, dim: int, weight_dtype: torch.d
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5, generator=gen)
     norm = norm.to(device=DEVICE, dtype=weight_dtype or dtype)  # a float32 weight: rounded first
-    normed, summed = add_rms_norm(delta, residual, norm.weight, norm.eps)
+    widened = torch.full((tokens, dim), float("nan"), device=DEVICE)
+    normed, summed = add_rms_norm(delta, residual, norm.weight, norm.eps, normed_float=widened)
     assert normed.is_contiguous() and summed.is_contiguous()
+    assert torch.equal(widened, normed.float())  # the router's input, the same values widened
     # The torch path: the add, then the norm.
     want_summed = residual + delta
     assert torch.equal(summed, want_summed)
@@ -257,6 +259,10 @@ def test_bad_arguments_raise() -> None:
         add_rms_norm(t(2, 96), t(2, 96), t(64), 1e-6)
     with pytest.raises(ValueError, match="hidden size"):
         add_rms_norm(t(1, 20000), t(1, 20000), t(20000), 1e-6)
+    with pytest.raises(ValueError, match="normed_float"):
+        add_rms_norm(t(2, 96), t(2, 96), t(96), 1e-6, normed_float=t(2, 96, dtype=torch.float16))
+    with pytest.raises(ValueError, match="normed_float"):
+        add_rms_norm(t(2, 96), t(2, 96), t(96), 1e-6, normed_float=t(96, 2).T)
     slots = torch.arange(3, device=DEVICE)
     good = dict(kv_a=t(3, 48), norm_weight=t(32), eps=1e-6, cis=t(3, 8, 2), interleaved=True,
                 ckv=t(8, 32), kr=t(8, 16), ckv_slots=slots, kr_slots=slots)
