@@ -523,18 +523,34 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
              "Tokens/s per run, then the latest run's step time and its ratio to the floor "
              "(targets: ≤ 1.5× at every cell, ≥ 5,000 tok/s at batch 64, 4K):", ""]
     by_run = [{(c["context"], c["batch"]): c for c in run["result"]["cells"]} for run in runs]
+    launch = latest.get("launch_us")  # runs before it did not count kernels
     rows = []
     for c in latest["cells"]:
         key = (c["context"], c["batch"])
+        counted = []
+        if launch is not None:
+            # The bytes' floor plus every kernel's least device time: what a step of this many
+            # launches could reach if each kernel moved its bytes at the copy bandwidth.
+            with_launches = c["floor_ms"] + c["kernels_per_step"] * launch / 1e3
+            counted = [f"{c['kernels_per_step']:.0f}", f"{with_launches:.2f}",
+                       f"{c['step_ms'] / with_launches:.2f}"]
         rows.append([_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
                      *[f"{cells[key]['tokens_per_s']:,.0f}" if key in cells else ""
                        for cells in by_run],
-                     f"{c['step_ms']:.1f}", f"{c['step_over_floor']:.2f}",
+                     f"{c['step_ms']:.1f}", f"{c['step_over_floor']:.2f}", *counted,
                      f"{c['experts_touched_per_layer']:.1f}"])
+    counted_heads: tuple[str, ...] = ()
+    if launch is not None:
+        lines += [f"The latest run also counted each step's device kernels; a kernel that stores "
+                  f"one value, replayed back to back from a CUDA graph, takes {launch:.2f} µs of "
+                  f"device time, the least any kernel of a step costs. *floor + launches* = the "
+                  f"floor plus kernels × that: the step a launch-per-operation design could "
+                  f"reach with every kernel at the copy bandwidth.", ""]
+        counted_heads = ("kernels / step", "floor + launches (ms)", "step / (floor + launches)")
     lines += _table(("context", "batch", "floor (ms)",
                      *[f"tok/s {run['label']}" for run in runs],
-                     f"step {runs[-1]['label']} (ms)", "step / floor", "experts touched per layer"),
-                    rows)
+                     f"step {runs[-1]['label']} (ms)", "step / floor", *counted_heads,
+                     "experts touched per layer"), rows)
     return lines
 
 

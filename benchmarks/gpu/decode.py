@@ -13,6 +13,11 @@ routed experts and the embedding table, the routed experts the batch's tokens to
 layer on one extra step by a hook on each router), one embedding row per token, and every
 request's KV rows (c_KV and k_r, every layer).
 
+A second figure says what a step of many small kernels cannot go below: the device kernels one
+step runs (counted by torch.profiler over a few steps, graph replays included) times the device
+time of the smallest kernel, one that stores a single value, replayed back to back from a CUDA
+graph (:func:`launch_us`) — a small step's kernels each pay that ramp, whatever their bytes.
+
     python benchmarks/gpu/decode.py --out docs/results/gpu-decode.json
     python benchmarks/gpu/decode.py --batches 64 --contexts 4096 --profile 64 4096 --out F
     python benchmarks/gpu/decode.py --device cpu --tiny --batches 1 2 --contexts 64 --out F
@@ -161,6 +166,7 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
     profile_table = None
     if profile:
         profile_table = _profile(device, scheduler)
+    kernels = kernels_per_step(device, scheduler) if device.startswith("cuda") else None
     scheduler.check()
     always, expert, embedding = weight_bytes(model)
     moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
@@ -172,10 +178,55 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
            "tokens_per_s": batch / step, "floor_ms": 1e3 * floor, "step_over_floor": step / floor,
            "bytes": {"weights": always, "experts": int(moe_layers * touched * expert),
                      "kv": kv, "embedding": batch * embedding},
-           "experts_touched_per_layer": touched, "steps": steps}
+           "experts_touched_per_layer": touched, "steps": steps, "kernels_per_step": kernels}
     if profile_table is not None:
         out["profile"] = profile_table
     return out
+
+
+def launch_us(device: str, kernels: int = 256, replays: int = 20) -> float:
+    """Device µs per kernel of a CUDA graph of ``kernels`` launches of a kernel that stores one
+    value: the least any kernel of a replayed step costs (median of ``replays``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _one(X):
+        tl.store(X, 1.0)
+
+    x = torch.zeros(1, device=device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):  # compiled and run once before capture, as capture needs
+        _one[(1,)](x)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            _one[(1,)](x)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / kernels)
+    return statistics.median(times)
+
+
+def kernels_per_step(device: str, scheduler: Scheduler, steps: int = 3) -> float:
+    """Device kernels one step runs (mean over ``steps``; copies and memsets not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            scheduler.step()
+        sync(device)
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / steps
 
 
 def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
@@ -210,6 +261,9 @@ def main() -> None:
     copy_gbps = roofline.copy_bandwidth(args.device)
     results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
                                "cells": []}
+    if args.device.startswith("cuda"):
+        results["launch_us"] = launch_us(args.device)
+        print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)
     for context in args.contexts:
         for batch in args.batches:
             profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
@@ -219,7 +273,8 @@ def main() -> None:
             print(f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
                   f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "
                   f"step/floor {cell['step_over_floor']:5.2f}  experts/layer "
-                  f"{cell['experts_touched_per_layer']:.1f}", flush=True)
+                  f"{cell['experts_touched_per_layer']:.1f}  kernels/step "
+                  f"{cell['kernels_per_step'] or 0:.0f}", flush=True)
             if "profile" in cell:
                 print(cell["profile"], flush=True)
             with open(args.out, "w", encoding="utf-8") as f:
