@@ -136,7 +136,10 @@ def test_add_rms_norm_sums_terms_as_torch(tokens: int, terms: int, dim: int,
     norm = norm.to(device=DEVICE, dtype=dtype)
     normed, summed = add_rms_norm(delta, residual, norm.weight, norm.eps)
     want_summed = residual + delta.sum(1)
-    assert torch.equal(summed, want_summed)
+    if dtype == torch.bfloat16:  # both sum in float32 and round once: the same bf16 values
+        assert torch.equal(summed, want_summed)
+    else:  # float32 sums in another order (a CUDA reduction's tree) differ in the last bits
+        torch.testing.assert_close(summed, want_summed, rtol=1e-6, atol=1e-6)
     with torch.no_grad():
         check(normed, norm(want_summed))
     # The sum by hand: float64 over the terms, rounded to the dtype, then the add rounded
