@@ -7,9 +7,12 @@ one whose runner copies it unrotated (naive reuse). ``seen`` is prefilled into b
 content is registered; ``moved`` is then recomputed from scratch by a third engine that reuses
 nothing (the reference: greedy for ``tokens`` tokens, on the same kernels, so the figures
 measure reuse and not kernel rounding) and served by each live engine, teacher-forced along the
-reference. The engines are built by ``open_engine`` (:class:`~irminsul.engine.Engine`, or
-tensor parallel's leader, whose engines run on every rank's shard). The figures are means over
-the probes whose moved content PIC served:
+reference. A probe's ``follow_up`` is served the same way after ``moved``, as a result of its
+own (kind ``second_turn``): each live engine serves it moved's rows as a derived prefix — its
+own PIC rows, or naive reuse's — so it measures what a second turn inherits. The engines are
+built by ``open_engine`` (:class:`~irminsul.engine.Engine`, or tensor parallel's leader, whose
+engines run on every rank's shard). The figures are means over the results whose prompt reused
+content (PIC tokens, or a derived prefix):
 
     kl_pic, kl_naive     KL(p_full || p_x) per continuation token, nats
     argmax               share of steps where PIC's argmax is the reference's token
@@ -59,18 +62,27 @@ class ProbeResult:
     name: str
     kind: str
     prompt_tokens: int
-    pic_tokens: int  # prompt tokens PIC served from the registry (0: the probe measured nothing)
+    pic_tokens: int  # prompt tokens PIC served from the registry
     kl_pic: float
     kl_naive: float
     argmax_pic: float
     argmax_naive: float
     first_divergence_pic: int
     first_divergence_naive: int
+    # Prompt tokens served as a derived prefix (rows an earlier turn computed over reused
+    # content); with pic_tokens 0 as well the result measured no reuse.
+    derived_tokens: int = 0
+
+    @property
+    def reused(self) -> bool:
+        """Whether this prompt was served any reused content (the verdict's means are over
+        these)."""
+        return self.pic_tokens > 0 or self.derived_tokens > 0
 
 
 @dataclass(frozen=True)
 class GateResult:
-    """The gate's figures (means over the probes PIC served), its verdict and why."""
+    """The gate's figures (means over the results that reused content), its verdict and why."""
 
     checkpoint: str  # checkpoint_hash of the model directory
     passed: bool
@@ -102,14 +114,14 @@ def judge(checkpoint: str, probes: tuple[ProbeResult, ...], config: GateConfig, 
     """The verdict on a measurement under ``config``'s thresholds, checked in this order: PIC
     served some probe, KL(full||PIC) <= max_kl, KL(full||PIC) < KL(full||naive) (with
     below_naive), argmax match >= min_argmax. NaN figures fail every check."""
-    served = [p for p in probes if p.pic_tokens > 0]
+    served = [p for p in probes if p.reused]
 
     def mean(field: str) -> float:
         return float(np.mean([getattr(p, field) for p in served])) if served else math.nan
 
     kl_pic, kl_naive, argmax = mean("kl_pic"), mean("kl_naive"), mean("argmax_pic")
     if not served:
-        refusal = (f"PIC served none of the {len(probes)} probes' moved content: there is "
+        refusal = (f"PIC served none of the {len(probes)} probes' reused content: there is "
                    "nothing to vouch for")
     elif not kl_pic <= config.max_kl:
         refusal = f"KL(full||PIC) {kl_pic:.3g} exceeds the threshold {config.max_kl:g}"
@@ -131,22 +143,30 @@ def judge(checkpoint: str, probes: tuple[ProbeResult, ...], config: GateConfig, 
                       mean("first_divergence_naive"), config.tokens, thresholds, probes, cached)
 
 
+ProbePrompts = tuple[Prompt, Prompt, Prompt | None]  # seen, moved, follow-up (or None)
+
+
 def render_probes(model: MLAModel, renderer: ChatRenderer, probes: list[Probe],
-                  tokens: int) -> list[tuple[Prompt, Prompt]]:
-    """Each probe's (seen, moved) prompts in the checkpoint's own rendering; GateError if they
-    do not fit the model."""
+                  tokens: int) -> list[ProbePrompts]:
+    """Each probe's (seen, moved, follow-up or None) prompts in the checkpoint's own rendering;
+    GateError if they do not fit the model."""
     cfg = model.config
+    requests = [r for p in probes for r in (p.seen, p.moved, p.follow_up) if r is not None]
     try:
-        rendered = render_prompts(renderer, [r for p in probes for r in (p.seen, p.moved)],
-                                  cfg.vocab_size)
+        rendered = iter(render_prompts(renderer, requests, cfg.vocab_size))
     except ValueError as err:
         raise GateError(str(err)) from err
-    for source, prompt in rendered:
-        if prompt.size + tokens > cfg.max_position_embeddings:
-            raise GateError(f"{source}: {prompt.size} tokens + {tokens} exceed the model's "
-                            f"context of {cfg.max_position_embeddings}")
-    prompts = [p for _, p in rendered]
-    return list(zip(prompts[::2], prompts[1::2]))
+    out = []
+    for probe in probes:
+        parts = [next(rendered) for r in (probe.seen, probe.moved, probe.follow_up)
+                 if r is not None]
+        for source, prompt in parts:
+            if prompt.size + tokens > cfg.max_position_embeddings:
+                raise GateError(f"{source}: {prompt.size} tokens + {tokens} exceed the model's "
+                                f"context of {cfg.max_position_embeddings}")
+        prompts = [p for _, p in parts]
+        out.append((prompts[0], prompts[1], prompts[2] if len(prompts) > 2 else None))
+    return out
 
 
 def reference(engine: Engine, prompt: Prompt, tokens: int,
@@ -167,7 +187,7 @@ def reference(engine: Engine, prompt: Prompt, tokens: int,
     return continuation, torch.stack(steps)
 
 
-def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Prompt]], *,
+def measure(model: MLAModel, probes: list[Probe], prompts: list[ProbePrompts], *,
             tokens: int, engine: EngineConfig | None = None,
             runner: type[ModelRunner] = ModelRunner,
             open_engine: EngineFactory = Engine) -> tuple[ProbeResult, ...]:
@@ -177,7 +197,7 @@ def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Pr
     # A request allocates at most its prompt and 2(N-1) decoded tokens: the sum over the probes
     # is more than an engine ever holds, so nothing is evicted. CUDA graphs replay the same
     # kernels as eager launches; capturing them for throwaway engines is not worth it.
-    slots = sum(p.size + 2 * tokens for pair in prompts for p in pair)
+    slots = sum(p.size + 2 * tokens for parts in prompts for p in parts if p is not None)
     config = dataclasses.replace(engine or EngineConfig(), mode="live", slots=slots,
                                  kr_slots=None, graphs=False)
     results = []
@@ -190,24 +210,29 @@ def measure(model: MLAModel, probes: list[Probe], prompts: list[tuple[Prompt, Pr
 
         full = opening("off", ModelRunner)
         engines = {"pic": opening("live", runner), "naive": opening("live", NaiveReuseRunner)}
-        for number, (probe, (seen, moved)) in enumerate(zip(probes, prompts), 1):
+        for number, (probe, (seen, moved, follow_up)) in enumerate(zip(probes, prompts), 1):
             for eng in engines.values():  # registers seen's content in both engines
                 seq, _ = eng.prefill(seen.tokens, seen.resets)
                 eng.finish(seq)
-            continuation, full_logits = reference(full, moved, tokens, namespace=number)
-            row = {path: serve(eng, moved, continuation, full_logits)
-                   for path, eng in engines.items()}
-            results.append(ProbeResult(
-                probe.name, probe.kind, moved.size, row["pic"]["pic_tokens"],
-                row["pic"]["kl"], row["naive"]["kl"], row["pic"]["argmax"],
-                row["naive"]["argmax"], row["pic"]["first_divergence"],
-                row["naive"]["first_divergence"]))
+            turns = [(probe.name, probe.kind, moved)]
+            if follow_up is not None:  # after moved, whose rows it is served
+                turns.append((f"{probe.name}, second turn", "second_turn", follow_up))
+            for turn, (name, kind, prompt) in enumerate(turns):
+                continuation, full_logits = reference(full, prompt, tokens,
+                                                      namespace=2 * number + turn)
+                row = {path: serve(eng, prompt, continuation, full_logits)
+                       for path, eng in engines.items()}
+                results.append(ProbeResult(
+                    name, kind, prompt.size, row["pic"]["pic_tokens"], row["pic"]["kl"],
+                    row["naive"]["kl"], row["pic"]["argmax"], row["naive"]["argmax"],
+                    row["pic"]["first_divergence"], row["naive"]["first_divergence"],
+                    row["pic"]["derived_prefix_tokens"]))
         for eng in (full, *engines.values()):
             eng.check()  # the gate doubles as a check of the slot accounting
     return tuple(results)
 
 
-def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]], tokens: int,
+def _key(checkpoint: str, model: MLAModel, prompts: list[ProbePrompts], tokens: int,
          engine: EngineConfig | None, runner: type[ModelRunner]) -> dict[str, Any]:
     """What a measurement depends on besides the checkpoint: the probes as this checkpoint's
     tokenizer renders them, the continuation length, where and how the model runs (the shard
@@ -216,7 +241,7 @@ def _key(checkpoint: str, model: MLAModel, prompts: list[tuple[Prompt, Prompt]],
     engine = engine or EngineConfig()
     weight = model.lm_head.weight
     digest = hashlib.sha256()
-    for prompt in (p for pair in prompts for p in pair):
+    for prompt in (p for parts in prompts for p in parts if p is not None):
         digest.update(prompt.tokens.astype("<u4").tobytes() + b"|")
         digest.update(prompt.resets.astype("<u4").tobytes() + b";")
     kernels, _ = resolve_backend(model, engine.kernels, False)

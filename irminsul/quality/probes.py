@@ -12,6 +12,12 @@ shifts agents cause most often:
     rewritten_tool_result  an earlier tool result compacted, so everything after it moves back
                            (δ < 0)
 
+Two probes also carry a ``follow_up``: the next turn of the moved conversation (a reply and the
+user's next message after it), served after ``moved``. Its prefix is moved's own rows, which an
+exact-prefix match serves — but rows computed over reused content (a *derived* prefix): the
+error a second turn inherits from the first turn's reuse, which the moved requests alone never
+show.
+
 Everything is cut deterministically from the shipped samples (irminsul/data/samples, MIT; their
 license notices are kept beside them there) by session, message index and character count, plus
 a few header lines of the kind an assembler adds. Nothing here depends on a tokenizer: the probes
@@ -37,12 +43,14 @@ TAU_SESSION, SWE_SESSION = "task0-trial0", "django__django-14765"
 
 @dataclass(frozen=True)
 class Probe:
-    """Two requests served in order: ``moved`` re-sends ``seen``'s content at other positions."""
+    """Two requests served in order: ``moved`` re-sends ``seen``'s content at other positions;
+    ``follow_up``, where there is one, is moved's conversation one turn on, served after it."""
 
     name: str
     kind: ProbeKind
     seen: Request
     moved: Request
+    follow_up: Request | None = None
 
 
 def _longest_call(requests: list[Request], session: str) -> list[dict]:
@@ -72,12 +80,18 @@ def _compacted(text: str) -> str:
 
 
 def _request(name: str, part: str, messages: list[dict]) -> Request:
-    return Request(session=f"gate-{name}", call=0 if part == "seen" else 1, messages=messages,
-                   tools=None, source=f"probe {name} ({part})")
+    call = {"seen": 0, "moved": 1, "follow-up": 2}[part]
+    return Request(session=f"gate-{name}", call=call, messages=messages, tools=None,
+                   source=f"probe {name} ({part})")
 
 
-def _probe(name: str, kind: ProbeKind, seen: list[dict], moved: list[dict]) -> Probe:
-    return Probe(name, kind, _request(name, "seen", seen), _request(name, "moved", moved))
+def _probe(name: str, kind: ProbeKind, seen: list[dict], moved: list[dict],
+           next_turn: list[dict] | None = None) -> Probe:
+    """A probe; ``next_turn``: the messages its follow-up adds after moved's."""
+    follow_up = None if next_turn is None else _request(name, "follow-up",
+                                                        copy.deepcopy(moved) + next_turn)
+    return Probe(name, kind, _request(name, "seen", seen), _request(name, "moved", moved),
+                 follow_up)
 
 
 def gate_probes() -> list[Probe]:
@@ -107,7 +121,9 @@ def gate_probes() -> list[Probe]:
          _message("user", "Which file has to change? Answer with its path.")],
         [_message("system", swe_system),
          _message("user", intro + "\n\n".join([outputs[2], outputs[1], outputs[0]])),
-         _message("user", "Which file has to change? Answer with its path.")]))
+         _message("user", "Which file has to change? Answer with its path.")],
+        [_message("assistant", _cut(swe[10]["content"], 400)),
+         _message("user", "Which function in that file has to change? Answer with its name.")]))
 
     # changed_header: a per-agent header line before the shared system prompt and conversation,
     # short in one request and long (a persona paragraph) in the other.
@@ -131,8 +147,11 @@ def gate_probes() -> list[Probe]:
     conversation = [system, *tau[1:7], _message("tool", records[0]), *tau[8:12]]
     compacted = copy.deepcopy(conversation)
     compacted[7]["content"] = _compacted(records[0])
+    # Its next turn, as the log goes on: a tool call, its result, the reply, the user's answer.
+    next_turn = [*copy.deepcopy(tau[12:13]), _message("tool", _cut(tau[13]["content"], 700)),
+                 _message("assistant", _cut(tau[14]["content"], 400)), *copy.deepcopy(tau[15:16])]
     probes.append(_probe("tau-tool-result-compacted", "rewritten_tool_result", conversation,
-                         compacted))
+                         compacted, next_turn))
     session = [_message("system", swe_system), _message("user", issue), *swe[2:5],
                _message("user", outputs[0]), _message("assistant", _cut(swe[6]["content"], 500)),
                *swe[7:11]]

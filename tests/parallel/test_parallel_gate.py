@@ -61,8 +61,9 @@ def test_the_gate_runs_on_the_shards_and_measures_what_one_process_does(tmp_path
     tp = leader["result"]
     assert tp.passed and one.passed, (tp.reason, one.reason)
     for a, b in zip(tp.probes, one.probes, strict=True):
-        assert (a.name, a.prompt_tokens, a.pic_tokens) == (b.name, b.prompt_tokens, b.pic_tokens)
-        assert a.pic_tokens > 0
+        assert ((a.name, a.prompt_tokens, a.pic_tokens, a.derived_tokens)
+                == (b.name, b.prompt_tokens, b.pic_tokens, b.derived_tokens))
+        assert a.reused
         # The ranks sum partial outputs in another order than one process: rounding only.
         assert a.kl_pic == pytest.approx(b.kl_pic, rel=1e-3, abs=1e-7)
         assert a.kl_naive == pytest.approx(b.kl_naive, rel=1e-3, abs=1e-7)

@@ -22,7 +22,7 @@ from irminsul.model import load_model
 from irminsul.model.default import default_model_dir
 from irminsul.quality import GateResult, gate_probes, judge
 from irminsul.quality import gate as gate_module
-from irminsul.traffic.prompt import render_prompt
+from irminsul.traffic.prompt import Prompt, render_prompt
 from irminsul.traffic.render import ChatRenderer
 
 
@@ -37,7 +37,9 @@ class WrongSignRunner(ModelRunner):
 def test_the_default_model_passes(default_result: GateResult, gate_config: GateConfig) -> None:
     r = default_result
     assert r.passed, r.reason
-    assert not r.cached and len(r.probes) == len(gate_probes())
+    probes = gate_probes()
+    assert not r.cached and len(r.probes) == len(probes) + sum(
+        p.follow_up is not None for p in probes)
     assert 0 <= r.kl_pic <= gate_config.max_kl and r.argmax >= gate_config.min_argmax
     # The rotation is what makes reuse safe here: naive reuse is far worse on the same probes.
     assert r.kl_naive > 10 * r.kl_pic and r.argmax_naive < r.argmax
@@ -50,8 +52,63 @@ def test_every_probe_is_served_by_pic_past_the_carve_out(default_result: GateRes
     # A probe PIC serves nothing of measures nothing. Reuse starts at or past the carve-out
     # (position 32) by construction, so every token counted here is position-independent reuse.
     for probe in default_result.probes:
+        if probe.kind == "second_turn":  # served through its first turn's rows
+            continue
         assert probe.pic_tokens >= 128, probe
         assert probe.pic_tokens < probe.prompt_tokens
+
+
+def test_a_second_turn_is_served_its_first_turns_reused_rows(default_result: GateResult,
+                                                            gate_config: GateConfig) -> None:
+    """Each follow-up is served its moved request's rows from the first reused position on as
+    a derived prefix (never as exact prefix). Gated on its own probe (fresh engines: only that
+    probe's turns cached), its figures match an independent computation: the reference by whole
+    forwards from position 0, the served logits from a fresh engine that served the probe's two
+    earlier turns, KL by torch's kl_div."""
+    model_dir = default_model_dir()
+    model, renderer = load_model(model_dir), ChatRenderer.from_dir(model_dir)
+    tokens = default_result.tokens
+    in_set = {p.name: p for p in default_result.probes}
+    probes = [p for p in gate_probes() if p.follow_up is not None]
+    assert len(probes) == 2
+    for probe in probes:
+        assert in_set[f"{probe.name}, second turn"].derived_tokens >= 128
+        alone = gate_of(model_dir, gate_config, probes=[probe])
+        first, second = alone.probes
+        assert second.name == f"{probe.name}, second turn" and second.kind == "second_turn"
+        seen, moved, follow = (render_prompt(renderer, r.messages, r.tools)
+                               for r in (probe.seen, probe.moved, probe.follow_up))
+        assert second.prompt_tokens == follow.size and second.derived_tokens >= 128
+        # The derived stretch starts where moved's first reused row does, or before it.
+        assert second.derived_tokens >= first.pic_tokens
+
+        def greedy(prompt: Prompt) -> tuple[list[int], torch.Tensor]:
+            """Its continuation and the logits predicting each token, by whole forwards."""
+            ids = torch.from_numpy(prompt.tokens.astype(np.int64))
+            continuation: list[int] = []
+            for _ in range(tokens):
+                step = torch.cat([ids, torch.tensor(continuation, dtype=torch.int64)])
+                continuation.append(int(model.logits(step)[-1].argmax()))
+            at = prompt.size - 1
+            return continuation, model.logits(torch.cat([ids, torch.tensor(continuation[:-1])]))[at:]
+
+        # The fresh engine serves the earlier turns as the gate does: seen, then moved with its
+        # reference continuation teacher-forced (its rows are cached with moved's).
+        engine = Engine(model, EngineConfig(mode="live", slots=8192))
+        seq, _ = engine.prefill(seen.tokens, seen.resets)
+        engine.finish(seq)
+        seq, _ = engine.prefill(moved.tokens, moved.resets)
+        engine.extend(seq, greedy(moved)[0][:-1])
+        engine.finish(seq)
+        continuation, full = greedy(follow)
+        seq, first_logits = engine.prefill(follow.tokens, follow.resets)
+        assert seq.stats.derived_prefix_tokens == second.derived_tokens
+        served = torch.cat([first_logits[None], engine.extend(seq, continuation[:-1])])
+        kl = torch.nn.functional.kl_div(torch.log_softmax(served.double(), -1),
+                                        torch.log_softmax(full.double(), -1), log_target=True,
+                                        reduction="none").sum(-1).mean()
+        assert second.kl_pic == pytest.approx(float(kl), rel=1e-2, abs=1e-7)
+        assert second.kl_naive > second.kl_pic  # naive reuse's error is inherited too
 
 
 def test_a_probes_figures_match_an_independent_computation(default_result: GateResult) -> None:
@@ -159,7 +216,7 @@ def test_cli_passes_the_default_model(default_result: GateResult, gate_config: G
     data = json.loads(out.read_text())
     assert data["passed"] and data["checkpoint"] == default_result.checkpoint
     assert data["kl_pic"] == pytest.approx(default_result.kl_pic)
-    assert [p["name"] for p in data["probes"]] == [p.name for p in gate_probes()]
+    assert [p["name"] for p in data["probes"]] == [p.name for p in default_result.probes]
 
 
 def test_cli_refuses_the_unsafe_checkpoint(unsafe_dir: Path, gate_config: GateConfig,

@@ -35,3 +35,17 @@ def test_moved_content_is_not_an_exact_prefix() -> None:
                       min(seen.size, moved.size))
         assert common < moved.size - 300, probe.name
         assert 400 <= moved.size <= 1200 and seen.size <= 1200, probe.name
+
+
+def test_a_follow_up_is_its_moved_conversation_one_turn_on() -> None:
+    """Two probes carry a follow-up: moved's messages, then the next turn's. Rendered, it starts
+    with moved's whole prompt (so an engine serves it moved's rows) and adds a turn of its own."""
+    renderer = ChatRenderer.from_dir(default_model_dir())
+    with_follow_up = [p for p in gate_probes() if p.follow_up is not None]
+    assert {p.kind for p in with_follow_up} == {"moved_document", "rewritten_tool_result"}
+    for probe in with_follow_up:
+        assert probe.follow_up.messages[:len(probe.moved.messages)] == probe.moved.messages
+        moved, follow = (render_prompt(renderer, r.messages, r.tools).tokens
+                         for r in (probe.moved, probe.follow_up))
+        assert (follow[:moved.size] == moved).all(), probe.name
+        assert moved.size + 100 <= follow.size <= 1600, probe.name

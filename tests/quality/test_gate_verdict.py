@@ -3,6 +3,7 @@ NaN or an empty measurement never passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -41,6 +42,20 @@ def test_figures_are_means_over_the_probes_pic_served() -> None:
 def test_refusals(probes: tuple[ProbeResult, ...], words: str) -> None:
     result = judge("c", probes, CONFIG)
     assert not result.passed and words in result.reason
+
+
+def test_a_second_turn_served_only_a_derived_prefix_counts() -> None:
+    """A follow-up that PIC served nothing from the registry but its first turn's reused rows
+    (a derived prefix) measured reuse: its figures enter the means, and alone it is judged."""
+    second = dataclasses.replace(probe(kl_pic=0.03, kl_naive=0.5, pic_tokens=0),
+                                 kind="second_turn", derived_tokens=400)
+    result = judge("c", (probe(1e-3, 0.2, 1.0), second), CONFIG)
+    assert result.kl_pic == pytest.approx(0.0155) and result.kl_naive == pytest.approx(0.35)
+    alone = judge("c", (second,), CONFIG)
+    assert not alone.passed and "exceeds the threshold 0.02" in alone.reason
+    # Without the derived rows it measured nothing, and is left out of the means.
+    nothing = dataclasses.replace(second, derived_tokens=0)
+    assert judge("c", (probe(1e-3, 0.2, 1.0), nothing), CONFIG).kl_pic == pytest.approx(1e-3)
 
 
 def test_the_kl_threshold_is_checked_before_below_naive() -> None:
