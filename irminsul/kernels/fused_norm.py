@@ -109,9 +109,9 @@ def _rotate_pairs(SRC, src_col, DST, dst_col, pairs, ok, cos, sin, STEP: tl.cons
 
 
 @triton.jit
-def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE, Q_OUT, heads,
-                         kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1,
-                         q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, eps,
+def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE, Q_OUT,
+                         q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, heads,
+                         kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
                          RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
                          HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
                          QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr):
@@ -244,29 +244,27 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
                              f"int32) ({tokens},)")
     _check_cis(cis, tokens, rope)
     _check_devices(kv_a, norm_weight, cis, ckv, kr, ckv_slots, kr_slots)
-    query = q_rope is not None
-    if query != (q_out is not None):
+    if (q_rope is None) != (q_out is None):
         raise ValueError("q_rope and q_out go together: pass both or neither")
-    heads = 0
+    # Without a query the kernel skips that part (QUERY off): kv_a stands in for its pointers.
+    heads, query_args = 0, (kv_a, kv_a, *(0,) * 6)
     if q_rope is not None and q_out is not None:
-        heads = q_rope.shape[1] if q_rope.dim() == 3 else -1
-        if q_rope.shape != q_out.shape or q_rope.shape != (tokens, heads, rope):
+        if q_rope.dim() != 3 or q_rope.shape != q_out.shape or q_rope.shape[::2] != (tokens, rope):
             raise ValueError(f"q_rope {tuple(q_rope.shape)} and q_out {tuple(q_out.shape)} must "
                              f"both be [T={tokens}, H, rope={rope}]")
         if not (q_rope.dtype.is_floating_point and q_out.dtype.is_floating_point):
             raise ValueError(f"q_rope ({q_rope.dtype}) and q_out ({q_out.dtype}) must be "
                              "floating point")
         _check_devices(kv_a, q_rope, q_out)
+        heads, query_args = q_rope.shape[1], (q_rope, q_out, *q_rope.stride(), *q_out.stride())
     if tokens == 0:
         return
     step, shift = pair_layout(rope, interleaved)
-    q_strides = (*q_rope.stride(), *q_out.stride()) if q_rope is not None and q_out is not None \
-        else (0,) * 6
     _store_latent_kernel[(tokens,)](
         kv_a, norm_weight.contiguous(), cis, ckv, kr, ckv_slots.contiguous(),
-        kr_slots.contiguous(), q_rope if query else kv_a, q_out if query else kv_a, heads,
-        *kv_a.stride(), *cis.stride(), *ckv.stride(), *kr.stride(), *q_strides, eps,
+        kr_slots.contiguous(), *query_args, heads, *kv_a.stride(), *cis.stride(),
+        *ckv.stride(), *kr.stride(), eps,
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
-        HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=query,
+        HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=heads > 0,
         HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
         num_warps=4 if rank <= 1024 else 8)
