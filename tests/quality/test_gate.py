@@ -18,7 +18,7 @@ from irminsul.cli import main
 from irminsul.config import EngineConfig, GateConfig
 from irminsul.engine import Engine, ModelRunner
 from irminsul.engine.batch import Reuse
-from irminsul.model import load_model
+from irminsul.model import MLAModel, load_model
 from irminsul.model.default import default_model_dir
 from irminsul.quality import GateResult, gate_probes, judge
 from irminsul.quality import gate as gate_module
@@ -32,6 +32,26 @@ class WrongSignRunner(ModelRunner):
 
     def rotate(self, reuse: Reuse) -> None:
         super().rotate(Reuse(reuse.src, reuse.dst, -reuse.deltas))
+
+
+def greedy_by_whole_forwards(model: MLAModel, prompt: Prompt, tokens: int
+                             ) -> tuple[list[int], torch.Tensor]:
+    """The reference, independent of the engine: ``prompt``'s greedy continuation of ``tokens``
+    tokens, each step a full forward from position 0, and the logits predicting each token."""
+    ids = torch.from_numpy(prompt.tokens.astype(np.int64))
+    continuation: list[int] = []
+    for _ in range(tokens):
+        step = torch.cat([ids, torch.tensor(continuation, dtype=torch.int64)])
+        continuation.append(int(model.logits(step)[-1].argmax()))
+    whole = torch.cat([ids, torch.tensor(continuation[:-1], dtype=torch.int64)])
+    return continuation, model.logits(whole)[prompt.size - 1:]
+
+
+def kl_per_token(served: torch.Tensor, full: torch.Tensor) -> float:
+    """Mean KL(full || served) per step, by torch's kl_div in float64."""
+    return float(torch.nn.functional.kl_div(
+        torch.log_softmax(served.double(), -1), torch.log_softmax(full.double(), -1),
+        log_target=True, reduction="none").sum(-1).mean())
 
 
 def test_the_default_model_passes(default_result: GateResult, gate_config: GateConfig) -> None:
@@ -82,32 +102,19 @@ def test_a_second_turn_is_served_its_first_turns_reused_rows(default_result: Gat
         # The derived stretch starts where moved's first reused row does, or before it.
         assert second.derived_tokens >= first.pic_tokens
 
-        def greedy(prompt: Prompt) -> tuple[list[int], torch.Tensor]:
-            """Its continuation and the logits predicting each token, by whole forwards."""
-            ids = torch.from_numpy(prompt.tokens.astype(np.int64))
-            continuation: list[int] = []
-            for _ in range(tokens):
-                step = torch.cat([ids, torch.tensor(continuation, dtype=torch.int64)])
-                continuation.append(int(model.logits(step)[-1].argmax()))
-            at = prompt.size - 1
-            return continuation, model.logits(torch.cat([ids, torch.tensor(continuation[:-1])]))[at:]
-
         # The fresh engine serves the earlier turns as the gate does: seen, then moved with its
         # reference continuation teacher-forced (its rows are cached with moved's).
         engine = Engine(model, EngineConfig(mode="live", slots=8192))
         seq, _ = engine.prefill(seen.tokens, seen.resets)
         engine.finish(seq)
         seq, _ = engine.prefill(moved.tokens, moved.resets)
-        engine.extend(seq, greedy(moved)[0][:-1])
+        engine.extend(seq, greedy_by_whole_forwards(model, moved, tokens)[0][:-1])
         engine.finish(seq)
-        continuation, full = greedy(follow)
+        continuation, full = greedy_by_whole_forwards(model, follow, tokens)
         seq, first_logits = engine.prefill(follow.tokens, follow.resets)
         assert seq.stats.derived_prefix_tokens == second.derived_tokens
         served = torch.cat([first_logits[None], engine.extend(seq, continuation[:-1])])
-        kl = torch.nn.functional.kl_div(torch.log_softmax(served.double(), -1),
-                                        torch.log_softmax(full.double(), -1), log_target=True,
-                                        reduction="none").sum(-1).mean()
-        assert second.kl_pic == pytest.approx(float(kl), rel=1e-2, abs=1e-7)
+        assert second.kl_pic == pytest.approx(kl_per_token(served, full), rel=1e-2, abs=1e-7)
         assert second.kl_naive > second.kl_pic  # naive reuse's error is inherited too
 
 
@@ -119,23 +126,15 @@ def test_a_probes_figures_match_an_independent_computation(default_result: GateR
     model, renderer = load_model(model_dir), ChatRenderer.from_dir(model_dir)
     probe, tokens = gate_probes()[0], default_result.tokens
     seen, moved = (render_prompt(renderer, r.messages, r.tools) for r in (probe.seen, probe.moved))
-    sequence = torch.from_numpy(moved.tokens.astype(np.int64))
-    continuation: list[int] = []
-    for _ in range(tokens):  # greedy, each step a full forward from position 0
-        ids = torch.cat([sequence, torch.tensor(continuation, dtype=torch.int64)])
-        continuation.append(int(model.logits(ids)[-1].argmax()))
-    full = model.logits(torch.cat([sequence, torch.tensor(continuation[:-1])]))[moved.size - 1:]
+    continuation, full = greedy_by_whole_forwards(model, moved, tokens)
     engine = Engine(model, EngineConfig(mode="live", slots=4096))
     seq, _ = engine.prefill(seen.tokens, seen.resets)
     engine.finish(seq)
     seq, first = engine.prefill(moved.tokens, moved.resets)
     pic = torch.cat([first[None], engine.extend(seq, continuation[:-1])])
-    kl = torch.nn.functional.kl_div(torch.log_softmax(pic.double(), -1),
-                                    torch.log_softmax(full.double(), -1), log_target=True,
-                                    reduction="none").sum(-1).mean()
     measured = default_result.probes[0]
     assert measured.name == probe.name and measured.pic_tokens == seq.stats.pic_tokens > 0
-    assert measured.kl_pic == pytest.approx(float(kl), rel=1e-2, abs=1e-7)
+    assert measured.kl_pic == pytest.approx(kl_per_token(pic, full), rel=1e-2, abs=1e-7)
     matches = (pic.argmax(-1) == torch.tensor(continuation)).double().mean()
     assert measured.argmax_pic == pytest.approx(float(matches))
 
