@@ -37,10 +37,6 @@ SDPA_ANY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 SDPA_NO_PLANS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 FLASH_DTYPES = (torch.bfloat16, torch.float16)  # the only dtypes flash attention takes
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps in the reference code, not rms_norm_eps
-# With kernels on, batches of up to this many tokens run the attention's plain (bf16, bias-free)
-# projections as the Triton GEMV (irminsul.kernels.gemv): cuBLAS's tiles leave most of an
-# H200's SMs idle at these sizes (benchmarks/gpu/gemv.py). 0: cuBLAS always.
-GEMV_MAX_TOKENS = 16
 
 
 def naive_from(config: MLAConfig) -> int:
@@ -230,20 +226,16 @@ class MLAttention(nn.Module):
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
         short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
         and stores the new latent rows and rotates the query's rope columns into the attention
-        query's buffer, whose latent part W_UK's product writes in place; W_UV writes the
-        o_proj's input layout directly; the same arithmetic as the torch ops they replace. Up to
-        :data:`GEMV_MAX_TOKENS` tokens the plain projections run as the Triton GEMV."""
+        query's buffer, whose latent part W_UK's bmm writes in place; W_UV writes the o_proj's
+        input layout directly; the same arithmetic as the torch ops they replace."""
         from ..kernels import paged_mla_attention, store_latent
-        from ..kernels.gemv import gemv
 
         tokens = x.shape[0]
-        small = tokens <= GEMV_MAX_TOKENS
         joint = self._joined()
         if joint is None:
             q, latent_in = self._projected(x), self.kv_a_proj_with_mqa(x)
         else:
-            plain = small and "weight_scale_inv" not in joint and joint["weight"].dtype == x.dtype
-            both = gemv(x, joint["weight"]) if plain else self._joint_projection(x, joint)
+            both = self._joint_projection(x, joint)
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
         cis = self.rotary.phasors(positions, x.device)
@@ -254,28 +246,15 @@ class MLAttention(nn.Module):
                      kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:])
         w_uk, w_uv = self._weights()
         # q̃ = W_UKᵀ q_nope per head, as _absorb computes it, written into the query's
-        # first rank columns ([H, T, rank] with a row stride of H·(rank + rope): cuBLAS and the
-        # GEMV take it as it is).
-        q_nope = q[..., :self.nope].transpose(0, 1)
-        absorbed = query[..., :self.rank].transpose(0, 1)
-        heads_small = small and w_uk.dtype == x.dtype
-        if heads_small:
-            gemv(q_nope, w_uk.transpose(1, 2), out=absorbed)
-        else:
-            torch.bmm(q_nope, w_uk, out=absorbed)
+        # first rank columns ([H, T, rank] with a row stride of H·(rank + rope): cuBLAS takes
+        # it as it is).
+        torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk,
+                  out=query[..., :self.rank].transpose(0, 1))
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale)
         out = x.new_empty(tokens, self.heads, self.v_dim)
-        if heads_small:
-            gemv(latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
-        else:
-            torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        out = out.view(tokens, self.heads * self.v_dim)
-        o_proj = self.o_proj
-        if (small and type(o_proj) is nn.Linear and o_proj.bias is None
-                and o_proj.weight.dtype == x.dtype):
-            return gemv(out, o_proj.weight)
-        return o_proj(out)
+        torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.view(tokens, self.heads * self.v_dim))
 
     def _attend_masked(self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:

@@ -323,25 +323,3 @@ def test_moe_kernel_against_its_floor_runs(tmp_path: Path) -> None:
         assert c["max_rel_diff"] < 1e-5
         assert all(c[k]["ms"] > 0 for k in ("grouped", "fused", "align"))
         assert sum(k.startswith("fused m") for k in c) >= 4  # the sweep's shapes
-
-
-def test_gemv_against_torch_and_floor_runs(tmp_path: Path) -> None:
-    """The projection benchmark on the tiny attention (float32, the GEMV under Triton's
-    interpreter): every projection at every token count timed both ways, the GEMV agreeing with
-    torch, the floor its weight's bytes (hand-counted from TINY's shapes)."""
-    results = _script("gemv", "--tokens", "1", "3", "--repeats", "1", "--calls", "1",
-                      tmp_path=tmp_path)
-    d, heads, rank = TINY["hidden_size"], TINY["num_attention_heads"], TINY["kv_lora_rank"]
-    nope, rope, v = TINY["qk_nope_head_dim"], TINY["qk_rope_head_dim"], TINY["v_head_dim"]
-    first = TINY["q_lora_rank"] or heads * (nope + rope)
-    weights = {"joint": (first + rank + rope) * d, "w_uk": heads * rank * nope,
-               "w_uv": heads * v * rank, "o_proj": d * heads * v}
-    if TINY["q_lora_rank"]:
-        weights["q_b_proj"] = heads * (nope + rope) * TINY["q_lora_rank"]
-    cells = results["cells"]
-    assert sorted({c["projection"] for c in cells}) == sorted(weights)
-    assert sorted(c["tokens"] for c in cells) == sorted([1, 3] * len(weights))
-    for c in cells:
-        assert c["weight_bytes"] == weights[c["projection"]] * 4
-        assert c["max_rel_diff"] < 1e-5
-        assert c["torch"]["ms"] > 0 and c["gemv"]["ms"] > 0
