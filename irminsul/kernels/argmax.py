@@ -15,11 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import pdl_args, wait_for_previous
+
 CHUNK = 4096  # vocabulary entries per program of the first launch (25 for DeepSeek's 102400)
 
 
 @triton.jit
-def _chunk_kernel(X, VAL, IDX, vocab, x_stride, chunks, CHUNK: tl.constexpr):
+def _chunk_kernel(X, VAL, IDX, vocab, x_stride, chunks, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = cols < vocab
@@ -36,7 +40,9 @@ def _chunk_kernel(X, VAL, IDX, vocab, x_stride, chunks, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _row_kernel(VAL, IDX, OUT, chunks, vocab, C_P2: tl.constexpr):
+def _row_kernel(VAL, IDX, OUT, chunks, vocab, C_P2: tl.constexpr,
+                PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, C_P2)
     ok = c < chunks
@@ -66,7 +72,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     val = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _chunk_kernel[(rows, chunks)](x, val, idx, vocab, x.stride(0), chunks, CHUNK=CHUNK,
-                                  num_warps=8)
+                                  **pdl_args(x.device), num_warps=8)
     _row_kernel[(rows,)](val, idx, out, chunks, vocab,
-                         C_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+                         C_P2=max(2, triton.next_power_of_2(chunks)), **pdl_args(x.device),
+                         num_warps=1)
     return out

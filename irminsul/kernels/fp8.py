@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..device import sm_count
 from .interpreter import interpreted
+from .launch import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -47,7 +48,9 @@ def _linear_kernel(X, W, S, BIAS, Y, M, N, K, K_SPLIT, x_stride, w_stride, s_str
                    HAS_BIAS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                    SCALE_VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_previous(PDL)
     """One [BLOCK_M, BLOCK_N] tile of y over K columns [pid_k · K_SPLIT, + K_SPLIT) ∩ [0, K).
     ``SPLIT``: the float32 partial goes to Y's slice ``pid_k`` ([splits, M, N], bias left to the
     sum); otherwise the tile is y itself, bias added, rounded once to Y's dtype."""
@@ -92,7 +95,9 @@ def _linear_kernel(X, W, S, BIAS, Y, M, N, K, K_SPLIT, x_stride, w_stride, s_str
 
 @triton.jit
 def _sum_splits_kernel(P, BIAS, Y, MN, N, SPLITS, HAS_BIAS: tl.constexpr,
-                       SPLIT_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                       SPLIT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_previous(PDL)
     """y = Σ_s P[s] (+ bias) over y's M·N elements as one flat run, the bias once and one
     rounding to Y's dtype. Splits load SPLIT_BLOCK at a time as one [SPLIT_BLOCK, BLOCK] tile;
     the order of the sum is fixed by the launch, so y is the same every call."""
@@ -195,7 +200,7 @@ def _sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, y: torch.Tens
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](
         partials, bias if bias is not None else y, y, m * n, n, splits,
         HAS_BIAS=bias is not None, SPLIT_BLOCK=split_block, BLOCK=block,
-        num_warps=8 if split_block > 1 else 4)
+        **pdl_args(y.device), num_warps=8 if split_block > 1 else 4)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -238,7 +243,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BR=br, BC=bc, SCALE_VEC=bc % bk == 0, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split.splits > 1, UPCAST=upcast,
-        PRECISION=precision, num_warps=warps, num_stages=stages)
+        PRECISION=precision, **pdl_args(x.device), num_warps=warps, num_stages=stages)
     if split.splits > 1:
         _sum_splits(out, bias, y)
     return y.reshape(*shape[:-1], n)

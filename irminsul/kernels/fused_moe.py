@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .fp8 import dequantize_tile
 from .interpreter import interpreted
+from .launch import pdl_args, wait_for_previous
 
 # Up to this many assignments (T·k) the Triton kernel sorts them (each program a chunk of them,
 # every program counting all of them: one launch where a decode step's torch sort would be ten
@@ -41,7 +42,9 @@ ALIGN_CHUNK = 64  # assignments per program of the sort
 @triton.jit
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+                  SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # Each program places one chunk of assignments. Every program counts all of them (and those
     # before its chunk) rather than waiting on the others: at decode sizes that repeated count
     # is cheaper than a second launch, and programs run side by side where one program's
@@ -95,7 +98,9 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     S13, s_stride_e, s_stride_n, up_row0, FP8: tl.constexpr, BR: tl.constexpr,
                     BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(USED):  # a block the worst case allowed for, unused here
         return
@@ -156,7 +161,9 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  S2, s_stride_e, s_stride_n, FP8: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(USED):
         return
@@ -284,7 +291,8 @@ def align_blocks(ids: torch.Tensor, experts: int, block_m: int
     block_chunk = max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2))
     _align_kernel[(triton.cdiv(n, chunk),)](
         flat, sorted_rows, block_expert, used, n, blocks, E_P2=e_p2, BLOCK_M=block_m,
-        CHUNK=chunk, SCAN=scan, BLOCK_CHUNK=block_chunk, num_warps=4)
+        CHUNK=chunk, SCAN=scan, BLOCK_CHUNK=block_chunk, **pdl_args(flat.device),
+        num_warps=4)
     return sorted_rows, block_expert, used
 
 
@@ -376,7 +384,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     meta = dict(BLOCK_M=bm, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast,
                 PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 FP8=scales is not None, BR=br, BC=bc,
-                SCALE_VEC=bc % tiles.block_k == 0)
+                SCALE_VEC=bc % tiles.block_k == 0, **pdl_args(x.device))
     gate, up, down = (w13, w13, w2) if shared is None else (shared.gate, shared.up, shared.down)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.block_n))](

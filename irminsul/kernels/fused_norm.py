@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreted
+from .launch import pdl_args, wait_for_previous
 from .rotate import pair_layout
 
 # A normed row is held whole in one program's registers (one pass: read once, write once).
@@ -56,7 +57,9 @@ def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, NORMED_FLOAT, dim, delta_s0,
                          delta_s1, delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
-                         FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr):
+                         FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -114,7 +117,9 @@ def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE
                          kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
                          RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
                          HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
-                         QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr):
+                         QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = KV_A + t * kv_s0
     # c_KV: RMSNorm of the first RANK columns, written to this token's c_KV slot.
@@ -199,7 +204,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         terms, residual, weight.contiguous(), normed, summed,
         normed if normed_float is None else normed_float, dim, *terms.stride(),
         *residual.stride(), eps, TERMS=terms.shape[1], FLOAT=normed_float is not None,
-        BLOCK=block, BY_HAND=interpreted(),
+        BLOCK=block, BY_HAND=interpreted(), **pdl_args(residual.device),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
 
@@ -267,4 +272,4 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
         HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=heads > 0,
         HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
-        num_warps=4 if rank <= 1024 else 8)
+        **pdl_args(kv_a.device), num_warps=4 if rank <= 1024 else 8)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..device import SMS, sm_count, upload
+from .launch import pdl_args, wait_for_previous
 
 SM_TARGET = 2 * SMS  # programs to aim for: two waves over an H100/H200's 132 SMs
 LOG2E = 1.4426950408889634
@@ -110,7 +111,9 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
                 SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr,
+                PDL: tl.constexpr):
+    wait_for_previous(PDL)
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
                                                     REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
@@ -145,7 +148,9 @@ def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
                        blocks, heads, scale_log2, q_stride, c_stride, r_stride,
                        RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # One piece of one block's keys per program (SCHED, see PagedLayout.plan): a block read in
     # one piece gets its output here, a block cut into several a partial output per piece, in
     # the piece's slot, merged by _merge_pieces_kernel. Programs past the batch's pieces idle.
@@ -183,7 +188,9 @@ def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
 @triton.jit
 def _merge_pieces_kernel(PART, PART_LSE, OUT, SCHED, BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
                          heads, room, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # One block's rows from its pieces' partial outputs (slots first .. first + count − 1),
     # read GROUP pieces at a time: one wide load each, not a chain of small ones.
     b, dblk, blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
@@ -424,7 +431,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         heads, scale * LOG2E, q.stride(1), ckv.stride(0),
         kr.stride(0), rows, RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
         SPLIT=layout.splits > 1, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision,
+        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         out = merge_splits(out, lse, q.dtype)
@@ -449,11 +456,12 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
         q, ckv, kr, out, part, part_lse, layout.kv_ckv, layout.kv_kr, *tables, layout.schedule,
         blocks, heads, scale * LOG2E, q.stride(1), ckv.stride(0), kr.stride(0),
         RANK=rank, ROPE=rope, ROPE_P2=rope_p2, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PRECISION=precision, **pdl_args(q.device), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     block_d = min(32, rank)
     _merge_pieces_kernel[(blocks, rank // block_d)](
         part, part_lse, out, layout.schedule, *tables[:4], heads, room, RANK=rank,
-        BLOCK_M=block_m, BLOCK_D=block_d, GROUP=8, num_warps=4)
+        BLOCK_M=block_m, BLOCK_D=block_d, GROUP=8, **pdl_args(q.device), num_warps=4)
     return out.view(tokens, heads, rank)
 
 
@@ -474,7 +482,7 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
     grid = (triton.cdiv(rows, block_r), triton.cdiv(rank, block_d))
     _merge_kernel[grid](out, lse, merged, rows, rank, SPLITS=splits,
                         S_P2=triton.next_power_of_2(splits), BLOCK_R=block_r, BLOCK_D=block_d,
-                        num_warps=warps)
+                        **pdl_args(out.device), num_warps=warps)
     return merged
 
 
@@ -492,7 +500,9 @@ def merge_tiles(splits: int, rank: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok, d_ok = r < rows, d < rank

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import pdl_args, wait_for_previous
+
 
 @triton.jit
 def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, LOW_BITS: tl.constexpr,
@@ -39,7 +41,9 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, LOW_BITS: tl.constex
 def _rotate_kernel(KR, ROT, COUNT, COS, SIN, n, layers, layer_stride,
                    ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                    HI_OFFSET: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr,
-                   LAYER_GROUP: tl.constexpr, COUNTED: tl.constexpr):
+                   LAYER_GROUP: tl.constexpr, COUNTED: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_previous(PDL)
     if COUNTED:  # the row count on the device: a captured launch serves any count
         n = tl.load(COUNT)
     cols = tl.arange(0, ROPE)[None, :]
@@ -126,4 +130,4 @@ def rotate_kr(kr: torch.Tensor, rot: torch.Tensor, cos: torch.Tensor, sin: torch
         kr, rot, rot if count is None else count, cos, sin, n, kr.shape[0], kr.stride(0),
         ROPE=dim, HALF=dim // 2, INTERLEAVED=interleaved, HI_OFFSET=hi_offset,
         LOW_BITS=low_bits, BLOCK=block, LAYER_GROUP=group, COUNTED=count is not None,
-        num_warps=num_warps)
+        **pdl_args(kr.device), num_warps=num_warps)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import pdl_args, wait_for_previous
+
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Tokens per program: one block covers decode batches up to 16, larger ones get more programs.
 BLOCK_T = 16
@@ -41,7 +43,9 @@ def _router_kernel(LOGITS, BIAS, WEIGHTS, IDS, tokens, scaling, experts_total,
                    E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr,
                    OUT_P2: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    G_P2: tl.constexpr, GROUPED: tl.constexpr, SIGMOID: tl.constexpr,
-                   RENORM: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr):
+                   RENORM: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
     experts = tl.arange(0, E_P2)
@@ -186,5 +190,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: str, gro
         OUT_P2=triton.next_power_of_2(width), GROUPS=groups, TOPK_GROUP=topk_group,
         G_P2=triton.next_power_of_2(groups),
         GROUPED=groups > 1 and method != "greedy", SIGMOID=v3, RENORM=renorm,
-        SCALE=v3 or not renorm, BLOCK_T=BLOCK_T, num_warps=4 if e_p2 <= 64 else 8)
+        SCALE=v3 or not renorm, BLOCK_T=BLOCK_T, **pdl_args(logits.device),
+        num_warps=4 if e_p2 <= 64 else 8)
     return weights, ids
