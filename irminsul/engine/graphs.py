@@ -250,7 +250,8 @@ class CudaGraphs:
         # Launches of many 16-row blocks are cut into pieces (the pieces are written with each
         # batch); the others split each request's keys, as many splits
         # as the launch's whole blocks call for whatever the lengths (the eager launch also
-        # caps them by the longest request; here the cap is fixed: 64 per request).
+        # caps them by the longest request; here only key_splits' own cap holds: 128 per
+        # request for 16-row blocks, 64 for 64-row ones).
         rows, _, blocks, table, schedule, keys_c, keys_r = self._views(self.inputs.buffer,
                                                                        bucket, block_m)
         if in_pieces(block_m, blocks.shape[1]):

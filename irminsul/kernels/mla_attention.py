@@ -132,8 +132,12 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                                  RANK, ROPE, ROPE_P2, BLOCK_N, DV, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
+        # A row that sees no key of this split (a split past a short request's keys, in a
+        # launch split for long ones) stores only its log-sum-exp, −inf: the merge reads no
+        # partial output for it.
         at = (split * out_rows + grow)
-        tl.store(OUT + at[:, None] * RANK + vcols[None, :], out, mask=row_ok[:, None])
+        tl.store(OUT + at[:, None] * RANK + vcols[None, :], out,
+                 mask=(row_ok & (visible > start))[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         if vblk == 0:  # one log-sum-exp per row, whichever value columns a program has
             tl.store(LSE + at, lse, mask=row_ok)
@@ -361,16 +365,18 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
     keys at about half of an SM's share of the bandwidth whatever else runs there: one wave of
     programs, blocks × splits ≈ the SMs, with splits a power of two, is fastest on an H200 at
     batch 1 to 128 and 4K to 16K keys (benchmarks/gpu/decode_attention.py). 64-row blocks (prefill)
-    aim at two waves. Splits stay within 64 and, given the longest request's ``max_keys``, keep
-    at least 64 (16-row) or 256 (64-row) keys each."""
+    aim at two waves. Splits stay within 128 (16-row: one request's decode step over 16K keys
+    took 12.6 µs as 128 splits against 17.0 as 64 on an H200; splits past a short request's
+    keys cost little, see :func:`merge_splits`) or 64 (64-row) and, given the longest request's
+    ``max_keys``, keep at least 64 (16-row) or 256 (64-row) keys each."""
     if block_m == 16:
         splits = 1 << max(0, (sm_count(device) // max(1, blocks)).bit_length() - 1)
-        least = 64
+        least, most = 64, 128
     else:
-        splits, least = -(-SM_TARGET // max(1, blocks)), 256
+        splits, least, most = -(-SM_TARGET // max(1, blocks)), 256, 64
     if max_keys is not None:
         splits = min(splits, -(-max_keys // least))
-    return max(1, min(64, splits))
+    return max(1, min(most, splits))
 
 
 @dataclass(frozen=True)
@@ -383,15 +389,20 @@ class TileConfig:
     num_stages: int
 
     @classmethod
-    def default(cls, block_m: int, rank: int, dtype: torch.dtype) -> TileConfig:
+    def default(cls, block_m: int, rank: int, dtype: torch.dtype, splits: int = 1
+                ) -> TileConfig:
         """Every block keeps the whole value width (recomputing q·k per value split costs more
-        than it saves). Decode blocks (16 rows) step 64 keys with 8 warps and two stages,
-        prefill blocks (64 rows) 32 keys with 8 warps and one stage: the fastest of the shapes
-        benchmarks/gpu/decode_attention.py and kernels.py try on an H200. float32 tiles are twice
-        the bytes: fewer keys per step."""
+        than it saves). Decode blocks (16 rows) step 64 keys with 8 warps and two stages —
+        128 keys where a launch splits each request's keys 2 to 16 ways (a few requests, each
+        split hundreds of keys long: 10–18% faster at batch 8, 4K–16K keys; slower for batch
+        1's 64–128 splits of 64–128 keys) — prefill blocks (64 rows) 32 keys with 8 warps and
+        one stage: the fastest of the shapes benchmarks/gpu/decode_attention.py and kernels.py
+        try on an H200. float32 tiles are twice the bytes: fewer keys per step."""
         wide = dtype == torch.float32
         if block_m == 16:
-            return cls(32, rank, 4, 2) if wide else cls(64, rank, 8, 2)
+            if wide:
+                return cls(32, rank, 4, 2)
+            return cls(128 if 1 < splits <= 16 else 64, rank, 8, 2)
         return cls(16 if wide else 32, rank, 8, 1)
 
 
@@ -411,7 +422,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         raise ValueError("queries do not match the layout")
     q = q.contiguous()
     block_m = layout.block_m
-    tiles = tiles or TileConfig.default(block_m, rank, q.dtype)
+    tiles = tiles or TileConfig.default(block_m, rank, q.dtype, layout.splits)
     dv = tiles.dv
     rows = tokens * heads
     req = layout.requests
@@ -468,8 +479,10 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
                  tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The rows' outputs [rows, rank] in ``dtype`` from the key splits' partial outputs
-    [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max), a
-    fully masked split's 0. ``tiles``: (rows, columns, warps) per program, overriding the
+    [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max); a
+    split of lse −inf (it saw no key) weighs 0 and its partial output is not read (the
+    attention kernel does not write one), so splits past a short request's keys cost only
+    their log-sum-exps. ``tiles``: (rows, columns, warps) per program, overriding the
     default (a benchmark's sweep).
 
     One launch: in torch this was a softmax, a product, a sum and a cast — four kernels per
@@ -514,6 +527,9 @@ def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.cons
     top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
     weight = tl.exp2(lse - top[None, :])
     total = tl.sum(weight, 0)
+    # A split whose row saw no key (lse −inf) weighs nothing, and its partial output is not
+    # read: a split past its request's keys never wrote one.
+    seen = seen & (lse > float("-inf"))
     part = tl.load(OUT + at[:, :, None].to(tl.int64) * rank + d[None, None, :],
                    mask=seen[:, :, None] & d_ok[None, None, :], other=0.0)
     acc = tl.sum(part * weight[:, :, None], 0)

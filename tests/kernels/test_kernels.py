@@ -445,10 +445,12 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
     assert got[other] == runs[False][0][ids[2]]
 
 
-@pytest.mark.parametrize("splits,rows,rank", [(2, 17, 512), (5, 3, 64), (64, 16, 128)])
+@pytest.mark.parametrize("splits,rows,rank", [(2, 17, 512), (5, 3, 64), (64, 16, 128),
+                                             (128, 16, 512)])
 def test_merge_splits_matches_float64(splits: int, rows: int, rank: int) -> None:
     """The split merge against the log-sum-exp weighting in float64: out = Σ_s 2^lse_s · out_s /
-    Σ_s 2^lse_s, a split that saw no key (lse −inf) weighing nothing."""
+    Σ_s 2^lse_s, a split that saw no key (lse −inf) weighing nothing and not read: the
+    attention kernel writes no partial output there, so it holds NaN here."""
     from irminsul.kernels.mla_attention import merge_splits
 
     gen = torch.Generator().manual_seed(splits * 1000 + rows)
@@ -456,9 +458,10 @@ def test_merge_splits_matches_float64(splits: int, rows: int, rank: int) -> None
     lse = torch.randn(splits, rows, generator=gen) * 4
     lse[0, 1] = float("-inf")  # one split of one row saw nothing
     if splits > 2:
-        lse[-1] = float("-inf")  # a whole split saw nothing
+        lse[splits // 2:] = float("-inf")  # whole splits past a short request's keys
     weights = torch.exp2(lse.double())
     want = (out.double() * (weights / weights.sum(0))[..., None]).sum(0)
+    out[lse == float("-inf")] = float("nan")  # never written: must not be read
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         got = merge_splits(out.to(DEVICE), lse.to(DEVICE), dtype)
         assert got.dtype == dtype and got.shape == (rows, rank)
@@ -487,3 +490,31 @@ def test_fp8_kernel_path_equals_torch_path(tmp_path) -> None:
     assert attention._joined() is not None and "weight_scale_inv" in attention._joined()
     assert served[False].pic_tokens >= 200
     assert_same(served[True], served[False], 1e-3)
+
+
+def test_key_splits_follow_the_sms_and_the_keys() -> None:
+    """Hand-computed from the rule on 132 SMs (:data:`irminsul.device.SMS`, a CPU's stand-in):
+    16-row blocks get the power of two at or below 132 / blocks, at most 128, at least 64 keys
+    each; 64-row blocks ceil(264 / blocks), at most 64, at least 256 keys each."""
+    from irminsul.kernels.mla_attention import key_splits
+
+    assert key_splits(1, 16, "cpu") == 128
+    assert key_splits(1, 16, "cpu", max_keys=4096) == 64  # 64 keys each
+    assert key_splits(1, 16, "cpu", max_keys=16384) == 128
+    assert key_splits(8, 16, "cpu") == 16
+    assert key_splits(9, 16, "cpu") == 8
+    assert key_splits(200, 16, "cpu") == 1
+    assert key_splits(1, 64, "cpu") == 64
+    assert key_splits(3, 64, "cpu", max_keys=1000) == 4  # ceil(1000 / 256)
+
+
+def test_decode_tiles_step_128_keys_only_for_a_few_splits() -> None:
+    from irminsul.kernels import TileConfig
+
+    bf16 = torch.bfloat16
+    assert TileConfig.default(16, 512, bf16, splits=16) == TileConfig(128, 512, 8, 2)
+    assert TileConfig.default(16, 512, bf16, splits=2) == TileConfig(128, 512, 8, 2)
+    for splits in (1, 32, 64, 128):  # pieces (1) and batch 1's many short splits
+        assert TileConfig.default(16, 512, bf16, splits=splits) == TileConfig(64, 512, 8, 2)
+    assert TileConfig.default(16, 512, torch.float32, splits=16) == TileConfig(32, 512, 4, 2)
+    assert TileConfig.default(64, 512, bf16, splits=16) == TileConfig(32, 512, 8, 1)
