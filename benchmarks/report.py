@@ -303,7 +303,7 @@ def gpu_suite(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
-# Kernels (benchmarks/gpu/kernels.py) -----------------------------------------------------------
+# Kernels (benchmarks/gpu/attention_kernels.py) -------------------------------------------------------
 
 KERNEL_PHASES = {
     "decode": "8 requests × 1 new token against the context",
@@ -327,7 +327,7 @@ def kernels(r: dict[str, Any], name: str, copy_gbps: float | None = None) -> lis
     lines = ["## GPU kernels", "",
              f"`docs/results/{name}`. " + _run_line(r), "",
              "```bash",
-             "python benchmarks/gpu/kernels.py --contexts " + " ".join(map(str, contexts))
+             "python benchmarks/gpu/attention_kernels.py --contexts " + " ".join(map(str, contexts))
              + f" --out docs/results/{name}",
              "```", "",
              "One attention layer at DeepSeek-V2-Lite's shapes (16 heads, c_KV 512 + k_r 64, bf16), "

@@ -41,7 +41,7 @@ MERGED_MAX_KEYS = 8192
 # forward costs ~30 ms more host time than device time on an H200's host (V2-Lite, ~60 torch
 # launches per layer: a 1K-token prefill took 51-62 ms against 24 ms of device time); the
 # kernel's absorbed form spends (rank + rope + rank) multiply-adds per pair at ~47 TFLOP/s on
-# prefill blocks (benchmarks/gpu/kernels.py), ~20 ns per pair over 27 layers: ~1.5M pairs of
+# prefill blocks (benchmarks/gpu/attention_kernels.py), ~20 ns per pair over 27 layers: ~1.5M pairs of
 # 16 heads (a 1K-token fresh prefill is 8.4M row-key pairs, a 2K one 34M) cost that much.
 GRAPH_PAIRS = 24_000_000
 

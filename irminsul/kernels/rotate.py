@@ -113,7 +113,7 @@ def rotate_kr(kr: torch.Tensor, rot: torch.Tensor, cos: torch.Tensor, sin: torch
     ``programs`` row-block programs per layer group (default: one per block of ``block`` rows
     that fit ``rot``), each walking every ``programs``-th block; ``group`` layers per program,
     ``num_warps`` warps: the launch shape (the default is among the fastest of those
-    benchmarks/gpu/kernels.py sweeps on an H200: docs/results/gpu-kernels.json)."""
+    benchmarks/gpu/attention_kernels.py sweeps on an H200: docs/results/gpu-kernels.json)."""
     if kr.stride(2) != 1 or kr.stride(1) != dim:
         raise ValueError("k_r pool must be contiguous in its last two dims")
     if dim & (dim - 1) or dim < 4:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The benchmarks import each other as scripts do: the GPU suite's folder first, then the report.
-sys.path[:0] = [str(ROOT / "benchmarks" / "gpu"), str(ROOT / "benchmarks")]
+# The benchmarks import each other as scripts do: the GPU suite's folder first, then the report;
+# appended, so that no benchmark script shadows an installed package for the rest of the session.
+sys.path += [str(ROOT / "benchmarks" / "gpu"), str(ROOT / "benchmarks")]
 
 import energy  # noqa: E402
 import report  # noqa: E402
