@@ -426,9 +426,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if random_weights and getattr(args, "model", None):
         raise ValueError("--random-weights serves random weights with the embedded model's "
                          "tokenizer; it does not take --model")
-    # The audit is not built under tensor parallel: off there unless asked for (then refused).
-    audit = getattr(args, "pic_audit_rate",
-                    ENGINE.pic_audit_rate if args.tensor_parallel == 1 else 0.0)
+    audit = getattr(args, "pic_audit_rate", ENGINE.pic_audit_rate)
     engine = EngineConfig(mode=args.pic, slots=args.slots, kr_slots=args.kr_slots,
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running, await_shared=args.await_shared,
@@ -655,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="R", help=f"live mode: the share of PIC-served requests "
                        f"recomputed from scratch when the engine is idle, their first-token "
                        f"KL exported as irminsul:pic_audit_kl (0: none; default "
-                       f"{ENGINE.pic_audit_rate}, and 0 under --tensor-parallel)")
+                       f"{ENGINE.pic_audit_rate})")
     _repair_options(serve)
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "

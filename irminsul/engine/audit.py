@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from ..model import MLAModel
 
 # A recomputation is one forward over the whole prompt outside the KV pool: its activations
 # must fit beside the pool, so longer prompts are not audited.
@@ -75,12 +74,15 @@ class PicAudit:
             return
         self._pending.append((np.array(prompt, dtype=np.int64), served.detach().float().clone()))
 
-    def run(self, model: MLAModel) -> float | None:
-        """Recompute the oldest kept request and record its KL; None when none is kept."""
+    def run(self, recompute: Callable[[np.ndarray], torch.Tensor]) -> float | None:
+        """Recompute the oldest kept request and record its KL; None when none is kept.
+        ``recompute``: a prompt's last logits [vocab] from scratch, no cache
+        (:meth:`~irminsul.engine.Engine.recompute`, which runs on every rank under tensor
+        parallel)."""
         if not self._pending:
             return None
         prompt, served = self._pending.popleft()
-        full = last_logits(model, prompt)
+        full = recompute(prompt)
         kl = float(kl_per_step(full[None], served.to(full.device)[None])[0])
         self.stats.record(kl)
         return kl
@@ -92,14 +94,3 @@ def kl_per_step(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     log_q = torch.log_softmax(q_logits.double(), dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
 
-
-@torch.inference_mode()
-def last_logits(model: MLAModel, prompt: np.ndarray) -> torch.Tensor:
-    """The logits [vocab] after a prompt computed from scratch, with no cache: the model's own
-    forward, keeping only the last token's row for the vocabulary projection."""
-    device = model.lm_head.weight.device
-    x = model.model.embed_tokens(torch.as_tensor(prompt, device=device))
-    positions = torch.arange(len(prompt), device=device)
-    for layer in model.model.layers:
-        x, _ = layer(x, positions, [None], [len(prompt)], None)
-    return model.lm_head(model.model.norm(x[-1:])).float()[0]

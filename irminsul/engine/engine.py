@@ -20,7 +20,6 @@ from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, StagedForward, resolve_backend
-from .repair import LatentCheck
 from .sequence import Prefill, Sequence
 
 Work = list[tuple[Sequence, np.ndarray, np.ndarray]]  # (sequence, tokens, positions) items
@@ -54,11 +53,12 @@ class Engine:
                            dtype=weight.dtype, device=weight.device, reserved=1 if graphs else 0)
         self.cache = CacheManager(config.cache, config.mode, self.pool, context)
         scratch = tuple(int(s[0]) for s in unpack(self.pool.reserved)) if graphs else None
+        repair = config.mode == "live" and config.cache.recompute_share  # CacheBlend-style
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
-                             rotation=config.mode == "live", scratch=scratch)
-        if config.mode == "live" and config.cache.recompute_share:  # CacheBlend-style repair
-            self.cache.latent_check = LatentCheck(model, self.pool.ckv,
-                                                  config.cache.recompute_check_layer)
+                             rotation=config.mode == "live", scratch=scratch,
+                             check_layer=config.cache.recompute_check_layer if repair else None)
+        if repair:
+            self.cache.latent_check = self.runner.check_latent
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -161,6 +161,11 @@ class Engine:
     def discard(self, prepared: Prepared) -> None:
         """Give back what :meth:`prepare_batch` allocated, for a batch that will not run."""
         self.cache.end_batch(prepared.work, prepared.appended, False)
+
+    def recompute(self, prompt: np.ndarray) -> torch.Tensor:
+        """The logits [vocab] after ``prompt`` computed from scratch, no cache and no slot (the
+        live-PIC audit's reference): through the runner, so every rank runs it."""
+        return self.runner.recompute(prompt)
 
     # -- decode ----------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from ..model.model import use_kernels
 from ..model.paged import MaskedSpans, PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
+from .repair import LatentCheck
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs, Staged
@@ -86,11 +87,15 @@ class ModelRunner:
     """Runs forwards and rotations over one pool's rows ``ckv`` / ``kr`` [layers, slots, ·]."""
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *, kernels: bool,
-                 graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None) -> None:
+                 graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None,
+                 check_layer: int | None = None) -> None:
         """``kernels`` / ``graphs``: as :func:`resolve_backend` gives them; ``rotation``: make
         the captured rotation (only live engines reuse rows); ``scratch``: a (c_KV, k_r) slot
-        pair outside the cache's capacity that graphs write their padding rows to."""
+        pair outside the cache's capacity that graphs write their padding rows to;
+        ``check_layer``: the layer of CacheBlend-style repair's check forward
+        (:meth:`check_latent`), None without that repair."""
         self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
+        self._latent_check = None if check_layer is None else LatentCheck(model, ckv, check_layer)
         use_kernels(model, kernels)  # fused experts, router, latent store, add + norm
         self._naive_from = naive_from(model.config)
         self._rotation: Rotation | None = None
@@ -127,6 +132,20 @@ class ModelRunner:
         base = self.kr[:, upload(src, device)].transpose(0, 1)  # [tokens, layers, rope]
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas))
         self.kr[:, upload(dst, device)] = rotated.transpose(0, 1)
+
+    def recompute(self, prompt: np.ndarray) -> torch.Tensor:
+        """The logits [vocab] after ``prompt`` computed from scratch, outside the pool (the
+        live-PIC audit's reference): reads and writes no row of the pool."""
+        return self.model.last_logits(torch.from_numpy(np.asarray(prompt, dtype=np.int64)))
+
+    def check_latent(self, prompt: np.ndarray, positions: np.ndarray,
+                     ckv_slots: np.ndarray) -> np.ndarray:
+        """CacheBlend-style repair's check forward (:class:`~.repair.LatentCheck`): each reused
+        position's distance between its fresh c_KV at the check layer and the cached row at
+        ``ckv_slots``. Reads the pool, writes nothing."""
+        if self._latent_check is None:
+            raise ValueError("this runner was built without a check layer (no recompute_share)")
+        return self._latent_check(prompt, positions, ckv_slots)
 
     def _replays_whole(self, batch: ForwardBatch, item_spans: list[tuple[np.ndarray, ...]]
                        ) -> bool:

@@ -187,7 +187,7 @@ class Scheduler:
         if self.has_work() or not self.audit.pending:
             return False
         try:
-            kl = self.audit.run(self.engine.model)
+            kl = self.audit.run(self.engine.recompute)
         except Exception as err:
             log.warning("PIC audit recomputation failed: %r", err)
             return True

@@ -190,6 +190,18 @@ class MLAModel(nn.Module):
         positions = torch.arange(token_ids.shape[0])
         return self.forward(token_ids, positions).logits
 
+    @torch.inference_mode()
+    def last_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] (float32) after ``token_ids`` from a full forward from position 0
+        without cache, the vocabulary projection of the last token alone."""
+        device = self.lm_head.weight.device
+        token_ids = token_ids.to(device)
+        x = self.model.embed_tokens(token_ids)
+        positions = torch.arange(token_ids.shape[0], device=device)
+        for layer in self.model.layers:
+            x, _ = layer(x, positions, [None], [token_ids.shape[0]], None)
+        return self.lm_head(self.model.norm(x[-1:])).float()[0]
+
 
 def use_kernels(model: nn.Module, on: bool) -> None:
     """Switch every module of ``model`` that has Triton kernels to them (``on``) or to torch:

@@ -16,10 +16,12 @@ and naive-reuse engines before the serving one): :func:`leader_engine` opens eac
 :meth:`~irminsul.engine.Engine.close` releases the followers' copy. So anything the leader
 measures with engines runs on the sharded model, and no rank ever holds the whole model.
 
+The runner's other model work goes the same way: the live-PIC audit's recomputation of a
+prompt from scratch and the repair's check forward (``recompute_share``) are runner calls too,
+broadcast as one message each, so the followers join their all-reduces.
+
 Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
-message per step); the live-PIC audit and the repair's latent check (``recompute_share``), which
-run the model outside the runner and would leave the followers out of its all-reduces
-(:func:`leader_engine` turns the first off and refuses the second).
+message per step).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import EngineConfig
@@ -44,6 +47,7 @@ from .shard import check_sharded
 log = logging.getLogger(__name__)
 
 OPEN, CLOSE, ROTATE, FORWARD, STOP = "open", "close", "rotate", "forward", "stop"
+RECOMPUTE, CHECK = "recompute", "check"
 
 # The leader names each engine it opens on the ranks; the followers key their copies by it.
 _channels = itertools.count()
@@ -83,6 +87,16 @@ class LeaderRunner(ModelRunner):
         return self._step("a forward",
                           (FORWARD, self.channel, self.mirror.encode(batch), all_logits),
                           lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
+
+    def recompute(self, prompt: np.ndarray) -> torch.Tensor:
+        return self._step("a recomputation", (RECOMPUTE, self.channel, prompt),
+                          lambda: super(LeaderRunner, self).recompute(prompt))
+
+    def check_latent(self, prompt: np.ndarray, positions: np.ndarray,
+                     ckv_slots: np.ndarray) -> np.ndarray:
+        return self._step("a latent check", (CHECK, self.channel, prompt, positions, ckv_slots),
+                          lambda: super(LeaderRunner, self).check_latent(prompt, positions,
+                                                                         ckv_slots))
 
     def _step(self, what: str, message: tuple, run: Callable[[], Any]) -> Any:
         if self.failure is not None:
@@ -134,19 +148,14 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
                   timeout_s: float | None = None) -> Engine:
     """An engine of the leader's over its shard ``model`` (:func:`~.shard.shard_model`'s),
     opened on every rank: each follower builds the same engine (``config``, ``runner``'s class)
-    and runs its steps. The config runs with graphs off and the live-PIC audit off (it
-    recomputes a prompt with the model directly, outside the runner, so the followers would miss
-    its all-reduces); the repair's latent check is refused for the same reason. ``on_failure``: see
+    and runs its steps. The config runs with graphs off. ``on_failure``: see
     :class:`LeaderRunner`; ``timeout_s``: how long the followers may take to be ready (their
     first engine waits for their loads). Its signature is :class:`~irminsul.engine.Engine`'s
     after ``group``, so it can stand where an engine is built (the gate, the server)."""
     if not group.leader:
         raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
-    if config.cache.recompute_share:
-        raise ValueError("recompute_share runs the model outside the runner: not built under "
-                         "tensor parallel yet")
     check_sharded(model, group)
-    config = dataclasses.replace(config, graphs=False, pic_audit_rate=0.0)
+    config = dataclasses.replace(config, graphs=False)
     channel = next(_channels)
     broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)
     leading = _leading(runner)
@@ -159,7 +168,8 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
 
 def follow(model: MLAModel, group: ParallelGroup) -> int:
     """A follower's life: build each engine the leader opens (over this rank's shard
-    ``model``), run each rotation and forward the leader broadcasts on the engine it names, drop
+    ``model``), run each rotation, forward, recomputation and latent check the leader broadcasts
+    on the engine it names (their results are the leader's), drop
     the engines it closes, until the leader stops; returns the forwards run. Raises
     :class:`RankFailure` if the leader stops with an error or a rank fails (the follower then
     exits; nothing is left to serve)."""
@@ -186,6 +196,11 @@ def follow(model: MLAModel, group: ParallelGroup) -> int:
             channel, message, all_logits = args
             runners[channel].forward(mirrors[channel].decode(message), all_logits=all_logits)
             forwards += 1
+        elif kind == RECOMPUTE:
+            runners[args[0]].recompute(args[1])
+        elif kind == CHECK:
+            channel, prompt, positions, ckv_slots = args
+            runners[channel].check_latent(prompt, positions, ckv_slots)
         elif kind == CLOSE:
             del runners[args[0]], mirrors[args[0]]
         elif kind == STOP:

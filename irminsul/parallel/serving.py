@@ -53,15 +53,6 @@ def check_options(config: ServerConfig, parallel: ParallelConfig) -> None:
     if parallel.world_size == 1:
         return
     flag = f"--tensor-parallel {parallel.world_size}"
-    engine = config.engine
-    if engine.cache.recompute_share:
-        raise ValueError(f"--recompute-share is not built under {flag}: the repair's latent "
-                         f"check runs the model outside the model runner, where the follower "
-                         f"ranks would miss its all-reduces; leave it out")
-    if engine.mode == "live" and engine.pic_audit_rate:
-        raise ValueError(f"--pic-audit-rate is not built under {flag}: the audit recomputes "
-                         f"prompts outside the model runner, where the follower ranks would "
-                         f"miss its all-reduces; leave it out (it is off under tensor parallel)")
     if config.store.url is not None:
         raise ValueError(f"--store is not built under {flag}: fetched rows are written to the "
                          f"leader's KV pool alone, and the followers' pools would differ")

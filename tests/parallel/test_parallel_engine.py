@@ -11,8 +11,8 @@ import torch
 from parallel_ranks import run_ranks, values
 from tiny_parallel import tiny_model
 
-from irminsul.config import EngineConfig
-from irminsul.engine import Engine
+from irminsul.config import CacheConfig, EngineConfig
+from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.parallel import ParallelGroup, follow, leader_engine, shard_model
 from irminsul.parallel import leader as leader_module
 
@@ -81,3 +81,61 @@ def test_one_layer_live_pic_under_tensor_parallel_equals_recomputation(case: str
         # The same rows in the same slots on every rank: the replicated latent pool.
         assert np.array_equal(follower["pool"][0], leader["pool"][0])
         assert np.array_equal(follower["pool"][1], leader["pool"][1])
+
+
+REPAIRED = EngineConfig(mode="live", slots=1200, pic_audit_rate=1.0,
+                        cache=CacheConfig(recompute_share=0.3))
+
+
+def scheduled(engine: Engine) -> dict:
+    """The shifted documents through a scheduler with CacheBlend-style repair and the audit at
+    rate 1: the target's greedy tokens and prompt stats, then the idle audit's KL."""
+    scheduler = Scheduler(engine)
+    source, source_resets, target, target_resets = shifted_docs()
+    tokens, stats = [], None
+    for prompt, resets in ((source, source_resets), (target, target_resets)):
+        scheduler.add(prompt, SamplingParams(max_tokens=3), resets=resets)
+        while scheduler.has_work():
+            for out in scheduler.step():
+                assert out.error is None, out.error
+                if prompt is target:
+                    tokens += out.new_tokens
+                    stats = out.stats or stats
+    ran = scheduler.run_audit()
+    audit = scheduler.audit.stats
+    return dict(tokens=tokens, pic_tokens=stats.pic_tokens, computed=stats.prefilled_tokens,
+                ran=ran, audited=audit.audited, kl=audit.kl_sum)
+
+
+def repaired(group: ParallelGroup, case: str) -> dict:
+    model = tiny_model(case, layers=2, seed=4)
+    # The reference: the same engine on the unsharded model, on this process alone.
+    reference = scheduled(Engine(model, REPAIRED)) if group.leader else None
+    shard_model(model, group)
+    if not group.leader:
+        return dict(forwards=follow(model, group))
+    engine = leader_engine(model, REPAIRED, group)
+    try:
+        got = scheduled(engine)
+    except BaseException as err:
+        engine.runner.stop(f"{type(err).__name__}: {err}")
+        raise
+    engine.runner.stop()
+    return dict(got=got, reference=reference)
+
+
+@pytest.mark.parametrize("case", ["v2_lite_like", "v3_like"])
+def test_repair_and_audit_run_on_every_rank(case: str) -> None:
+    """The repair's check forward and the audit's recomputation run the sharded model, whose
+    all-reduces need every rank: on 2 ranks they pick the same tokens to recompute and record
+    the same KL as one process on the whole model (a follower left out would hang the leader's
+    all-reduce until the test's timeout)."""
+    leader, follower = values(run_ranks(repaired, 2, case, timeout_s=300))
+    got, reference = leader["got"], leader["reference"]
+    assert reference["pic_tokens"] > 200 and reference["ran"] and reference["audited"] == 1
+    assert reference["kl"] > 0  # two layers: reuse is not exact, so the audit has a KL to see
+    assert reference["computed"] > 100  # 70 new tokens, the rest recomputed by the repair
+    assert {k: got[k] for k in ("tokens", "pic_tokens", "computed", "ran", "audited")} == {
+        k: reference[k] for k in ("tokens", "pic_tokens", "computed", "ran", "audited")}
+    assert got["kl"] == pytest.approx(reference["kl"], rel=1e-4, abs=1e-9)
+    assert follower["forwards"] > 0

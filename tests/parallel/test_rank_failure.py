@@ -10,7 +10,7 @@ import pytest
 from parallel_ranks import run_ranks
 from tiny_parallel import tiny_model
 
-from irminsul.config import CacheConfig, EngineConfig
+from irminsul.config import EngineConfig
 from irminsul.engine import ModelRunner
 from irminsul.parallel import ParallelGroup, RankFailure, follow, leader_engine
 from irminsul.parallel.shard import shard_model
@@ -109,9 +109,6 @@ def test_leader_and_follower_roles_are_checked() -> None:
     leader = ParallelGroup(0, 2, None, None, 1.0)
     with pytest.raises(ValueError, match="rank 0 leads"):
         follow(model, leader)
-    # The repair's latent check runs the model outside the runner: refused, not left to hang.
-    with pytest.raises(ValueError, match="recompute_share"):
-        leader_engine(model, EngineConfig(cache=CacheConfig(recompute_share=0.1)), leader)
     # A share whose partial outputs are not summed over the group would compute wrong logits.
     with pytest.raises(ValueError, match="call shard_model"):
         leader_engine(model, CONFIG, leader)

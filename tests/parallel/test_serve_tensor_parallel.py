@@ -28,7 +28,7 @@ from fixtures.tiny_chat_model import sentences
 from fixtures.tiny_server_model import build
 
 from irminsul.cli import main
-from irminsul.config import EngineConfig, ServerConfig
+from irminsul.config import CacheConfig, EngineConfig, ServerConfig
 from irminsul.loadgen.server import free_port
 from irminsul.model import default_model_dir
 from irminsul.parallel import ranks
@@ -144,20 +144,44 @@ def answers(url: str) -> list[dict]:
     return out
 
 
+def audited(url: str, count: int) -> tuple[int, float]:
+    """The live-PIC audit's (count, KL sum) from /metrics once it has audited at least
+    ``count`` requests and audits no more for a second (it runs when the engine is idle)."""
+    def read() -> tuple[int, float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        figures = {name: float(value) for name, value in re.findall(
+            r"^irminsul:pic_audit_kl_(count|sum)(?:\{[^}]*\})? (\S+)$", text, re.M)}
+        return int(figures.get("count", 0)), figures.get("sum", 0.0)
+
+    wait_until(lambda: read()[0] >= count, 30, f"{count} audited requests")
+    while True:
+        before = read()
+        time.sleep(1.0)
+        if read() == before:
+            return before
+
+
 def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_thread: None) -> None:
     """On the embedded model (8 heads, 8 routed experts, trained: its greedy text depends on the
     context, so followers that skipped their rotations change the shifted request's answer,
     checked by hand; the random tiny model's does not). The PIC gate runs first, on the ranks'
-    shards (rank 0 never loads the whole model), and passes, as on one process."""
+    shards (rank 0 never loads the whole model), and passes, as on one process. CacheBlend-style
+    repair and the live-PIC audit run the model outside a batch: on every rank too, with the
+    same tokens recomputed (the same text) and the same KL recorded as on one process."""
     model_dir = default_model_dir()
     config = ServerConfig(model_name="tiny", dtype="float32", device="cpu", gate=None,
-                          engine=EngineConfig(mode="live", slots=2048, pic_audit_rate=0.0))
+                          engine=EngineConfig(mode="live", slots=2048, pic_audit_rate=1.0,
+                                              cache=CacheConfig(recompute_share=0.1)))
     app, _ = build_server(model_dir, config)
     with served(app) as url:
         expected = answers(url)
+        want = audited(url, 1)
     assert expected[1]["pic_cached_tokens"] > 100  # the shifted document was reused
-    with tensor_parallel(model_dir, tmp_path / "serve.log", gate_cache=tmp_path) as server:
+    extra = ["--pic-audit-rate", "1", "--recompute-share", "0.1"]
+    with tensor_parallel(model_dir, tmp_path / "serve.log", gate_cache=tmp_path,
+                         extra=extra) as server:
         got = answers(server.url)
+        assert audited(server.url, want[0]) == pytest.approx(want, rel=1e-4, abs=1e-9)
         [follower] = server.followers()
         server.process.send_signal(signal.SIGINT)  # a normal stop
         assert server.process.wait(30) == 0, server.text()[-3000:]
@@ -284,8 +308,6 @@ def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Pat
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel", "3"], "--tensor-parallel 3 does not fit"),
-    (["--tensor-parallel", "2", "--recompute-share", "0.1"], "--recompute-share is not built"),
-    (["--tensor-parallel", "2", "--pic-audit-rate", "0.05"], "--pic-audit-rate is not built"),
     (["--tensor-parallel", "2", "--store", "redis://127.0.0.1:1"], "--store is not built"),
 ])
 def test_bad_tensor_parallel_options_are_refused_before_any_rank_starts(
