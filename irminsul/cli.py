@@ -440,7 +440,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           gate=None if args.no_gate else SERVER.gate,
                           warmup=args.warmup,
                           store=StoreConfig(url=args.store,
-                                            prefill_tokens_per_second=args.store_prefill_rate))
+                                            prefill_tokens_per_second=args.store_prefill_rate,
+                                            model_id=args.store_model_id))
     return serve(_model_dir(args), server, parallel=ParallelConfig(world_size=args.tensor_parallel),
                  **random_weights)
 
@@ -703,6 +704,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=SERVER.store.prefill_tokens_per_second, metavar="TOKENS_PER_S",
                        help="the store's cost model: this engine's prefill rate, against which "
                             "a fetch's bytes over the measured link bandwidth are weighed")
+    serve.add_argument("--store-model-id", default=SERVER.store.model_id, metavar="NAME",
+                       help="the model's name in the store's keys: engines share values only "
+                            "under the same one (default: a hash of the config, the KV dtype "
+                            "and a sample of the weights this process holds, which under "
+                            "--tensor-parallel is rank 0's share)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -8,9 +8,14 @@ import importlib.util
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from fixtures.redis_server import RedisServer
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,3 +47,25 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test on a free loopback port, killed after it (the shared-store
+    tests); skipped where Debian's redis-server is not installed."""
+    # Imported here: this file must set TRITON_INTERPRET before anything imports irminsul.
+    from fixtures.redis_server import REDIS_SERVER, RedisServer
+
+    from irminsul.loadgen.server import free_port
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run "
+                    "installs it)")
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.resume()  # a paused one would not die of SIGKILL any sooner, but be sure
+            server.kill()

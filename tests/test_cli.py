@@ -174,3 +174,18 @@ def test_serve_refuses_bad_sizes_before_loading(argv: list[str], needle: str, ca
     """A size that cannot work is an error naming it (it used to mean 65,536 slots)."""
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_serve_store_flags_reach_the_store_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--store, --store-prefill-rate and --store-model-id land in the server's StoreConfig
+    (the model id names the model in the store's keys: docs/scale-out.md)."""
+    import irminsul.server
+
+    served = {}
+    monkeypatch.setattr(irminsul.server, "serve",
+                        lambda model_dir, config, parallel: served.update(store=config.store))
+    assert main(["serve", "--device", "cpu", "--store", "redis://127.0.0.1:6379",
+                 "--store-prefill-rate", "5000", "--store-model-id", "v3-fp8"]) == 0
+    store = served["store"]
+    assert (store.url, store.prefill_tokens_per_second, store.model_id) == (
+        "redis://127.0.0.1:6379", 5000.0, "v3-fp8")

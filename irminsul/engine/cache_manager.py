@@ -34,6 +34,7 @@ from .sequence import Prefill, Sequence, Stretch
 
 if TYPE_CHECKING:
     from ..store import SharedStore
+    from ..store.shared import RowWriter
 
 Span = tuple[np.ndarray, np.ndarray]  # tokens and their positions, computed in one forward
 
@@ -41,17 +42,23 @@ Span = tuple[np.ndarray, np.ndarray]  # tokens and their positions, computed in 
 class CacheManager:
     """Plans prompts, holds what plans reuse, settles slot references, evicts, checks."""
 
-    def __init__(self, config: CacheConfig, mode: Mode, pool: KVPool, context: int) -> None:
+    def __init__(self, config: CacheConfig, mode: Mode, pool: KVPool, context: int, *,
+                 write_rows: RowWriter, latent_check: Deviation | None = None) -> None:
         """``pool``: the slots (and rows) every sequence and index refers to; ``context``: the
-        model's context in tokens, the longest prompt a plan takes."""
+        model's context in tokens, the longest prompt a plan takes. The model work this class
+        decides on is the model runner's: ``write_rows`` writes rows made elsewhere (the shared
+        store's) into slots; ``latent_check`` is CacheBlend-style repair's check forward (needed
+        with ``recompute_share``)."""
         self.mode, self.pool, self.context = mode, pool, context
         self.planner = Planner(config, pic=mode != "off")
         # Repair (live only; :mod:`.repair`): the heads of reused runs, and the share of reused
-        # tokens whose c_KV deviates most, computed instead. The check forward that measures
-        # the deviation needs the model: the engine gives it (latent_check).
+        # tokens whose c_KV deviates most, computed instead.
         self.recompute_head = config.recompute_head if mode == "live" else 0
         self.recompute_share = config.recompute_share if mode == "live" else 0.0
-        self.latent_check: Deviation | None = None
+        if self.recompute_share and latent_check is None:
+            raise ValueError("recompute_share needs the runner's latent check")
+        self.latent_check = latent_check
+        self.write_rows = write_rows
         self.sequences: list[Sequence] = []
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
         # register when they complete: how a new plan knows what it could wait for.
@@ -175,7 +182,7 @@ class CacheManager:
         if not found or not self._try_room(sum(sizes)):
             return False
         handles = self.pool.alloc(sum(sizes))
-        if not self.store.write(self.pool, handles, found):
+        if not self.store.write(handles, found, self.write_rows):
             self.pool.release(handles)
             return False
         for f, mine in zip(found, np.split(handles, np.cumsum(sizes)[:-1])):
@@ -225,7 +232,7 @@ class CacheManager:
                 stretches[-1][3].append(seg)
         if self.recompute_head:
             stretches = recompute_heads(stretches, self.recompute_head)
-        if self.recompute_share and self.latent_check is not None:
+        if self.recompute_share:
             stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
                                             self.latent_check, plan.prefix.handles)
         kind, start, end, hits = stretches[-1]

@@ -51,14 +51,14 @@ class Engine:
         self.pool = KVPool(model.config.num_hidden_layers, slots, model.config.kv_lora_rank,
                            model.config.qk_rope_head_dim, num_kr_slots=config.kr_slots,
                            dtype=weight.dtype, device=weight.device, reserved=1 if graphs else 0)
-        self.cache = CacheManager(config.cache, config.mode, self.pool, context)
         scratch = tuple(int(s[0]) for s in unpack(self.pool.reserved)) if graphs else None
         repair = config.mode == "live" and config.cache.recompute_share  # CacheBlend-style
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
                              rotation=config.mode == "live", scratch=scratch,
                              check_layer=config.cache.recompute_check_layer if repair else None)
-        if repair:
-            self.cache.latent_check = self.runner.check_latent
+        self.cache = CacheManager(config.cache, config.mode, self.pool, context,
+                                  write_rows=self.runner.write_rows,
+                                  latent_check=self.runner.check_latent if repair else None)
 
     @property
     def sequences(self) -> list[Sequence]:

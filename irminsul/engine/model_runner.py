@@ -133,6 +133,14 @@ class ModelRunner:
         rotated = self.model.rotary.rotate(base, torch.from_numpy(deltas))
         self.kr[:, upload(dst, device)] = rotated.transpose(0, 1)
 
+    def write_rows(self, handles: np.ndarray, ckv: torch.Tensor, kr: torch.Tensor) -> None:
+        """Rows made elsewhere (the shared store's) written into the slot pairs ``handles``, one
+        per token: ``ckv`` [layers, tokens, rank] and ``kr`` [layers, tokens, rope] (the k_r
+        base, as at its source position), on any device, in any float dtype."""
+        ckv_slots, kr_slots = (upload(s, self.ckv.device) for s in unpack(handles))
+        self.ckv[:, ckv_slots] = ckv.to(device=self.ckv.device, dtype=self.ckv.dtype)
+        self.kr[:, kr_slots] = kr.to(device=self.kr.device, dtype=self.kr.dtype)
+
     def recompute(self, prompt: np.ndarray) -> torch.Tensor:
         """The logits [vocab] after ``prompt`` computed from scratch, outside the pool (the
         live-PIC audit's reference): reads and writes no row of the pool."""

@@ -16,9 +16,10 @@ and naive-reuse engines before the serving one): :func:`leader_engine` opens eac
 :meth:`~irminsul.engine.Engine.close` releases the followers' copy. So anything the leader
 measures with engines runs on the sharded model, and no rank ever holds the whole model.
 
-The runner's other model work goes the same way: the live-PIC audit's recomputation of a
-prompt from scratch and the repair's check forward (``recompute_share``) are runner calls too,
-broadcast as one message each, so the followers join their all-reduces.
+The runner's other work goes the same way, one message each: the live-PIC audit's
+recomputation of a prompt from scratch and the repair's check forward (``recompute_share``),
+whose all-reduces the followers join, and the rows fetched from a shared store
+(:mod:`irminsul.store`), sent with the message so that every pool gets the same ones.
 
 Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
 message per step).
@@ -47,7 +48,7 @@ from .shard import check_sharded
 log = logging.getLogger(__name__)
 
 OPEN, CLOSE, ROTATE, FORWARD, STOP = "open", "close", "rotate", "forward", "stop"
-RECOMPUTE, CHECK = "recompute", "check"
+RECOMPUTE, CHECK, WRITE = "recompute", "check", "write"
 
 # The leader names each engine it opens on the ranks; the followers key their copies by it.
 _channels = itertools.count()
@@ -87,6 +88,12 @@ class LeaderRunner(ModelRunner):
         return self._step("a forward",
                           (FORWARD, self.channel, self.mirror.encode(batch), all_logits),
                           lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
+
+    def write_rows(self, handles: np.ndarray, ckv: torch.Tensor, kr: torch.Tensor) -> None:
+        # The rows themselves travel (the shared store's, fetched once by the leader): a
+        # follower fetching its own copy could find the store changed in between.
+        self._step("a write of fetched rows", (WRITE, self.channel, handles, ckv.cpu(), kr.cpu()),
+                   lambda: super(LeaderRunner, self).write_rows(handles, ckv, kr))
 
     def recompute(self, prompt: np.ndarray) -> torch.Tensor:
         return self._step("a recomputation", (RECOMPUTE, self.channel, prompt),
@@ -168,9 +175,9 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
 
 def follow(model: MLAModel, group: ParallelGroup) -> int:
     """A follower's life: build each engine the leader opens (over this rank's shard
-    ``model``), run each rotation, forward, recomputation and latent check the leader broadcasts
-    on the engine it names (their results are the leader's), drop
-    the engines it closes, until the leader stops; returns the forwards run. Raises
+    ``model``), run each rotation, forward, row write, recomputation and latent check the leader
+    broadcasts on the engine it names (their results are the leader's), drop the engines it
+    closes, until the leader stops; returns the forwards run. Raises
     :class:`RankFailure` if the leader stops with an error or a rank fails (the follower then
     exits; nothing is left to serve)."""
     if group.leader:
@@ -196,6 +203,9 @@ def follow(model: MLAModel, group: ParallelGroup) -> int:
             channel, message, all_logits = args
             runners[channel].forward(mirrors[channel].decode(message), all_logits=all_logits)
             forwards += 1
+        elif kind == WRITE:
+            channel, handles, ckv, kr = args
+            runners[channel].write_rows(handles, ckv, kr)
         elif kind == RECOMPUTE:
             runners[args[0]].recompute(args[1])
         elif kind == CHECK:

@@ -48,16 +48,6 @@ BACKSTOP_S = 30.0  # after a failure, the process ends by this time whatever sti
 STOP_TIMEOUT_S = 30.0  # a normal stop: the followers' time to leave the group
 
 
-def check_options(config: ServerConfig, parallel: ParallelConfig) -> None:
-    """Refuse (ValueError, naming the ``serve`` flag) what is not built under tensor parallel."""
-    if parallel.world_size == 1:
-        return
-    flag = f"--tensor-parallel {parallel.world_size}"
-    if config.store.url is not None:
-        raise ValueError(f"--store is not built under {flag}: fetched rows are written to the "
-                         f"leader's KV pool alone, and the followers' pools would differ")
-
-
 def leader_load(world: int, *, keep_fp8: bool = False) -> Callable[..., MLAModel]:
     """How rank 0 reads the checkpoint (``build_server``'s ``load``): its share alone
     (:func:`~.load.load_shard`), as every rank does; what runs the model before serving (the
@@ -269,15 +259,14 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
                           random_weights: str | os.PathLike | None = None) -> int:
     """Serve ``model_dir`` on ``parallel.world_size`` ranks until interrupted (see the module
     docstring); returns 0 after a normal stop, and ends the process with status 1 after a
-    failure. ValueError, before any rank starts, for options not built under tensor parallel
-    and for a model whose heads, experts or MLP widths do not split evenly."""
+    failure. ValueError, before any rank starts, for a model whose heads, experts or MLP
+    widths do not split evenly."""
     import uvicorn
 
     from ..server.launch import build_server, resolve_device
 
     world = parallel.world_size
     path = Path(model_dir)
-    check_options(config, parallel)
     checkpoint = random_weights if random_weights is not None else path
     try:
         check_divisible(load_config(checkpoint), world)

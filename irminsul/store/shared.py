@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_right
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -40,6 +41,10 @@ from .stats import StoreStats
 from .value import HEADER, CorruptValue, Rows, Shape, ValueMismatch, decode
 
 log = logging.getLogger(__name__)
+
+# (slot pairs, c_KV rows [layers, tokens, rank], k_r rows [layers, tokens, rope]) -> None:
+# the model runner's write_rows
+RowWriter = Callable[[np.ndarray, torch.Tensor, torch.Tensor], None]
 
 
 class Fetched(NamedTuple):
@@ -153,17 +158,14 @@ class SharedStore:
             self.publisher.delete(corrupt)  # the next engine to register them writes them anew
         return found
 
-    def write(self, pool: KVPool, handles: np.ndarray, found: list[Fetched]) -> bool:
+    def write(self, handles: np.ndarray, found: list[Fetched], write_rows: RowWriter) -> bool:
         """Write fetched rows into the pool slots ``handles`` (fresh, one per token, in
-        order), on the engine thread, before anything can read them. Whether it did (never
-        raises: a request is served without them otherwise)."""
+        order) through ``write_rows`` (the model runner's, which writes every rank's pool), on
+        the engine thread, before anything can read them. Whether it did (never raises: a
+        request is served without them otherwise)."""
         try:
-            ckv_slots, kr_slots = (torch.from_numpy(s).to(pool.ckv.device)
-                                   for s in unpack(handles))
-            ckv = torch.cat([f.rows.ckv for f in found], dim=1)
-            kr = torch.cat([f.rows.kr for f in found], dim=1)
-            pool.ckv[:, ckv_slots] = ckv.to(device=pool.ckv.device, dtype=pool.ckv.dtype)
-            pool.kr[:, kr_slots] = kr.to(device=pool.kr.device, dtype=pool.kr.dtype)
+            write_rows(handles, torch.cat([f.rows.ckv for f in found], dim=1),
+                       torch.cat([f.rows.kr for f in found], dim=1))
         except Exception:
             log.exception("writing fetched rows into the KV pool failed")
             return False
