@@ -28,6 +28,22 @@ def shifted_docs(seed: int = 3) -> tuple[np.ndarray, list[int], np.ndarray, list
     return source, [40, 240], target, [50, 230, 430]
 
 
+def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
+    """A follower's run of the leader's one engine: the forwards it ran and its pool's rows."""
+    opened = []  # the engines the leader opens here (this rank's process alone)
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    leader_module.Engine = Recorded
+    forwards = follow(model, group)
+    [engine] = opened
+    # By value: a tensor on the results queue is read from this process, which has ended.
+    return dict(forwards=forwards, pool=(engine.pool.ckv.numpy(), engine.pool.kr.numpy()))
+
+
 def serve(group: ParallelGroup, case: str) -> dict:
     model = tiny_model(case, layers=1, seed=4)
     source, source_resets, target, target_resets = shifted_docs()
@@ -40,18 +56,7 @@ def serve(group: ParallelGroup, case: str) -> dict:
         ids.append(greedy[-1])
     shard_model(model, group)
     if not group.leader:
-        opened = []  # the engines the leader opens here (this rank's process alone)
-
-        class Recorded(Engine):
-            def __init__(self, *args, **kwargs) -> None:
-                super().__init__(*args, **kwargs)
-                opened.append(self)
-
-        leader_module.Engine = Recorded
-        forwards = follow(model, group)
-        [engine] = opened
-        # By value: a tensor on the results queue is read from this process, which has ended.
-        return dict(forwards=forwards, pool=(engine.pool.ckv.numpy(), engine.pool.kr.numpy()))
+        return followed(model, group)
     engine = leader_engine(model, CONFIG, group)
     try:
         engine.generate(source, 2, resets=source_resets)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 from parallel_ranks import run_ranks, values
-from test_parallel_engine import shifted_docs
+from test_parallel_engine import followed, shifted_docs
 from tiny_parallel import tiny_model
 
 from irminsul.config import EngineConfig, StoreConfig
 from irminsul.engine import Engine
-from irminsul.parallel import ParallelGroup, follow, leader_engine, shard_model
-from irminsul.parallel import leader as leader_module
+from irminsul.parallel import ParallelGroup, leader_engine, shard_model
 from irminsul.store import attach
 
 CONFIG = EngineConfig(mode="live", slots=1200)
@@ -39,17 +38,7 @@ def fetched(group: ParallelGroup, url: str) -> dict:
         want_pic = seq.stats.pic_tokens
     shard_model(model, group)
     if not group.leader:
-        opened = []
-
-        class Recorded(Engine):
-            def __init__(self, *args, **kwargs) -> None:
-                super().__init__(*args, **kwargs)
-                opened.append(self)
-
-        leader_module.Engine = Recorded
-        forwards = follow(model, group)
-        [engine] = opened
-        return dict(forwards=forwards, pool=(engine.pool.ckv.numpy(), engine.pool.kr.numpy()))
+        return followed(model, group)
     engine = leader_engine(model, CONFIG, group)
     store = attach(engine, store_config)
     try:
