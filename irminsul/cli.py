@@ -33,7 +33,8 @@ from .traffic.logs import LogError, read_requests, sample_logs, write_requests
 from .traffic.render import ChatRenderer
 from .traffic.workloads import PATTERNS, TextPool, build_workload
 
-ENGINE, SERVER, GATE = EngineConfig(), ServerConfig(), GateConfig()  # the defaults --help shows
+# the defaults --help shows
+ENGINE, SERVER, GATE, PARALLEL = EngineConfig(), ServerConfig(), GateConfig(), ParallelConfig()
 ROUTER = RouterConfig()
 DEMO_HEADERS = (50, 250, 1000, 2000)
 # Without --workload, bench and consistency run on this pattern built from the shipped samples:
@@ -442,8 +443,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           store=StoreConfig(url=args.store,
                                             prefill_tokens_per_second=args.store_prefill_rate,
                                             model_id=args.store_model_id))
-    return serve(_model_dir(args), server, parallel=ParallelConfig(world_size=args.tensor_parallel),
-                 **random_weights)
+    parallel = ParallelConfig(world_size=args.tensor_parallel,
+                              timeout_s=args.collective_timeout)
+    return serve(_model_dir(args), server, parallel=parallel, **random_weights)
 
 
 def _ranks(text: str) -> int:
@@ -664,6 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "GPU (cuda:0 .. N-1 from --device's index; on a CPU, gloo), each "
                             "keeping 1/N of the attention heads, MLP widths and routed experts "
                             "(docs/multi-gpu.md); a rank that fails stops the server")
+    serve.add_argument("--collective-timeout", type=float, default=PARALLEL.timeout_s,
+                       metavar="S", help="--tensor-parallel: a collective (an all-reduce, the "
+                       "leader's message) that waits longer than this for a peer rank fails, "
+                       "and the server stops with an error naming the rank, instead of hanging")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default=SERVER.dtype,
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")

@@ -189,3 +189,16 @@ def test_serve_store_flags_reach_the_store_config(monkeypatch: pytest.MonkeyPatc
     store = served["store"]
     assert (store.url, store.prefill_tokens_per_second, store.model_id) == (
         "redis://127.0.0.1:6379", 5000.0, "v3-fp8")
+
+
+def test_serve_collective_timeout_reaches_the_parallel_config(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import irminsul.server
+
+    served = {}
+    monkeypatch.setattr(irminsul.server, "serve",
+                        lambda model_dir, config, parallel: served.update(parallel=parallel))
+    assert main(["serve", "--device", "cpu", "--collective-timeout", "240"]) == 0
+    assert served["parallel"].timeout_s == 240.0
+    assert main(["serve", "--device", "cpu", "--collective-timeout", "0"]) == 2
+    assert "timeout_s must be > 0, got 0.0" in capsys.readouterr().err
