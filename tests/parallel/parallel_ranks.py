@@ -9,6 +9,7 @@ instead of blocking CI.
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import socket
 import time
@@ -55,7 +56,9 @@ def _rank_main(fn: Callable, rank: int, config: ParallelConfig, address: str, ar
         results.put((rank, None, f"{type(err).__name__}: {err}"))
         traceback.print_exc()
     else:
-        results.put((rank, value, None))
+        # Pickled here, by value: the queue's own pickler sends a tensor as a handle to this
+        # process's shared memory, which is gone if the parent reads it after this ends.
+        results.put((rank, pickle.dumps(value), None))
     shutdown()
 
 
@@ -90,7 +93,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                     raise TimeoutError(f"ranks {sorted(wait_for - reported)} of "
                                        f"{world} still running after {timeout_s:g} s") from None
                 continue
-            outcomes[rank].value, outcomes[rank].error = value, error
+            outcomes[rank].value = None if value is None else pickle.loads(value)
+            outcomes[rank].error = error
             reported.add(rank)
         for r, p in enumerate(procs):
             if r in wait_for:
