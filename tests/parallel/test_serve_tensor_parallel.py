@@ -263,6 +263,42 @@ def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Pat
                        json={"model": "tiny", "messages": SHORT, "max_tokens": 4})
 
 
+def test_a_hung_follower_stops_the_server_after_the_collective_timeout(model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """A follower stopped (SIGSTOP: alive, answering nothing) mid-stream: the leader's next
+    collective waits ``--collective-timeout`` (3 s here) and fails; the stream ends with an
+    error, the server logs one error naming the step and exits with status 1."""
+    with tensor_parallel(model_dir, tmp_path / "serve.log",
+                         extra=["--collective-timeout", "3"]) as server:
+        [follower] = server.followers()
+        events, stopped = [], None
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
+                    "model": "tiny", "messages": SHORT, "max_tokens": 1500,
+                    "temperature": 0, "stream": True}) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                    if stopped is None and '"content"' in line:
+                        os.kill(follower, signal.SIGSTOP)
+                        stopped = time.monotonic()
+            assert stopped is not None, events
+            assert '"error"' in events[-2] and "engine_error" in events[-2], events[-3:]
+            status = server.process.wait(60)
+            elapsed = time.monotonic() - stopped
+        finally:
+            if follower_alive(follower):
+                os.kill(follower, signal.SIGCONT)
+        log = server.text()
+        assert status == 1, log[-3000:]
+        assert 3 <= elapsed < 45, elapsed  # the timeout, then the stop (5 s grace)
+        errors = [line for line in log.splitlines() if "ERROR irminsul.parallel.serving" in line]
+        assert len(errors) == 1, errors
+        assert "did not answer within 3 s" in errors[0], errors[0]
+        assert "Stopping the server" in errors[0]
+
+
 def test_a_follower_killed_during_the_gate_stops_the_server(tmp_path: Path) -> None:
     """The PIC gate runs on the ranks' engines before serving: a follower killed while it runs
     them ends the server with status 1 and one error naming the rank and the startup step."""
