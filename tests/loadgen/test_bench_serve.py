@@ -107,7 +107,8 @@ def test_an_unreachable_url_is_an_error(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_plain_bench_is_still_the_engine_replay() -> None:
-    from irminsul.cli import build_parser, cmd_bench, cmd_bench_serve
+    from irminsul.cli import build_parser
+    from irminsul.cli.bench import cmd_bench, cmd_bench_serve
 
     parse = build_parser().parse_args
     assert parse(["bench"]).func is cmd_bench
@@ -117,7 +118,7 @@ def test_plain_bench_is_still_the_engine_replay() -> None:
 
 def test_failed_calls_are_said_and_a_replay_without_any_answer_is_an_error(
         capsys: pytest.CaptureFixture) -> None:
-    from irminsul.cli import _warn_failed_calls
+    from irminsul.cli.bench import _warn_failed_calls
 
     calls = [{"error": None}, {"error": "HTTP 429: too many"}, {"error": "HTTP 500: boom"}]
     _warn_failed_calls({"workload": "w", "modes": {"live": {"calls": calls}}})
