@@ -241,14 +241,20 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
+def missing_tensors(path: str | os.PathLike, names: set[str]) -> CheckpointError:
+    """The error for a checkpoint that lacks tensors ``names`` (the first five named)."""
+    missing = sorted(names)
+    more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+    return CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+
+
 def install(model: MLAModel, state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
             path: str | os.PathLike) -> None:
     """Put the read tensors ``state`` into ``model`` (built on the meta device), refusing with
     the missing tensors' names if any of ``expected`` was not read; tied embeddings re-tied."""
-    missing = sorted(set(expected) - set(state))
+    missing = set(expected) - set(state)
     if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+        raise missing_tensors(path, missing)
     tied = model.config.tie_word_embeddings
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:

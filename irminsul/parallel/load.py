@@ -38,6 +38,7 @@ from ..model.loader import (
     float8_scale,
     install,
     keep_float8_linears,
+    missing_tensors,
     scale_file,
     used_tensors,
 )
@@ -70,12 +71,18 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     slices = _Slices(config, rank, world)
+    # The stacked experts are filled row by row from per-expert tensors: each one this rank
+    # keeps must be read, or its row would be left as whatever the allocation held.
+    owed = {f"{stacked[:-len('.w13')]}.experts.{e}.{proj}_proj.weight"
+            for stacked in expected if stacked.endswith(".mlp.w13")
+            for e in slices.experts for proj in ("gate", "up", "down")}
     state: dict[str, torch.Tensor] = {}
     for name, read in _tensors(Path(path), config, kept):
         target = torch.float32 if name.endswith(FP32_PARAMS) else dtype
         expert = _EXPERT.match(name)
         if expert is not None:
             _place_expert(state, expected, expert, read, slices, target, device, path)
+            owed.discard(name)
             continue
         if name not in expected:
             raise CheckpointError(f"{path}: unexpected tensor {name}")
@@ -91,6 +98,8 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
             # A kept weight stays float8 and its scales float32 (read.scale gives them so).
             kind = target if part == name and not read.kept else tensor.dtype
             state[part] = tensor.to(device=device, dtype=kind)
+    if owed:
+        raise missing_tensors(path, owed)
     install(model, state, expected, path)
     audit_rotary(model.rotary, config)
     return model.eval()

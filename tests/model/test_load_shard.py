@@ -213,20 +213,41 @@ def test_refused_splits_and_ranks(checkpoints) -> None:
         load_shard(checkpoints["v2"], 2, 2)
 
 
-def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path) -> None:
+def _without(source, tmp_path, pick) -> tuple:  # noqa: ANN001
+    """A copy of checkpoint ``source`` without the first tensor whose name ``pick`` accepts."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    source = checkpoints["v2"]
     broken = tmp_path / "broken"
     shutil.copytree(source, broken)
     tensors = load_file(str(broken / "model.safetensors"))
-    name = next(n for n in tensors if n.endswith("mlp.gate_proj.weight") and "layers.0." in n)
+    name = next(n for n in sorted(tensors) if pick(n))
     del tensors[name]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="missing tensors"):
+    return broken, name
+
+
+def test_a_missing_dense_tensor_is_named(checkpoints, tmp_path) -> None:
+    broken, name = _without(checkpoints["v2"], tmp_path,
+                            lambda n: n.endswith("mlp.gate_proj.weight") and "layers.0." in n)
+    with pytest.raises(CheckpointError, match=f"missing tensors {name}"):
         load_shard(broken, 0, 2)
+
+
+@pytest.mark.parametrize("proj", ["gate", "up", "down"])
+def test_a_missing_expert_tensor_is_named_by_the_rank_that_keeps_it(checkpoints, tmp_path,
+                                                                    proj: str) -> None:
+    """Expert 0 of a MoE layer is rank 0's of 2: rank 0 refuses the checkpoint, naming the
+    tensor (its stacked row would otherwise hold whatever the allocation held); rank 1 never
+    reads it and loads."""
+    broken, name = _without(checkpoints["v2"], tmp_path,
+                            lambda n: n.endswith(f"mlp.experts.0.{proj}_proj.weight"))
+    with pytest.raises(CheckpointError, match=f"missing tensors {name}"):
+        load_shard(broken, 0, 2)
+    load_shard(broken, 1, 2)
+    with pytest.raises(CheckpointError, match=f"missing tensors {name}"):
+        load_model(broken)  # the whole model: the reference's own check
 
 
 def test_a_loaded_share_is_not_split_again(checkpoints) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -329,6 +330,39 @@ def test_a_follower_killed_during_the_gate_stops_the_server(tmp_path: Path) -> N
     assert ("running the PIC gate" in errors[0]
             or "opening an engine on the ranks" in errors[0]), errors[0]
     assert "Stopping the server" in errors[0]
+
+
+def test_rank_0_failing_to_load_its_share_stops_the_followers(model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """A checkpoint missing one of the experts rank 0 keeps (experts 0-3 of 8 on 2 ranks): rank 1
+    loads its share, rank 0 fails on its own; the server exits with status 1, one error names
+    the missing tensor, and the follower is gone."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    missing = "model.layers.1.mlp.experts.0.down_proj.weight"
+    del weights[missing]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "irminsul.cli", "serve", "--model", str(broken), *SERVE,
+             "--tensor-parallel", "2", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        assert process.wait(START_S) == 1, server.text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    [follower] = server.followers()
+    wait_until(lambda: not follower_alive(follower), 10, "the follower's exit")
+    errors = [line for line in server.text().splitlines()
+              if "ERROR irminsul.parallel.serving" in line]
+    assert len(errors) == 1, server.text()[-3000:]
+    assert "rank 0 failed while" in errors[0] and missing in errors[0], errors[0]
 
 
 def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Path) -> None:
