@@ -332,17 +332,18 @@ def test_a_follower_killed_during_the_gate_stops_the_server(tmp_path: Path) -> N
     assert "Stopping the server" in errors[0]
 
 
-def test_rank_0_failing_to_load_its_share_stops_the_followers(model_dir: Path,
-                                                              tmp_path: Path) -> None:
-    """A checkpoint missing one of the experts rank 0 keeps (experts 0-3 of 8 on 2 ranks): rank 1
-    loads its share, rank 0 fails on its own; the server exits with status 1, one error names
-    the missing tensor, and the follower is gone."""
+@pytest.mark.parametrize("expert, rank", [(0, 0), (7, 1)])
+def test_a_rank_failing_to_load_its_share_stops_the_server(model_dir: Path, tmp_path: Path,
+                                                           expert: int, rank: int) -> None:
+    """A checkpoint missing one expert (experts 0-3 are rank 0's of 2, 4-7 rank 1's): the rank
+    that keeps it fails at startup, the other loads its share; the server exits with status 1,
+    one error names the rank and the missing tensor, and the follower is gone."""
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     weights = load_file(broken / "model.safetensors")
-    missing = "model.layers.1.mlp.experts.0.down_proj.weight"
+    missing = f"model.layers.1.mlp.experts.{expert}.down_proj.weight"
     del weights[missing]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     port, log = free_port(), tmp_path / "serve.log"
@@ -362,7 +363,7 @@ def test_rank_0_failing_to_load_its_share_stops_the_followers(model_dir: Path,
     errors = [line for line in server.text().splitlines()
               if "ERROR irminsul.parallel.serving" in line]
     assert len(errors) == 1, server.text()[-3000:]
-    assert "rank 0 failed while" in errors[0] and missing in errors[0], errors[0]
+    assert f"rank {rank}" in errors[0] and missing in errors[0], errors[0]
 
 
 def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Path) -> None:
