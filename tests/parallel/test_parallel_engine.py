@@ -40,7 +40,6 @@ def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
     leader_module.Engine = Recorded
     forwards = follow(model, group)
     [engine] = opened
-    # By value: a tensor on the results queue is read from this process, which has ended.
     return dict(forwards=forwards, pool=(engine.pool.ckv.numpy(), engine.pool.kr.numpy()))
 
 

@@ -231,22 +231,30 @@ def test_the_serving_benchmark_drives_a_tensor_parallel_fp8_server(tmp_path: Pat
     assert report["modes"]["live"]["summary"]["pic_cached_tokens"] > 0
 
 
+def signal_mid_stream(server: Server, pid: int, sig: signal.Signals, *, timeout: float
+                      ) -> tuple[list[str], float]:
+    """Stream a long greedy reply and send ``sig`` to ``pid`` once its first content arrives;
+    the stream's events to its end, and when the signal was sent."""
+    events, sent = [], None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=timeout, json={
+            "model": "tiny", "messages": SHORT, "max_tokens": 1500,
+            "temperature": 0, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+            if sent is None and '"content"' in line:  # mid-generation
+                os.kill(pid, sig)
+                sent = time.monotonic()
+    assert sent is not None, events
+    return events, sent
+
+
 def test_a_killed_follower_stops_the_server_and_fails_the_request(model_dir: Path,
                                                                   tmp_path: Path) -> None:
     with tensor_parallel(model_dir, tmp_path / "serve.log") as server:
         [follower] = server.followers()
-        events, killed = [], None
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30, json={
-                "model": "tiny", "messages": SHORT, "max_tokens": 1500,
-                "temperature": 0, "stream": True}) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line.removeprefix("data: "))
-                if killed is None and '"content"' in line:  # mid-generation: kill the follower
-                    os.kill(follower, signal.SIGKILL)
-                    killed = time.monotonic()
-        assert killed is not None, events
+        events, killed = signal_mid_stream(server, follower, signal.SIGKILL, timeout=30)
         assert events[-1] == "[DONE]"
         assert '"error"' in events[-2] and "engine_error" in events[-2], events[-3:]
         assert sum('"content"' in event for event in events) < 1000  # cut short, not finished
@@ -272,19 +280,8 @@ def test_a_hung_follower_stops_the_server_after_the_collective_timeout(model_dir
     with tensor_parallel(model_dir, tmp_path / "serve.log",
                          extra=["--collective-timeout", "3"]) as server:
         [follower] = server.followers()
-        events, stopped = [], None
         try:
-            with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
-                    "model": "tiny", "messages": SHORT, "max_tokens": 1500,
-                    "temperature": 0, "stream": True}) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line.removeprefix("data: "))
-                    if stopped is None and '"content"' in line:
-                        os.kill(follower, signal.SIGSTOP)
-                        stopped = time.monotonic()
-            assert stopped is not None, events
+            events, stopped = signal_mid_stream(server, follower, signal.SIGSTOP, timeout=60)
             assert '"error"' in events[-2] and "engine_error" in events[-2], events[-3:]
             status = server.process.wait(60)
             elapsed = time.monotonic() - stopped
