@@ -58,6 +58,14 @@ def add_command(sub: argparse._SubParsersAction, name: str, summary: str, *, tok
     return parser
 
 
+def device_options(parser: argparse.ArgumentParser) -> None:
+    """Where a command that runs the model runs it: --device and --dtype."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="torch device to run the model on (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV (default float32)")
+
+
 def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> None:
     """Options of the commands that run a model over a workload log."""
     parser.add_argument("--model", metavar="DIR|REPO",
@@ -74,10 +82,7 @@ def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> No
     parser.add_argument("--slots", type=int, default=None,
                         help="KV pool size per engine in tokens (default: the whole workload, "
                              "so nothing is evicted)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="torch device to run the model on (default cpu)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="weights and KV (default float32)")
+    device_options(parser)
 
 
 def repair_options(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from .common import (
     GATE,
     add_command,
     built_workloads,
+    device_options,
     model_dir_of,
     model_renderer,
     model_workload_options,
@@ -155,7 +156,4 @@ def _run_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR|REPO",
                         help="Hugging Face checkpoint directory or Hub repo id[@revision] "
                              "(default: the embedded default model)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="torch device to run the model on (default cpu)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="weights and KV (default float32)")
+    device_options(parser)
