@@ -133,3 +133,30 @@ def test_a_schedule_resumed_from_its_state_trains_as_one_run(corpus, tmp_path) -
     # The first call's weights are not the end's: the second call trained.
     c = load_file(tmp_path / "first" / "model.safetensors")
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_single_bos_windows_keep_the_stream_without_interior_bos() -> None:
+    """``--single-bos``: each window is BOS, then the token stream from its offset with every BOS
+    left out (checked against a plain Python walk of the stream), wrapping at the end of the
+    file; the default windows keep every packed document's BOS."""
+    bos, seq_len = 1, 12
+    docs = [[bos, *range(10, 10 + n), 2] for n in (3, 9, 1, 5, 7, 2, 4)]
+    tokens = np.asarray([t for d in docs for t in d], dtype=np.uint16)
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+    single = train_default_model.BosWindows(tokens, starts, seq_len, bos,
+                                            np.random.default_rng(0), single_bos=True)
+    plain = train_default_model.BosWindows(tokens, starts, seq_len, bos,
+                                           np.random.default_rng(0))
+    assert single.offsets.size > 2
+    seen_interior = False
+    for o in single.offsets.tolist():
+        window = single._single_bos_window(o)
+        expected, i = [], o + 1 if tokens[o] == bos else o
+        while len(expected) < seq_len:
+            if int(tokens[i % tokens.size]) != bos:
+                expected.append(int(tokens[i % tokens.size]))
+            i += 1
+        assert window.tolist() == [bos, *expected]
+        default = plain.take()
+        seen_interior |= bool((default[1:] == bos).any())
+    assert seen_interior  # the stream does pack several documents into a window

@@ -166,6 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--agent-data", type=Path, default=ROOT / ".retrain" / "agent")
     parser.add_argument("--agent-share", type=float, default=0.2)
     parser.add_argument("--arch", default="sink")
+    parser.add_argument("--single-bos", action="store_true",
+                        help="a window's only BOS at position 0 (train_default_model.py)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "--minutes", str(args.minutes), "--deadline", str(deadline),
                   "--checkpoint-minutes", str(args.checkpoint_minutes),
                   "--eval-windows", str(args.loss_windows), "--device", args.device]
+    if args.single_bos:
+        train_args.append("--single-bos")
     if args.steps:
         train_args += ["--steps", str(args.steps)]
     if args.state:

@@ -115,8 +115,9 @@ class BosWindows:
     a time, so a run covers the data evenly."""
 
     def __init__(self, tokens: np.ndarray, starts: np.ndarray, seq_len: int, bos: int,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, single_bos: bool = False) -> None:
         self.tokens, self.seq_len, self.bos, self.rng = tokens, seq_len, bos, rng
+        self.single_bos = single_bos
         self.offsets = window_offsets(starts, tokens.size, seq_len)
         if not self.offsets.size:
             raise ValueError(f"{tokens.size} tokens: too few for one window of {seq_len}")
@@ -129,9 +130,26 @@ class BosWindows:
             self.passes += 1
         o = int(self.offsets[self.order[self.next_index]])
         self.next_index += 1
+        if self.single_bos:
+            return self._single_bos_window(o)
         if self.tokens[o] == self.bos:
             return self.tokens[o:o + self.seq_len + 1]
         return np.concatenate([[self.bos], self.tokens[o:o + self.seq_len]]).astype(np.uint16)
+
+    def _single_bos_window(self, o: int) -> np.ndarray:
+        """BOS, then the next ``seq_len`` tokens from ``o`` with every BOS dropped: the documents
+        packed after the first keep their EOS boundary but not their BOS, so position 0 holds
+        the window's only BOS, as in every served prompt. (Each packed document's BOS is
+        otherwise a second first-token-like key the sink's attention can spread over.) Past the
+        end of the file the stream wraps to its start."""
+        start = o + 1 if self.tokens[o] == self.bos else o
+        kept = np.empty(0, dtype=np.uint16)
+        while kept.size < self.seq_len:
+            end = min(start + 2 * (self.seq_len - kept.size), self.tokens.size)
+            piece = self.tokens[start:end]
+            kept = np.concatenate([kept, piece[piece != self.bos]])
+            start = end if end < self.tokens.size else 0
+        return np.concatenate([[self.bos], kept[:self.seq_len]]).astype(np.uint16)
 
     def progress(self) -> float:
         """Passes over this source so far (fractional)."""
@@ -327,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer dir (default DATA/tokenizer)")
     parser.add_argument("--bos-windows", action="store_true",
                         help="every window opens with BOS (BosWindows); eval windows at doc starts")
+    parser.add_argument("--single-bos", action="store_true",
+                        help="with --bos-windows: drop the BOS of every document packed after "
+                        "the first, so a window's only BOS is at position 0")
     parser.add_argument("--agent-data", type=Path, help="second corpus dir (agent renders)")
     parser.add_argument("--agent-share", type=float, default=0.2,
                         help="fraction of training windows from --agent-data")
@@ -386,12 +407,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.bos_windows or args.agent_data:
         rng = np.random.default_rng(args.seed)
         windows.append(BosWindows(train, np.load(args.data / "train.starts.npy"), args.seq_len, bos,
-                                  rng))
+                                  rng, args.single_bos))
         shares = [1.0]
         if args.agent_data:
             agent = np.fromfile(args.agent_data / "train.bin", dtype=np.uint16)
             windows.append(BosWindows(agent, np.load(args.agent_data / "train.starts.npy"),
-                                      args.seq_len, bos, rng))
+                                      args.seq_len, bos, rng, args.single_bos))
             shares = [1 - args.agent_share, args.agent_share]
             log(f"agent data: {agent.size:,} train tokens, {args.agent_share:.0%} of windows")
         batches = MixedBatches(windows, shares, args.seed)
