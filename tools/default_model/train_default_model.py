@@ -52,6 +52,12 @@ ARCHS = {
                  qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, intermediate_size=1536,
                  moe_intermediate_size=192, n_routed_experts=8, n_shared_experts=1,
                  num_experts_per_tok=2, max_position_embeddings=16384),
+    # "sink" with DeepSeek-V2-Lite's 16 heads (more heads per layer, more of them free to idle on
+    # a sink); experts narrowed to 160 to stay under ~30M parameters (28.3M, 56.5 MB in bf16).
+    "sink16": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=16, kv_lora_rank=128,
+                   qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, intermediate_size=1536,
+                   moe_intermediate_size=160, n_routed_experts=8, n_shared_experts=1,
+                   num_experts_per_tok=2, max_position_embeddings=16384),
     # For CPU smoke tests only.
     "micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16,
                   qk_rope_head_dim=2, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64,
