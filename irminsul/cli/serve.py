@@ -194,8 +194,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--store-model-id", default=SERVER.store.model_id, metavar="NAME",
                        help="the model's name in the store's keys: engines share values only "
                             "under the same one (default: a hash of the config, the KV dtype "
-                            "and a sample of the weights this process holds, which under "
-                            "--tensor-parallel is rank 0's share)")
+                            "and a sample of the weights; the same at any --tensor-parallel "
+                            "up to 8)")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -103,6 +103,41 @@ def check_divisible(config: MLAConfig, world: int) -> None:
             raise ValueError(f"{name} ({value}) does not split evenly over {world} ranks")
 
 
+def split_dims(model: MLAModel) -> dict[str, int]:
+    """The dimension along which tensor parallel splits each weight of ``model`` that it splits,
+    by state-dict name (the rest are whole on every rank). A property of the architecture: the
+    same for a whole model and for any rank's share of it. Rank 0's share of such a weight is
+    its leading ``1/world`` along that dimension."""
+    dims: dict[str, int] = {}
+
+    def linear(name: str, module: nn.Module, dim: int) -> None:
+        for param in ("weight", "weight_scale_inv") + (("bias",) if dim == 0 else ()):
+            if getattr(module, param, None) is not None:
+                dims[f"{name}.{param}"] = dim
+
+    def mlp(name: str, module: MLP) -> None:
+        linear(f"{name}.gate_proj", module.gate_proj, 0)
+        linear(f"{name}.up_proj", module.up_proj, 0)
+        linear(f"{name}.down_proj", module.down_proj, 1)
+
+    names = {module: name for name, module in model.named_modules()}
+    for layer in model.model.layers:  # as shard_weights walks them
+        attn = layer.self_attn
+        q = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+        linear(f"{names[attn]}.{q}", getattr(attn, q), 0)
+        linear(f"{names[attn]}.kv_b_proj", attn.kv_b_proj, 0)
+        linear(f"{names[attn]}.o_proj", attn.o_proj, 1)
+        if isinstance(layer.mlp, MoE):
+            for param in ("w13", "w2", "w13_scale_inv", "w2_scale_inv"):
+                if getattr(layer.mlp, param, None) is not None:
+                    dims[f"{names[layer.mlp]}.{param}"] = 0
+            if layer.mlp.shared_experts is not None:
+                mlp(names[layer.mlp.shared_experts], layer.mlp.shared_experts)
+        else:
+            mlp(names[layer.mlp], layer.mlp)
+    return dims
+
+
 def share_of(size: int, rank: int, world: int) -> slice:
     """Rank ``rank`` of ``world``'s even share of ``size`` rows, heads or experts."""
     part = size // world

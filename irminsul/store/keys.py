@@ -18,9 +18,11 @@ import torch
 import xxhash
 
 from ..model import MLAModel
+from ..parallel.shard import split_dims
 from .value import VERSION
 
 SAMPLE = 4096  # elements of each weight tensor the identity hashes, evenly spaced
+LARGEST_WORLD = 8  # tensor-parallel sizes up to this give one model one identity (a host's GPUs)
 
 
 def model_identity(model: MLAModel, kv_dtype: torch.dtype) -> int:
@@ -28,13 +30,31 @@ def model_identity(model: MLAModel, kv_dtype: torch.dtype) -> int:
     sample of every weight (names, shapes, dtypes and ``SAMPLE`` values each). Two checkpoints
     that differ anywhere a fine-tune changes weights differ here; one where only a handful of
     weights differ might not (give ``StoreConfig.model_id`` then). Cheap at any size: the
-    samples are gathered on the weights' device and read back once."""
-    digest = xxhash.xxh3_64(json.dumps(dataclasses.asdict(model.config), sort_keys=True,
+    samples are gathered on the weights' device and read back once.
+
+    The same under tensor parallel at any world size up to ``LARGEST_WORLD`` (rank 0 computes
+    it from its share): the config and shapes are the whole model's, and a weight that tensor
+    parallel splits is sampled from its leading ``1/LARGEST_WORLD`` along the split, which
+    rank 0 holds whatever the split. So engines serving one checkpoint at different sizes
+    share the store."""
+    world = model.shard[1] if model.shard is not None else 1
+    if world > LARGEST_WORLD:
+        raise ValueError(f"the store's model identity covers tensor-parallel sizes up to "
+                         f"{LARGEST_WORLD}, not {world}: give StoreConfig.model_id")
+    config = dataclasses.replace(model.config,
+                                 num_attention_heads=model.config.num_attention_heads * world)
+    digest = xxhash.xxh3_64(json.dumps(dataclasses.asdict(config), sort_keys=True,
                                        default=str).encode())
     digest.update(str(kv_dtype).encode())
+    dims = split_dims(model)
     samples = []
     for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        shape = list(tensor.shape)
+        if name in dims:
+            dim = dims[name]
+            shape[dim] *= world
+            tensor = tensor.narrow(dim, 0, shape[dim] // LARGEST_WORLD)
+        digest.update(f"{name}:{tuple(shape)}:{tensor.dtype};".encode())
         flat = tensor.detach().reshape(-1)
         if flat.numel():
             step = max(1, flat.numel() // SAMPLE)
