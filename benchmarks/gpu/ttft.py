@@ -15,6 +15,7 @@ Run by ``benchmarks/gpu/suite.py``; the requests come from :mod:`shift_prompts`.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -69,13 +70,15 @@ def ideal(engine: Engine, reference: Sequence, request: ShiftRequest) -> None:
     engine.finish(seq, remember=False)
 
 
-def ttft_cell(model: MLAModel, requests: list[ShiftRequest], warmup: int) -> dict[str, Any]:
+def ttft_cell(model: MLAModel, requests: list[ShiftRequest], warmup: int,
+              make_engine: Callable[..., Engine] = Engine) -> dict[str, Any]:
     """TTFT p50/p95 per mode and the share of prompt tokens each cache served, over the
-    requests after the first ``warmup`` (which fill the caches)."""
+    requests after the first ``warmup`` (which fill the caches). ``make_engine``: builds each
+    mode's engine (tensor parallel's leader: over its shard, on every rank)."""
     device = _device(model)
     length = requests[0].prompt.size
     small, large = 4 * length + 64, cache_slots(length, len(requests))  # without, with reuse
-    engines = {name: Engine(model, EngineConfig(slots=slots, mode=mode))
+    engines = {name: make_engine(model, EngineConfig(slots=slots, mode=mode))
                for name, mode, slots in (("no cache", "off", small), ("exact prefix", "off", large),
                                          ("PIC live", "live", large), ("ideal", "off", small))}
     times: dict[str, list[float]] = {name: [] for name in MODES}
@@ -99,6 +102,7 @@ def ttft_cell(model: MLAModel, requests: list[ShiftRequest], warmup: int) -> dic
     engines["ideal"].finish(reference, remember=False)
     for engine in engines.values():
         engine.check()
+        engine.close()  # under tensor parallel, the followers' pools are freed too
     result: dict[str, Any] = {"prompt_tokens": length, "requests": len(requests) - warmup,
                               "warmup": warmup}
     result.update({name: percentiles(values, 1e3) for name, values in times.items()})

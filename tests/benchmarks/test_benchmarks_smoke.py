@@ -158,20 +158,24 @@ def test_tp_messages_runs(tmp_path: Path) -> None:
     assert all(row["broadcast_ms"] > 0 for row in rows.values())
 
 
-def test_tensor_parallel_decode_runs_on_float8_shares(tmp_path: Path) -> None:
-    """benchmarks/gpu/tp_decode.py CPU-sized: two gloo ranks, random float8 shares of a small
-    FP8 config; the floor counts only rank 0's experts (at most its 4 of 8 per layer)."""
+def test_tensor_parallel_suite_runs_on_float8_shares(tmp_path: Path) -> None:
+    """benchmarks/gpu/tp_suite.py CPU-sized: two gloo ranks, random float8 shares of a small
+    FP8 config cut to one layer; the floor counts only rank 0's experts (at most its 4 of 8 per
+    layer); the TTFT cell serves the shared body through PIC."""
     from fixtures.fp8_config import small_fp8_config
 
     config = small_fp8_config(tmp_path)
     out = tmp_path / "tp.json"
-    subprocess.run([sys.executable, "tp_decode.py", "--device", "cpu", "--world", "2",
-                    "--config", str(config), "--keep-fp8", "--batches", "3", "--contexts", "32",
-                    "--steps", "2", "--warmup", "1", "--out", str(out)],
+    subprocess.run([sys.executable, "tp_suite.py", "--device", "cpu", "--world", "2",
+                    "--config", str(config), "--layers", "2", "--keep-fp8", "--batches", "3",
+                    "--contexts", "32", "--steps", "2", "--warmup", "1", "--lengths", "256",
+                    "--requests", "2", "--ttft-warmup", "1", "--out", str(out)],
                    check=True, cwd=ROOT / "benchmarks" / "gpu", timeout=300,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     result = json.loads(out.read_text())
-    assert (result["world"], result["keep_fp8"]) == (2, True)
+    assert (result["world"], result["keep_fp8"], result["layers"]) == (2, True, 2)
+    [ttft] = result["ttft"]
+    assert ttft["prompt_tokens"] == 256 and ttft["served"]["PIC live via PIC"] > 0.3, ttft
     [cell] = result["cells"]
     assert (cell["batch"], cell["context"]) == (3, 32) and cell["tokens_per_s"] > 0
     assert 0 < cell["experts_touched_per_layer"] <= 4

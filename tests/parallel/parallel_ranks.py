@@ -1,9 +1,9 @@
-"""Run a function on W gloo ranks, each its own process, and collect what each returned or raised.
+"""Run a function on W ranks, each its own process, and collect what each returned or raised.
 
-Each rank joins a group at a port the OS just gave out, runs ``fn(group, *args)`` on one torch
-thread, and puts its result (or its error's type and message) on a queue. The whole run has a
-deadline: a rank still running past it is killed and the run fails, so a hang fails a test
-instead of blocking CI.
+Each rank joins a group at a port the OS just gave out (gloo on CPUs; on CUDA, rank r on GPU r
+over NCCL), runs ``fn(group, *args)`` on one torch thread, and puts its result (or its error's
+type and message) on a queue. The whole run has a deadline: a rank still running past it is
+killed and the run fails, so a hang fails a test instead of blocking CI.
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable, rank: int, config: ParallelConfig, address: str, args: tuple,
-               results: mp.Queue) -> None:
+               results: mp.Queue, device: str) -> None:
     torch.set_num_threads(1)  # the test machine's cores are shared: one thread per rank
     try:
-        group = init(rank, config, address)
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        group = init(rank, config, address, device=f"cuda:{rank}" if device == "cuda" else "cpu")
         value = fn(group, *args)
     except RankFailure as err:  # the group is broken: report, then end as a server would
         results.put((rank, None, f"{type(err).__name__}: {err}"))
@@ -64,17 +66,20 @@ def _rank_main(fn: Callable, rank: int, config: ParallelConfig, address: str, ar
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 30.0,
-              wait_for: Collection[int] | None = None) -> list[Outcome]:
+              wait_for: Collection[int] | None = None, device: str = "cpu") -> list[Outcome]:
     """``fn(group, *args)`` on ``world`` ranks; each rank's :class:`Outcome`, by rank. ``fn``
     must be importable by name (a module-level function). Fails if a rank of ``wait_for``
     (default: all) is still running after ``timeout_s``; the others are killed once those
-    have reported."""
+    have reported. ``device``: ``cpu`` (gloo) or ``cuda`` (rank r on GPU r, NCCL; the rank's
+    current device is set, so ``fn`` places its tensors with ``device="cuda"``)."""
     wait_for = set(range(world) if wait_for is None else wait_for)
     context = mp.get_context("spawn")
     results = context.Queue()
-    config = ParallelConfig(world_size=world, backend="gloo", timeout_s=collective_timeout_s)
+    config = ParallelConfig(world_size=world, backend="gloo" if device == "cpu" else None,
+                            timeout_s=collective_timeout_s)
     address = f"tcp://127.0.0.1:{free_port()}"
-    procs = [context.Process(target=_rank_main, args=(fn, r, config, address, args, results),
+    procs = [context.Process(target=_rank_main, args=(fn, r, config, address, args, results,
+                                                               device),
                              daemon=True) for r in range(world)]
     for p in procs:
         p.start()

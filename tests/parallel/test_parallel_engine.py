@@ -40,18 +40,19 @@ def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
     leader_module.Engine = Recorded
     forwards = follow(model, group)
     [engine] = opened
-    return dict(forwards=forwards, pool=(engine.pool.ckv.numpy(), engine.pool.kr.numpy()))
+    return dict(forwards=forwards,
+                pool=(engine.pool.ckv.cpu().numpy(), engine.pool.kr.cpu().numpy()))
 
 
-def serve(group: ParallelGroup, case: str) -> dict:
-    model = tiny_model(case, layers=1, seed=4)
+def serve(group: ParallelGroup, case: str, device: str = "cpu") -> dict:
+    model = tiny_model(case, layers=1, seed=4).to(device)
     source, source_resets, target, target_resets = shifted_docs()
     # The reference: the unsharded model recomputing the whole target, and greedy decoding by
     # recomputation (the same on every rank: built from the same seed).
-    full = model.logits(torch.from_numpy(target))[-1]
+    full = model.logits(torch.from_numpy(target).to(device))[-1]
     ids, greedy = [int(t) for t in target], []
     for _ in range(4):
-        greedy.append(int(model.logits(torch.tensor(ids))[-1].argmax()))
+        greedy.append(int(model.logits(torch.tensor(ids, device=device))[-1].argmax()))
         ids.append(greedy[-1])
     shard_model(model, group)
     if not group.leader:
@@ -70,15 +71,22 @@ def serve(group: ParallelGroup, case: str) -> dict:
         engine.runner.stop(f"{type(err).__name__}: {err}")
         raise
     engine.runner.stop()
-    return dict(error=float((last - full).abs().max()), pic_tokens=seq.stats.pic_tokens, out=out,
-                greedy=greedy, pool=(engine.pool.ckv.numpy().copy(), engine.pool.kr.numpy().copy()))
+    return dict(error=float((last - full).abs().max()), spread=float(full.std()),
+                pic_tokens=seq.stats.pic_tokens, out=out, greedy=greedy,
+                pool=(engine.pool.ckv.cpu().numpy().copy(), engine.pool.kr.cpu().numpy().copy()))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")])])
 @pytest.mark.parametrize("case", ["v2_lite_like", "v3_like"])
-def test_one_layer_live_pic_under_tensor_parallel_equals_recomputation(case: str) -> None:
-    leader, *followers = values(run_ranks(serve, 2, case, timeout_s=300))
+def test_one_layer_live_pic_under_tensor_parallel_equals_recomputation(case: str,
+                                                                       device: str) -> None:
+    """On CUDA the engine runs the Triton kernels (fp32 inputs, but their tile products in TF32,
+    10-bit mantissas: ~1e-3 relative), against the reference's torch path."""
+    leader, *followers = values(run_ranks(serve, 2, case, device, timeout_s=300, device=device))
     assert leader["pic_tokens"] >= 300, leader["pic_tokens"]  # the documents were reused
-    assert leader["error"] <= 1e-5, leader["error"]
+    assert leader["error"] <= (1e-5 if device == "cpu" else 1e-2 * leader["spread"]), leader
     assert leader["out"] == leader["greedy"]
     for follower in followers:
         assert follower["forwards"] > 0

@@ -1,6 +1,7 @@
 """Tensor-parallel attention and expert-parallel MoE on 2 and 4 gloo ranks give the logits of one
 process (1e-5, fp32), through the full forward and through the paged forward the engine drives,
-for tiny DeepSeek-V2 and V3 models; every rank holds the same latent pool as one process."""
+for tiny DeepSeek-V2 and V3 models; every rank holds the same latent pool as one process. On a
+host with two GPUs, the same over NCCL."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ CASES = {
 TOKENS = 24
 
 
-def compare(group: ParallelGroup) -> dict:
+def compare(group: ParallelGroup, device: str = "cpu") -> dict:
     """Each case's largest differences from the unsharded model on this rank."""
     out = {}
     for name, (case, overrides) in CASES.items():
-        model = tiny_model(case, seed=1, **overrides)
-        ids = torch.randint(0, 97, (TOKENS,), generator=torch.Generator().manual_seed(2))
+        model = tiny_model(case, seed=1, **overrides).to(device)
+        ids = torch.randint(0, 97, (TOKENS,), generator=torch.Generator().manual_seed(2)).to(device)
         full = model.logits(ids)
         paged, ckv, kr = paged_logits(model, ids, prefill=12, span=6)
         shard_model(model, group)
@@ -48,7 +49,7 @@ def compare(group: ParallelGroup) -> dict:
             unsummed=float((unsummed - full).abs().max()),
             spread=float(full.std()),
             heads=model.config.num_attention_heads,
-            logits=tp_full)
+            logits=tp_full.cpu())
     return out
 
 
@@ -68,6 +69,22 @@ def test_sharded_ranks_match_one_process(world: int) -> None:
         # The all-reduce gives every rank the same bits: the replicated state cannot drift.
         for result in ranks[1:]:
             assert torch.equal(result[name]["logits"], ranks[0][name]["logits"]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_nccl_ranks_match_one_process() -> None:
+    """Two GPUs over NCCL: each rank's logits and pool equal one process's on its GPU (the torch
+    path in fp32, TF32 off: 1e-5), and both ranks' logits are equal bit for bit (NCCL's
+    all-reduce gives every rank the same sum, as gloo's does)."""
+    ranks = values(run_ranks(compare, 2, "cuda", timeout_s=300, device="cuda"))
+    for name in CASES:
+        for rank, r in enumerate(ranks):
+            assert r["spread"] > 0.5, (name, r["spread"])
+            assert r["full"] <= 1e-5 and r["paged"] <= 1e-5 and r["pool"] <= 1e-5, (name, rank, r)
+            assert r["unsummed"] > 1e-2, (name, rank, r)
+            assert r["heads"] == 2
+        assert torch.equal(ranks[1][name]["logits"], ranks[0][name]["logits"]), name
 
 
 def moe_kernel_logits(group: ParallelGroup) -> dict:

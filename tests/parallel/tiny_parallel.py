@@ -43,13 +43,13 @@ def paged_logits(model: MLAModel, ids: torch.Tensor, prefill: int, span: int
     the forwards wrote."""
     config = model.config
     n = int(ids.shape[0])
-    ckv = torch.zeros(config.num_hidden_layers, n, config.kv_lora_rank)
-    kr = torch.zeros(config.num_hidden_layers, n, config.qk_rope_head_dim)
+    ckv = torch.zeros(config.num_hidden_layers, n, config.kv_lora_rank, device=ids.device)
+    kr = torch.zeros(config.num_hidden_layers, n, config.qk_rope_head_dim, device=ids.device)
     steps = [(0, prefill), (prefill, prefill + span)] + [(p, p + 1) for p in range(prefill + span, n)]
     out = []
     for start, stop in steps:
-        new = torch.arange(start, stop)
-        context = torch.arange(start) if start else None
+        new = torch.arange(start, stop, device=ids.device)
+        context = torch.arange(start, device=ids.device) if start else None
         kv = PagedKV(ckv, kr, new, new, None, None, [(slice(0, stop - start), context, context)])
         hidden = model.hidden_paged(ids[start:stop], new, kv)
         out.append(model.head(hidden, [stop - start], None)[0])
