@@ -21,10 +21,8 @@ recomputation of a prompt from scratch and the repair's check forward (``recompu
 whose all-reduces the followers join, and the rows fetched from a shared store
 (:mod:`irminsul.store`), sent with the message so that every pool gets the same ones.
 
-CUDA graphs: every rank's runner captures the same buckets in the same order when its engine
-opens (their all-reduces captured with them), and a forward replays a graph on every rank or on
-none (the choice is a function of the batch alone). What the leader does not do is stage a batch
-ahead of its token ids (:meth:`LeaderRunner.stage`): that would be a second message per step.
+Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
+message per step).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import Engine
 from ..engine.batch import ForwardBatch, Reuse
-from ..engine.model_runner import ModelRunner, resolve_backend
+from ..engine.model_runner import ModelRunner
 from ..model import MLAModel
 from .group import ParallelGroup, RankFailure, broadcast
 from .keys import KeyMirror
@@ -69,10 +67,13 @@ class LeaderRunner(ModelRunner):
     :attr:`doing` names the step in progress (None between steps)."""
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, channel: int,
+                 group: ParallelGroup, channel: int, graphs: bool,
                  on_failure: Callable[[str, BaseException], None] | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(model, ckv, kr, **kwargs)
+        if graphs:
+            raise ValueError("CUDA graphs under tensor parallel are not built yet; run with "
+                             "graphs off")
+        super().__init__(model, ckv, kr, graphs=False, **kwargs)
         self.group, self.channel = group, channel
         self.mirror = KeyMirror()  # the key handles the followers hold (.keys)
         self.on_failure = on_failure
@@ -87,11 +88,6 @@ class LeaderRunner(ModelRunner):
         return self._step("a forward",
                           (FORWARD, self.channel, self.mirror.encode(batch), all_logits),
                           lambda: super(LeaderRunner, self).forward(batch, all_logits=all_logits))
-
-    def stage(self, batch: ForwardBatch) -> None:
-        """Never staged ahead: the engine runs the batch as a plain :meth:`forward`, one message
-        to the followers, each rank then replaying its graph of the batch if it has one."""
-        return None
 
     def write_rows(self, handles: np.ndarray, ckv: torch.Tensor, kr: torch.Tensor) -> None:
         # The rows themselves travel (the shared store's, fetched once by the leader): a
@@ -159,18 +155,14 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
                   timeout_s: float | None = None) -> Engine:
     """An engine of the leader's over its shard ``model`` (:func:`~.shard.shard_model`'s),
     opened on every rank: each follower builds the same engine (``config``, ``runner``'s class)
-    and runs its steps. ``on_failure``: see
+    and runs its steps. The config runs with graphs off. ``on_failure``: see
     :class:`LeaderRunner`; ``timeout_s``: how long the followers may take to be ready (their
-    first engine waits for their loads, and every rank captures its CUDA graphs). Its
-    signature is :class:`~irminsul.engine.Engine`'s after ``group``, so it can stand where an
-    engine is built (the gate, the server)."""
+    first engine waits for their loads). Its signature is :class:`~irminsul.engine.Engine`'s
+    after ``group``, so it can stand where an engine is built (the gate, the server)."""
     if not group.leader:
         raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
     check_sharded(model, group)
-    # Every rank must decide graphs alike (their captures hold the all-reduces): the leader's
-    # resolved choice travels, not a None each rank would resolve on its own.
-    kernels, graphs = resolve_backend(model, config.kernels, config.graphs)
-    config = dataclasses.replace(config, kernels=kernels, graphs=graphs)
+    config = dataclasses.replace(config, graphs=False)
     channel = next(_channels)
     broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)
     leading = _leading(runner)

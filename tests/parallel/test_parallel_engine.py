@@ -13,7 +13,7 @@ from tiny_parallel import tiny_model
 
 from irminsul.config import CacheConfig, EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
-from irminsul.parallel import ParallelGroup, follow, leader_engine, release, shard_model
+from irminsul.parallel import ParallelGroup, follow, leader_engine, shard_model
 from irminsul.parallel import leader as leader_module
 
 CONFIG = EngineConfig(mode="live", slots=1200)
@@ -151,70 +151,3 @@ def test_repair_and_audit_run_on_every_rank(case: str) -> None:
         k: reference[k] for k in ("tokens", "pic_tokens", "computed", "ran", "audited")}
     assert got["kl"] == pytest.approx(reference["kl"], rel=1e-4, abs=1e-9)
     assert follower["forwards"] > 0
-
-
-FORCED = [5, 17, 42, 8, 91, 23, 60, 3]  # decode inputs fed to both runs (no argmax ties to flip)
-
-
-def graph_runs(group: ParallelGroup) -> dict:
-    """A one-layer bf16 model of 32 heads (16 a rank: the graphs' blocks) on two GPUs: the
-    shifted documents, then decode steps, through the leader's engine with CUDA graphs off, then
-    on; each step's logits, the replays, and every rank's pool. The reference: the unsharded
-    model's full recomputation (torch path) of the target and the forced tokens."""
-    model = tiny_model("v3_like", layers=1, seed=4, num_attention_heads=32,
-                       num_key_value_heads=32).to("cuda", torch.bfloat16)
-    source, source_resets, target, target_resets = shifted_docs()
-    ids = torch.tensor(np.concatenate([target, FORCED[:-1]]), device="cuda")
-    full = model.logits(ids)[target.size - 1:].float().cpu()
-    shard_model(model, group)
-    if not group.leader:
-        opened = []
-
-        class Recorded(Engine):
-            def __init__(self, *args, **kwargs) -> None:
-                super().__init__(*args, **kwargs)
-                opened.append(self)
-
-        leader_module.Engine = Recorded
-        follow(model, group)
-        return dict(replays=[e.runner.graph_replays for e in opened],
-                    pools=[(e.pool.ckv.cpu(), e.pool.kr.cpu()) for e in opened])
-    runs = []
-    try:
-        for graphs in (False, True):
-            engine = leader_engine(model, EngineConfig(mode="live", slots=1200, graphs=graphs),
-                                   group)
-            engine.generate(source, 2, resets=source_resets)
-            seq, logits = engine.prefill(target, target_resets)
-            steps = [logits]
-            for token in FORCED[:-1]:
-                steps.append(engine.extend(seq, [token])[-1])
-            engine.finish(seq)
-            engine.check()
-            runs.append(dict(steps=torch.stack(steps).float().cpu(),
-                             replays=engine.runner.graph_replays, pic=seq.stats.pic_tokens,
-                             pool=(engine.pool.ckv.cpu(), engine.pool.kr.cpu())))
-            engine.close()
-    except BaseException as err:
-        release(group, f"{type(err).__name__}: {err}")
-        raise
-    release(group)
-    return dict(runs=runs, full=full)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
-def test_cuda_graphs_under_tensor_parallel_replay_on_every_rank() -> None:
-    """Graphs captured on both ranks (their all-reduces in them) replay the decode steps: the
-    logits of the eager run of the same kernels, and of the unsharded model recomputing
-    everything (one layer: PIC is exact there; bf16 tolerance), the same pools on both ranks."""
-    leader, follower = values(run_ranks(graph_runs, 2, timeout_s=300, device="cuda"))
-    eager, graphed = leader["runs"]
-    spread = float(leader["full"].std())
-    assert eager["replays"] == 0 and graphed["replays"] >= len(FORCED) - 1, graphed["replays"]
-    assert follower["replays"] == [0, graphed["replays"]]  # the follower replayed as many
-    assert graphed["pic"] >= 300 and eager["pic"] == graphed["pic"]
-    assert float((graphed["steps"] - eager["steps"]).abs().max()) <= 1e-2 * spread
-    assert float((graphed["steps"] - leader["full"]).abs().max()) <= 5e-2 * spread
-    for run, (ckv, kr) in zip((eager, graphed), follower["pools"]):
-        assert torch.equal(run["pool"][0], ckv) and torch.equal(run["pool"][1], kr)
