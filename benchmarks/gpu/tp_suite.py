@@ -108,8 +108,9 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
     def decode() -> None:
         for context in args.contexts:
             for batch in args.batches:
+                profile = f"{batch}x{context}" if [batch, context] in args.profile else None
                 cell = decode_cell(model, batch, context, args.steps, args.warmup,
-                                   out["copy_gbps"], make_engine=make)
+                                   out["copy_gbps"], profile, make_engine=make)
                 for engine in opened:  # the followers free their pools too
                     engine.close()
                 opened.clear()
@@ -150,6 +151,9 @@ def main() -> None:
                         help="requests per TTFT cell first, untimed (they fill the caches)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
+                        metavar=("BATCH", "CONTEXT"),
+                        help="also profile this decode cell's steps on rank 0 (repeatable)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per cell first")
     parser.add_argument("--out", required=True, help="results JSON")

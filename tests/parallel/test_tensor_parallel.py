@@ -79,7 +79,8 @@ def test_nccl_ranks_match_one_process() -> None:
     all-reduce gives every rank the same sum, as gloo's does)."""
     ranks = values(run_ranks(compare, 2, "cuda", timeout_s=300, device="cuda"))
     for name in CASES:
-        for rank, r in enumerate(ranks):
+        for rank, result in enumerate(ranks):
+            r = result[name]
             assert r["spread"] > 0.5, (name, r["spread"])
             assert r["full"] <= 1e-5 and r["paged"] <= 1e-5 and r["pool"] <= 1e-5, (name, rank, r)
             assert r["unsummed"] > 1e-2, (name, rank, r)
