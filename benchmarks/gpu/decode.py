@@ -170,6 +170,7 @@ def decode_cell(model: MLAModel, batch: int, context: int, steps: int, warmup: i
     if profile:
         profile_table = _profile(device, scheduler)
     scheduler.check()
+    scheduler.engine.close()  # under tensor parallel, the followers' pools are freed too
     always, expert, embedding = weight_bytes(model)
     moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
     kv = batch * (context + warmup + steps) * kv_row_bytes(model)

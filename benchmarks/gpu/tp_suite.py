@@ -74,13 +74,7 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
                            "layers": raw["num_hidden_layers"],
                            "copy_gbps": roofline.copy_bandwidth(device), "cells": [],
                            "ttft": []}
-    opened: list[Engine] = []  # a decode cell's engines, closed after it
-
-    def make(model: MLAModel, config: Any) -> Engine:
-        opened.append(leader_engine(model, config, group))
-        return opened[-1]
-
-    def lead(model: MLAModel, config: Any) -> Engine:  # a TTFT cell closes its own
+    def lead(model: MLAModel, config: Any) -> Engine:  # every cell closes the engines it opens
         return leader_engine(model, config, group)
 
     def save() -> None:
@@ -110,10 +104,7 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
             for batch in args.batches:
                 profile = f"{batch}x{context}" if [batch, context] in args.profile else None
                 cell = decode_cell(model, batch, context, args.steps, args.warmup,
-                                   out["copy_gbps"], profile, make_engine=make)
-                for engine in opened:  # the followers free their pools too
-                    engine.close()
-                opened.clear()
+                                   out["copy_gbps"], profile, make_engine=lead)
                 out["cells"].append(cell)
                 print(f"W {args.world}  context {context:>6}  batch {batch:>4}: step "
                       f"{cell['step_ms']:8.2f} ms  {cell['tokens_per_s']:9.0f} tok/s  floor "
