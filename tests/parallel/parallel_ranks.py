@@ -45,8 +45,9 @@ def _rank_main(fn: Callable, rank: int, config: ParallelConfig, address: str, ar
     torch.set_num_threads(1)  # the test machine's cores are shared: one thread per rank
     try:
         if device == "cuda":
-            torch.cuda.set_device(rank)
-        group = init(rank, config, address, device=f"cuda:{rank}" if device == "cuda" else "cpu")
+            device = f"cuda:{rank}"
+            torch.cuda.set_device(device)
+        group = init(rank, config, address, device=device)
         value = fn(group, *args)
     except RankFailure as err:  # the group is broken: report, then end as a server would
         results.put((rank, None, f"{type(err).__name__}: {err}"))
@@ -78,9 +79,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     config = ParallelConfig(world_size=world, backend="gloo" if device == "cpu" else None,
                             timeout_s=collective_timeout_s)
     address = f"tcp://127.0.0.1:{free_port()}"
-    procs = [context.Process(target=_rank_main, args=(fn, r, config, address, args, results,
-                                                               device),
-                             daemon=True) for r in range(world)]
+    procs = [context.Process(target=_rank_main,
+                             args=(fn, r, config, address, args, results, device), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
