@@ -212,6 +212,8 @@ def main() -> None:
     model_group.add_argument("--random-weights", action="store_true",
                              help="DeepSeek-V2-Lite's shapes, random bf16 weights (TTFT only)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights and KV (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args()
@@ -221,7 +223,8 @@ def main() -> None:
             "random DeepSeek-V2-Lite"
     else:
         directory = args.model or default_model_dir()
-        dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        dtype = getattr(torch, args.dtype) if args.dtype else (
+            torch.float32 if args.device == "cpu" else torch.bfloat16)
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
     repairs = settings(args.heads, args.shares, args.check_layers)
