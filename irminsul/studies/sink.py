@@ -34,6 +34,9 @@ computed on every path, after the same header rows and the body's rows served fo
                        BOS, is served by the exact prefix on any path); the rest of the header is
                        computed after them.
                        This is what serving without the carve-out would do.
+    pic_head           as pic, and the body's first ``repair_head`` (32) tokens computed in place
+                       after the header (EPIC-style repair, ``CacheConfig.recompute_head``): the
+                       reused run's head, where a run's rows carry most of their source context.
 
 The tail-attention mass to [0, 32) (mean over attention heads and tail queries) is taken per layer
 and sample; each path's deviation is |mass − mass_fresh|, averaged over layers and samples (the
@@ -70,7 +73,7 @@ from .text import AgentText
 SINK = 32  # k: the carve-out's width
 POSITIONS = (0, 32, 64, 128, 256, 384, 512, 1024, 2048, 3584)  # Figure 3 / Table 4's p
 HEADER_RANGE = (64, 512)  # header lengths H_t, H_s, H_c are drawn from this range
-PATHS = ("pic", "naive", "pic_no_carve_out")
+PATHS = ("pic", "naive", "pic_no_carve_out", "pic_head")
 PAPER = {"W_mla": {"32": 0.26, "512": 0.24, "3584": 0.23},  # Table 4, DSv2-Lite
          "S_mla": {"32": 0.48, "512": 0.43, "3584": 0.42},
          "deviation_pic_max": 0.003, "naive_over_pic": [2.4, 9.0]}
@@ -86,6 +89,7 @@ class SinkSettings:
     contexts: int = 2
     seed: int = 0
     positions: tuple[int, ...] = POSITIONS
+    repair_head: int = 32  # pic_head: the body's first tokens computed in place (EPIC's k)
 
 
 @dataclass
@@ -226,6 +230,11 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         fresh.append(tail_mass(joined(header, prefill(model, body, h_t, header))))
         paths["pic"].append(tail_mass(joined(header, moved(model, source, delta))))
         paths["naive"].append(tail_mass(joined(header, moved(model, source, delta, rotate=False))))
+        # EPIC-style repair: the run's first k tokens computed after the header, the rest reused.
+        k = min(settings.repair_head, body.size)
+        head = prefill(model, body[:k], h_t, header) if k else None
+        rest = [r[k:] for r in moved(model, source, delta)]
+        paths["pic_head"].append(tail_mass(joined(header, head, rest)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
         other = [r[:h_c] for r in contexts[(i + 1) % len(contexts)]]
@@ -285,7 +294,7 @@ def plot_sink(result: SinkResult, path: Path) -> None:
     layers = np.arange(len(c["mass_fresh_per_layer"]))
     width = 0.8 / len(PATHS)
     for k, name in enumerate(PATHS):
-        dev.bar(layers + (k - 1) * width, c["deviation_per_layer"][name], width,
+        dev.bar(layers + (k - (len(PATHS) - 1) / 2) * width, c["deviation_per_layer"][name], width,
                 label=f"{name} (mean {c['deviation'][name]:.2g})")
     dev.axhline(PAPER["deviation_pic_max"], color="k", ls="--", lw=0.8, label="paper: PIC ≤ 0.003")
     dev.set_xticks(layers)

@@ -61,10 +61,33 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
         assert len(anchoring["W"]) == len(anchoring["positions"]) == 10
         # At p = 0 the chunk starts the prompt: W and S coincide by construction.
         assert anchoring["W"][0] == pytest.approx(anchoring["S"][0], abs=1e-4)
-        assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out"}
+        assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out", "pic_head"}
         # Layer 0's rows are position-and-token only: PIC is exact there.
         assert carve["deviation_per_layer"]["pic"][0] < 1e-5
     else:
         workload = report["workloads"]["agent_meta"]
         assert workload["requests"] == 3 and "per_request" not in workload
         assert {"kl_pic", "kl_naive", "argmax_pic", "argmax_naive"} <= workload.keys()
+
+
+@pytest.mark.parametrize("head", [0, 256])
+def test_sink_repair_head_path_spans_pic_to_fresh(model_dir: Path, head: int) -> None:
+    """The carve-out's EPIC path recomputes the body's first ``repair_head`` tokens in place: with
+    none it is the plain PIC path, and with the whole body it is the fresh path (up to float
+    summation order), the two references it must lie between."""
+    import numpy as np
+
+    from irminsul.model import load_model
+    from irminsul.studies.reuse import prefill
+    from irminsul.studies.sink import HEADER_RANGE, SinkSettings, carve_out
+    from irminsul.studies.text import AgentText
+    from irminsul.traffic.render import ChatRenderer
+
+    model = load_model(model_dir)
+    text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
+    settings = SinkSettings(reuse_samples=2, repair_head=head)
+    contexts = [prefill(model, text.context(i, HEADER_RANGE[1]), 0) for i in range(2)]
+    carve = carve_out(model, text, settings, contexts, np.random.default_rng(0))
+    reference = carve.paths["pic"] if head == 0 else carve.fresh
+    assert np.abs(carve.paths["pic_head"] - reference).max() <= (0 if head == 0 else 1e-5)
+    assert carve.deviation("pic") > 1e-4  # the two references differ: the test can tell them apart
