@@ -37,9 +37,16 @@ def copy_licenses(model_dir: Path, sources: dict) -> dict[str, str]:
 def _command(args: dict) -> str:
     """The command that trained it; every option not shown was at its default
     (train_config.json records them all)."""
-    if args.get("agent_data"):  # the one-call GPU retrain (retrain.py)
-        return (f"bash tools/default_model/gpu_retrain.sh --minutes {args['minutes']} "
-                f"--weight-decay {args['weight_decay']} --agent-share {args['agent_share']}")
+    if args.get("agent_data"):  # the GPU retrain (retrain.py), in one call or resumed over several
+        command = (f"bash tools/default_model/gpu_retrain.sh --minutes {args['minutes']} "
+                   f"--weight-decay {args['weight_decay']} --agent-share {args['agent_share']}")
+        if args.get("arch", "sink") != "sink":
+            command += f" --arch {args['arch']}"
+        if args.get("lr", 2e-3) != 2e-3:
+            command += f" --lr {args['lr']}"
+        if args.get("state"):
+            command += f" --state {args['state']} --work .retrain_state/work"
+        return command
     budget = f"--minutes {args['minutes']}" if args["steps"] is None else f"--steps {args['steps']}"
     return f"python3 tools/default_model/train_default_model.py --out {args['out']} {budget}"
 
@@ -120,8 +127,13 @@ def write_readme(model_dir: Path, figures: dict) -> None:
         + f", AdamW (β 0.9/0.95, weight decay {args['weight_decay']}), peak lr "
         f"{args['lr']}, {args['warmup']} warm-up steps, cosine to {args['min_lr_ratio']}x, clip "
         f"{args['clip']}, router balance loss x{args['balance_coef']}, bf16 autocast on CUDA, seed "
-        f"{args['seed']}. Full record: train_config.json, train_log.txt. Re-run exactly with "
-        f"`--steps {record['steps']}`.",
+        f"{args['seed']}. Full record: train_config.json, train_log.txt. "
+        + (f"Re-run exactly with `--steps {record['steps']}`."
+           if record.get("planned_steps", record["steps"]) == record["steps"] else
+           f"The schedule was planned for {record['planned_steps']:,} steps over "
+           f"{record.get('calls', 1)} device calls; the last call's time ran out at step "
+           f"{record['steps']:,}, on the cosine's floor. Re-run the whole schedule with "
+           f"`--steps {record['planned_steps']}`."),
         "",
         "## Figures",
         "",
