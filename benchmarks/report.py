@@ -931,8 +931,8 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
 def kl_anatomy(r: dict[str, Any], name: str) -> list[str]:
     """Live PIC's KL request by request: the session in order against one level of reuse."""
     lines = [f"## CPU: where live PIC's KL comes from ({r['workload']})", "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"]), "",
-             "```bash", r["meta"]["command"], "```", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], model=r["meta"].get("about", "")),
+             "", "```bash", r["meta"]["command"], "```", "",
              f"Model `{r['model']}`, float32. Each request served in order by one live engine "
              "(*session*), and again by a fresh live engine that first served only the request "
              "before it, fully computed (*after one*: one level of reuse, an exact history). "

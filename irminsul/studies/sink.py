@@ -24,7 +24,7 @@ mean ±1 s.d. across layers.
 H_t tokens of one rendered agent prompt, 64 <= H_t <= 512: it covers [0, 32)), a body of
 ``body_tokens`` (256) and a tail of ``tail_tokens`` (32) of other agent text. The body was cached
 after another prompt's first H_s tokens (H_s != H_t), so it is reused at δ = H_t − H_s. The tail is
-computed on every path, after the same header rows and the body's rows served four ways:
+computed on every path, after the same header rows and the body's rows served five ways:
 
     fresh              the body prefilled in place (the reference: full recomputation)
     pic                the cached body rows, k_r rotated by δ (what Irminsul serves)
