@@ -310,3 +310,9 @@ def _powers(width: int) -> np.ndarray:
 def namespace_seed(*parts: str) -> int:
     """A 64-bit fingerprint seed for a namespace (model id, tenant salt, ...)."""
     return xxhash.xxh64_intdigest("\x1f".join(parts).encode("utf-8"))
+
+
+def request_namespace(model_name: str, salt: str | None) -> int:
+    """A request's cache namespace: the model, and the tenant's ``cache_salt`` when one is
+    given (the seed of every fingerprint; the server and the router compute it alike)."""
+    return namespace_seed(model_name) if salt is None else namespace_seed(model_name, salt)

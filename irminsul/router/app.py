@@ -37,8 +37,9 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..cache.cdc import request_namespace
 from ..config import RouterConfig
-from ..server.prompts import chat_prompt, completion_prompt, request_namespace
+from ..server.prompts import chat_prompt, completion_prompt
 from ..server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cache.cdc import request_namespace
 from ..config import ServerConfig
 from ..engine import Limits, PromptTooLong
 from ..traffic.render import ChatRenderer
@@ -47,7 +48,7 @@ from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
 from .index import IndexPublisher
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .prompts import PromptTokens, chat_prompt, completion_prompt, request_namespace
+from .prompts import PromptTokens, chat_prompt, completion_prompt
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,

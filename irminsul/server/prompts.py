@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache.cdc import namespace_seed
 from ..cache.markers import find_markers
 from ..traffic.prompt import render_prompt
 from ..traffic.render import ChatRenderer, Rendered, TemplateError
@@ -31,12 +30,6 @@ class PromptTokens:
     # What rendering added to the renderer's memo, kept there only once the engine accepts the
     # request (ChatRenderer.remember), so refused requests leave nothing behind.
     rendered: Rendered | None = field(default=None, repr=False, compare=False)
-
-
-def request_namespace(model_name: str, salt: str | None) -> int:
-    """A request's cache namespace: the model, and the tenant's ``cache_salt`` when one is
-    given (the seed of every fingerprint; a router computes it the same way)."""
-    return namespace_seed(model_name) if salt is None else namespace_seed(model_name, salt)
 
 
 def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> PromptTokens:

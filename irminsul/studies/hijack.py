@@ -66,7 +66,7 @@ import torch
 from matplotlib import colormaps
 
 from ..analysis.report import table
-from ..cache.cdc import namespace_seed
+from ..cache.cdc import request_namespace
 from ..config import CacheConfig, EngineConfig
 from ..engine import Engine
 from ..engine.audit import kl_per_step
@@ -297,11 +297,9 @@ def hijack_study(model: MLAModel, renderer: ChatRenderer, settings: HijackSettin
     """Every case under every condition; the means, the references and the row deviations."""
     settings = settings or HijackSettings()
     started = time.perf_counter()
-    # The namespaces the server gives a request without and with a cache_salt (request_namespace);
-    # seeded here directly so that a study needs no web stack.
-    shared = namespace_seed(model_name)
-    namespaces = {"shared": shared, "attacker": namespace_seed(model_name, "attacker"),
-                  "victim": namespace_seed(model_name, "victim")}
+    shared = request_namespace(model_name, None)
+    namespaces = {"shared": shared, "attacker": request_namespace(model_name, "attacker"),
+                  "victim": request_namespace(model_name, "victim")}
     result = HijackResult(model_name, settings, namespaces)
     cases = [make_case(renderer, text, i) for i, text in enumerate(documents(renderer, settings))]
     for case in cases:
