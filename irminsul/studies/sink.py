@@ -228,21 +228,20 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
             return np.array([float(m.double().mean()) for m in layers])
 
         fresh.append(tail_mass(joined(header, prefill(model, body, h_t, header))))
-        paths["pic"].append(tail_mass(joined(header, moved(model, source, delta))))
+        served = moved(model, source, delta)  # the body's cached rows, k_r rotated by δ
+        paths["pic"].append(tail_mass(joined(header, served)))
         paths["naive"].append(tail_mass(joined(header, moved(model, source, delta, rotate=False))))
         # EPIC-style repair: the run's first k tokens computed after the header, the rest reused.
         k = min(settings.repair_head, body.size)
         head = prefill(model, body[:k], h_t, header) if k else None
-        rest = [r[k:] for r in moved(model, source, delta)]
-        paths["pic_head"].append(tail_mass(joined(header, head, rest)))
+        paths["pic_head"].append(tail_mass(joined(header, head, [r[k:] for r in served])))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
         other = [r[:h_c] for r in contexts[(i + 1) % len(contexts)]]
         first = moved(model, prefill(model, header_tokens[1:SINK], h_c, other), 1 - h_c)
         start = joined([r[:1] for r in header], first)
         rest = prefill(model, header_tokens[SINK:], SINK, start)
-        paths["pic_no_carve_out"].append(
-            tail_mass(joined(start, rest, moved(model, source, delta))))
+        paths["pic_no_carve_out"].append(tail_mass(joined(start, rest, served)))
     return CarveOut(np.array(fresh), {p: np.array(v) for p, v in paths.items()}, deltas)
 
 

@@ -8,11 +8,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fixtures.tiny_chat_model import random_model, write_tokenizer
 
 from irminsul.cli import main
+from irminsul.model import load_model
+from irminsul.studies.reuse import prefill
 from irminsul.studies.run import run_study
+from irminsul.studies.sink import HEADER_RANGE, SinkSettings, carve_out
+from irminsul.studies.text import AgentText
+from irminsul.traffic.render import ChatRenderer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEYS = {
@@ -75,14 +81,6 @@ def test_sink_repair_head_path_spans_pic_to_fresh(model_dir: Path, head: int) ->
     """The carve-out's EPIC path recomputes the body's first ``repair_head`` tokens in place: with
     none it is the plain PIC path, and with the whole body it is the fresh path (up to float
     summation order), the two references it must lie between."""
-    import numpy as np
-
-    from irminsul.model import load_model
-    from irminsul.studies.reuse import prefill
-    from irminsul.studies.sink import HEADER_RANGE, SinkSettings, carve_out
-    from irminsul.studies.text import AgentText
-    from irminsul.traffic.render import ChatRenderer
-
     model = load_model(model_dir)
     text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
     settings = SinkSettings(reuse_samples=2, repair_head=head)
