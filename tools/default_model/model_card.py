@@ -132,7 +132,7 @@ def write_readme(model_dir: Path, figures: dict) -> None:
            if record.get("planned_steps", record["steps"]) == record["steps"] else
            f"The schedule was planned for {record['planned_steps']:,} steps over "
            f"{record.get('calls', 1)} device calls; the last call's time ran out at step "
-           f"{record['steps']:,}, on the cosine's floor. Re-run the whole schedule with "
+           f"{record['steps']:,}. Re-run the whole schedule with "
            f"`--steps {record['planned_steps']}`."),
         "",
         "## Figures",
