@@ -940,19 +940,30 @@ def kl_anatomy(r: dict[str, Any], name: str) -> list[str]:
              "one step with the most KL. Prompt tokens by where they came from: exact prefix, "
              "*derived* prefix (the radix tree's match over an earlier turn's reused rows), PIC "
              "hits, computed.", ""]
+    healed = "healed" in r["rows"][0]  # runs before the heal existed have no healed session
+    if healed:
+        lines[-2] += (" *Healed*: the session served again by a live engine that heals after "
+                      "every request (CacheConfig.heal, what a server does between an agent's "
+                      "turns), its KL and argmax.")
     rows = []
     for row in r["rows"]:
         s, one = row["session"], row.get("after_one")
         rows.append([row["request"], f"{s['prefix_tokens']:,}", f"{s['derived_prefix_tokens']:,}",
                      f"{s['pic_tokens']:,}", f"{s['prefilled_tokens']:,}", f"{s['kl']:.2e}",
                      f"{max(s['kl_steps']):.2e}", f"{s['argmax']:.3f}",
-                     f"{one['kl']:.2e}" if one else "–"])
+                     f"{one['kl']:.2e}" if one else "–"]
+                    + ([f"{row['healed']['kl']:.2e}", f"{row['healed']['argmax']:.3f}"]
+                       if healed else []))
     lines += _table(("request", "exact prefix", "derived", "PIC", "computed", "KL, session",
-                     "largest step", "argmax", "KL, after one"), rows)
+                     "largest step", "argmax", "KL, after one")
+                    + (("KL, healed", "argmax, healed") if healed else ()), rows)
     m = r["means"]
     lines += [f"Mean KL over the {m['requests_with_reuse']} requests with reuse: session "
-              f"{m['session_kl']:.3e}, after one {m['after_one_kl']:.3e}; the largest request "
-              f"holds {m['largest_request_share']:.0%} of the session's sum.", ""]
+              f"{m['session_kl']:.3e}, after one {m['after_one_kl']:.3e}"
+              + (f", healed {m['healed_kl']:.3e}; argmax session {m['session_argmax']:.3f}, "
+                 f"healed {m['healed_argmax']:.3f}" if healed else "")
+              + f"; the largest request holds {m['largest_request_share']:.0%} of the session's "
+              "sum.", ""]
     return lines
 
 

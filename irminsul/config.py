@@ -61,12 +61,22 @@ class CacheConfig:
     # Layer 1 is the first whose c_KV depends on context (layer 0's rows are the token's own),
     # and the cheapest check: one layer of a fresh prefill.
     recompute_check_layer: int = 1
+    # Heal (live): a finished sequence that was served reused rows is queued, and when the
+    # engine is idle its rows from the first reused one on are computed again over the exact
+    # rows before them and replace the reused ones in both indexes. A later turn then matches
+    # an exact prefix, and chunks registered from that sequence are a full prefill's rows:
+    # reuse errors do not compound from turn to turn (benchmarks/cpu/kl_anatomy.py). Up to
+    # heal_queue sequences wait, the newest healed first.
+    heal: bool = True
+    heal_queue: int = 64
 
     def __post_init__(self) -> None:
         if self.recompute_head < 0:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError(f"recompute_share must be in [0, 1], got {self.recompute_share}")
+        if self.heal_queue < 1:
+            raise ValueError(f"heal_queue must be >= 1, got {self.heal_queue}")
         if self.recompute_check_layer < 1:
             raise ValueError(f"recompute_check_layer must be >= 1, got "
                              f"{self.recompute_check_layer}")
@@ -118,6 +128,9 @@ class EngineConfig:
     # Live mode: this share of the requests PIC served is recomputed from scratch when the
     # engine is idle and KL(full ‖ served) of the first token exported (irminsul:pic_audit_kl).
     pic_audit_rate: float = 0.01
+    # Live mode with the cache's heal on: tokens one idle forward heals (a request that arrives
+    # meanwhile waits for at most one such forward; ~20 ms for 1K tokens of V2-Lite on an H200)
+    heal_tokens: int = 1024
     kernels: bool | None = None  # Triton kernels (None: on CUDA when triton is installed)
     graphs: bool | None = None  # CUDA graphs for short spans (None: with kernels, bf16 models)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -132,6 +145,8 @@ class EngineConfig:
                                  f"{value}")
         if not 0 <= self.pic_audit_rate <= 1:
             raise ValueError(f"pic_audit_rate must be in [0, 1], got {self.pic_audit_rate}")
+        if self.heal_tokens < 1:
+            raise ValueError(f"heal_tokens must be >= 1, got {self.heal_tokens}")
         if self.await_shared < 0:
             raise ValueError(f"await_shared must be >= 0, got {self.await_shared}")
         if min(self.batch_tokens, self.chunk_tokens, self.max_running or 1) < 1:

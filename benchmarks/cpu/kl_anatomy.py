@@ -7,7 +7,10 @@ prompt came from — exact prefix, derived prefix (the radix tree's match over a
 reused rows), PIC hits, computed. Then the same request served by a fresh live engine that first
 served only the request before it, fully computed: one level of reuse, the history exact. The
 difference between the two is what earlier turns' reuse adds through the prefix; the largest
-single step says whether one token carries the mean (a copy from a reused document).
+single step says whether one token carries the mean (a copy from a reused document). And the
+session once more on a live engine that heals after every request (*healed*: what a server does
+in the idle time between an agent's turns, ``CacheConfig.heal``): the history exact again, each
+turn's own reuse left.
 
     python benchmarks/cpu/kl_anatomy.py [--workload rerank] [--requests 12] [--tokens 16]
                                         [--model DIR] [--out F]
@@ -80,9 +83,12 @@ def main() -> None:
     references = [full_continuation(model, p.tokens, args.tokens) for p in prompts]
     slots = sum(p.size + 2 * args.tokens for p in prompts)
     session = Engine(model, EngineConfig(slots=slots, mode="live"))
+    healing = Engine(model, EngineConfig(slots=slots, mode="live"))
     rows = []
     for i, (prompt, (continuation, logits)) in enumerate(zip(prompts, references)):
-        row = {"request": i, "session": served(session, prompt, continuation, logits)}
+        row = {"request": i, "session": served(session, prompt, continuation, logits),
+               "healed": served(healing, prompt, continuation, logits)}
+        healing.heal()
         if i:
             alone = Engine(model, EngineConfig(slots=slots, mode="live"))
             before, (cont_before, _) = prompts[i - 1], references[i - 1]
@@ -96,17 +102,22 @@ def main() -> None:
         print(f"{i:>2}: KL {s['kl']:.2e} (largest step {max(s['kl_steps']):.2e}) argmax "
               f"{s['argmax']:.3f}; exact prefix {s['prefix_tokens']}, derived "
               f"{s['derived_prefix_tokens']}, PIC {s['pic_tokens']}, computed "
-              f"{s['prefilled_tokens']}" + (f"; after one: KL {one['kl']:.2e}" if one else ""),
-              flush=True)
+              f"{s['prefilled_tokens']}" + (f"; after one: KL {one['kl']:.2e}" if one else "")
+              + f"; healed: KL {row['healed']['kl']:.2e}", flush=True)
     hits = [r for r in rows if r["session"]["pic_tokens"] or r["session"]["derived_prefix_tokens"]]
     means = {"session_kl": float(np.mean([r["session"]["kl"] for r in hits])),
              "after_one_kl": float(np.mean([r["after_one"]["kl"] for r in hits
                                             if "after_one" in r])),
+             "healed_kl": float(np.mean([r["healed"]["kl"] for r in hits])),
+             "healed_argmax": float(np.mean([r["healed"]["argmax"] for r in hits])),
+             "session_argmax": float(np.mean([r["session"]["argmax"] for r in hits])),
              "largest_request_share": float(max(r["session"]["kl"] for r in hits)
                                             / sum(r["session"]["kl"] for r in hits)),
              "requests_with_reuse": len(hits)}
     print(f"mean KL over {len(hits)} requests with reuse: session {means['session_kl']:.3e}, "
-          f"after one {means['after_one_kl']:.3e}; the largest request holds "
+          f"after one {means['after_one_kl']:.3e}, healed {means['healed_kl']:.3e}; argmax "
+          f"session {means['session_argmax']:.3f}, healed {means['healed_argmax']:.3f}; the "
+          "largest request holds "
           f"{means['largest_request_share']:.0%} of the session's sum")
     report = {"workload": args.workload, "requests": args.requests, "tokens": args.tokens,
               "model": directory.name, "rows": rows, "means": means,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig
+from ..config import CacheConfig, EngineConfig
 from ..device import upload
 from ..engine import Engine, ModelRunner
 from ..engine.audit import kl_per_step
@@ -127,14 +127,17 @@ def _means(rows: list[dict], suffix: str = "") -> dict:
 
 
 def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Request], *,
-                tokens: int = 16, num_slots: int | None = None,
+                tokens: int = 16, num_slots: int | None = None, heal: bool = True,
                 progress: bool = False) -> dict:
     """Run the study over ``requests`` in order; returns the JSON report.
 
     Top-level metrics (``kl_pic``, ``argmax_naive``, ``first_divergence_pic``, ...) are over the
     requests where either engine served prompt tokens from the registry; the same with an ``_all``
     suffix are over every request. ``num_slots`` sizes each engine's KV pool; by default it holds
-    the whole workload (capped at MAX_SLOTS), so nothing is evicted.
+    the whole workload (capped at MAX_SLOTS), so nothing is evicted. ``heal``: after each
+    request each engine heals what it reused (:meth:`~irminsul.engine.Engine.heal`), as a server
+    does in the idle time between an agent's turns; without it, later requests build on reused
+    rows (the worst case: a server never idle).
     """
     if tokens < 1:
         raise ValueError(f"need at least one continuation token, got {tokens}")
@@ -151,7 +154,7 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         total = sum(p.size + 2 * tokens for _, p in prompts)
         largest = max((2 * p.size + 2 * tokens for _, p in prompts), default=1)
         num_slots = max(min(total, MAX_SLOTS), largest)
-    config = EngineConfig(slots=num_slots, mode="live")
+    config = EngineConfig(slots=num_slots, mode="live", cache=CacheConfig(heal=heal))
     engines = {"pic": Engine(model, config),
                "naive": Engine(model, config, runner=NaiveReuseRunner)}
     rows = []
@@ -161,6 +164,7 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         row = {"source": source, "prompt_tokens": prompt.size}
         for path, engine in engines.items():
             row[path] = serve(engine, prompt, continuation, full_logits)
+            engine.heal()
         rows.append(row)
     for engine in engines.values():
         engine.check()  # the study doubles as an end-to-end check of the slot accounting
@@ -179,6 +183,7 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         "prompt_tokens": prompt_tokens,
         "pic_token_fraction": served["pic"]["pic_tokens"] / prompt_tokens if prompt_tokens else 0.0,
         "num_slots": num_slots,
+        "heal": heal,
         **_means(hit),
         **_means(rows, "_all"),
         "served": served,

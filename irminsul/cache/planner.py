@@ -315,6 +315,37 @@ class Planner:
         for region, entry in run:
             self.registry.join_run(entry, whole, region.start - first)
 
+    def heal_plan(self, tokens: np.ndarray, namespace: int = 0) -> Plan | None:
+        """A plan that recomputes what the radix tree stores of ``tokens`` past its exact rows
+        (rows served by reuse, and those computed over them), over the exact prefix before them:
+        segments [prefix, miss], no chunks, nothing registered by it. None where the stored
+        prefix is exact throughout (or nothing is stored). Hold it with :meth:`acquire`: its
+        prefix node is the deepest of the stored path, so the whole path stays."""
+        tokens = as_token_array(tokens)
+        match = self.radix.match_prefix(tokens, namespace)
+        if match.exact >= match.length:
+            return None
+        exact = match.exact
+        prefix = PrefixMatch(exact, match.handles[:exact], match.node, exact)
+        segments = [Segment("prefix", 0, exact)] if exact else []
+        return Plan(tokens[:match.length].copy(), namespace, prefix,
+                    segments + [Segment("miss", exact, match.length)], [])
+
+    def healed(self, plan: Plan, handles: np.ndarray) -> Commit:
+        """A :meth:`heal_plan`'s rows are computed (``handles``: one per plan token): every
+        reference either index holds to a row it replaced — the radix path's, and any registry
+        entry's (chunks and regions registered from that prompt, or from prompts that matched
+        it) — now names the recomputed row, and the path is exact."""
+        handles = np.asarray(handles, dtype=np.int64)
+        if handles.shape != plan.tokens.shape:
+            raise ValueError(f"need one handle per plan token: {handles.shape} vs "
+                             f"{plan.tokens.shape}")
+        start = plan.prefix.length
+        old = self.radix.heal(plan.tokens, handles, start, plan.namespace)
+        new = handles[start:]
+        held, freed = self.registry.replace_handles(old, new)
+        return Commit([new, *held], [old, *freed])
+
     def commit(self, plan: Plan, handles: np.ndarray, exact: int | None = None) -> Commit:
         """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
 

@@ -154,6 +154,45 @@ class RadixTree:
         self._touch(node)
         return present
 
+    def heal(self, tokens: np.ndarray, handles: np.ndarray, start: int,
+             namespace: int = 0) -> np.ndarray:
+        """Replace the handles of stored ``tokens`` from position ``start`` on with ``handles``
+        (one per token of ``tokens``; those before ``start`` are not read) and mark the whole
+        path exact: its rows from ``start`` on were recomputed over the exact rows before it.
+        Returns the replaced handles, in position order, which the tree no longer references.
+        The path must be stored whole (the caller holds a lock on its deepest node); branches off
+        it past ``start`` are marked not exact (their rows were computed over replaced ones)."""
+        tokens, handles = _as_1d_int(tokens, "tokens"), _as_1d_int(handles, "handles")
+        if len(tokens) != len(handles) or not 0 <= start <= len(tokens):
+            raise ValueError(f"need one handle per token and 0 <= start <= {len(tokens)}, got "
+                             f"{len(handles)} handles and start {start}")
+        node, length, _ = self._walk(self._root(namespace), tokens)
+        if length < len(tokens):
+            raise ValueError(f"only {length} of the {len(tokens)} tokens are stored")
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        old, at = [], 0
+        for depth, edge in enumerate(path):
+            n = len(edge.key)
+            if at + n > start:
+                cut = max(start - at, 0)
+                old.append(edge.value[cut:])
+                edge.value = np.concatenate([edge.value[:cut],
+                                             handles[at + cut:at + n].astype(np.int64)])
+                # Every branch off the path from here on was computed over replaced rows: not
+                # exact from its first row on (its own count may say exact: it was stored over
+                # an inexact path, where the count did not matter).
+                below = path[depth + 1] if depth + 1 < len(path) else None
+                for child in edge.children.values():
+                    if child is not below:
+                        child.exact = 0
+            edge.exact = n
+            at += n
+        return np.concatenate(old) if old else np.empty(0, dtype=np.int64)
+
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction (reference counted)."""
         self._check_attached(node)

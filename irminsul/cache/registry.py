@@ -271,6 +271,38 @@ class Registry:
                              f"of {run.size}")
         entry.run, entry.run_offset = run, offset
 
+    def replace_handles(self, old: np.ndarray, new: np.ndarray
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Wherever an entry holds a handle of ``old``, make it the same index of ``new`` (rows
+        recomputed for the same token at the same position after the same tokens: a heal).
+        Returns the handles the registry now references instead, and those it no longer does
+        (one per replaced occurrence, for the engine's reference counts). Content, windows,
+        heads and runs are untouched: they name tokens, not rows."""
+        old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+        if old.shape != new.shape or old.ndim != 1:
+            raise ValueError(f"old {old.shape} and new {new.shape} must be equal 1-D")
+        held: list[np.ndarray] = []
+        freed: list[np.ndarray] = []
+        if old.size == 0:
+            return held, freed
+        order = np.argsort(old)
+        keys, values = old[order], new[order]
+        low, high = keys[0], keys[-1]
+        for entry in self._lru:
+            handles = entry.handles
+            if handles.size == 0 or handles.max() < low or handles.min() > high:
+                continue
+            at = np.minimum(np.searchsorted(keys, handles), keys.size - 1)
+            hit = keys[at] == handles
+            if hit.any():
+                fresh = values[at[hit]]
+                freed.append(handles[hit])
+                held.append(fresh)
+                handles = handles.copy()  # a new array: windows and runs hold offsets, not it
+                handles[hit] = fresh
+                entry.handles = handles
+        return held, freed
+
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
         entry.last_use = next(self._clock)

@@ -10,6 +10,11 @@ sequence is inserted whole.
 Modes: ``off`` is exact-prefix only (the SGLang-equivalent baseline); ``observer`` plans and
 records would-be PIC hits but computes them (outputs identical to ``off``); ``live`` reuses them.
 
+Heal (live, ``CacheConfig.heal``): a finished sequence that was served reused rows is queued; when
+the engine is idle, :meth:`CacheManager.next_heal` plans its recomputation from the first reused
+row on, the model runner computes it like a prefill, and :meth:`CacheManager.complete_heal` swaps
+the recomputed rows in for the reused ones wherever the indexes hold them.
+
 Every slot reference is owned by a sequence, a radix node or a registry entry (or is the pool's
 reserved padding slot); when the pool runs out the indexes are evicted (least recently used
 first across both), never what a sequence holds. :meth:`CacheManager.check` verifies the
@@ -59,6 +64,12 @@ class CacheManager:
             raise ValueError("recompute_share needs the runner's latent check")
         self.latent_check = latent_check
         self.write_rows = write_rows
+        # Heal: finished sequences' (tokens, namespace) waiting to be recomputed, newest last,
+        # and the one being recomputed now.
+        self.heal = config.heal and mode == "live"
+        self._to_heal: deque[tuple[np.ndarray, int]] = deque(maxlen=config.heal_queue)
+        self.healing: Prefill | None = None
+        self.healed_tokens = 0  # rows recomputed by completed heals so far
         self.sequences: list[Sequence] = []
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
         # register when they complete: how a new plan knows what it could wait for.
@@ -259,6 +270,67 @@ class CacheManager:
         seq.owed_ckv.append(ckv)
         return handles, Reuse(kr_src, unpack(handles)[1], np.repeat(deltas, sizes))
 
+    # -- heal ------------------------------------------------------------------------------------
+
+    @property
+    def heal_pending(self) -> bool:
+        """Whether a heal is in progress or queued."""
+        return self.healing is not None or bool(self._to_heal)
+
+    def next_heal(self) -> Prefill | None:
+        """The heal in progress, else the newest queued sequence whose stored rows are not exact
+        throughout, planned (:meth:`Planner.heal_plan`) and held; None when none is left. A
+        heal never evicts: one that would not fit in the free slots now is dropped."""
+        if self.healing is not None:
+            return self.healing
+        while self._to_heal:
+            tokens, namespace = self._to_heal.pop()
+            plan = self.planner.heal_plan(tokens, namespace)
+            if plan is None:
+                continue
+            if not self.heal_room(plan.tokens.size - plan.prefix.length):
+                continue
+            self.planner.acquire(plan)
+            seq = Sequence(plan.tokens, np.zeros(0, dtype=np.int64), namespace)
+            self.sequences.append(seq)
+            exact, end = plan.prefix.length, plan.tokens.size
+            stretches = deque([Stretch("prefix", 0, exact, [])] if exact else [])
+            stretches.append(Stretch("compute", exact, end, []))
+            self.healing = Prefill(seq, plan, plan.tokens, stretches)
+            return self.healing
+        return None
+
+    def heal_room(self, tokens: int) -> bool:
+        """Whether ``tokens`` rows fit in the free slots without evicting anything."""
+        return self.pool.ckv_slots.free >= tokens and self.pool.kr_slots.free >= tokens
+
+    def complete_heal(self, prefill: Prefill) -> None:
+        """The heal's rows are computed: they replace the reused ones in both indexes
+        (:meth:`Planner.healed`); the heal's own references go."""
+        if prefill is not self.healing:
+            raise ValueError("not the heal in progress")
+        seq = prefill.seq
+        self.settle(seq)
+        try:
+            commit = self.planner.healed(prefill.plan, seq.handles)
+            self._apply(commit)
+            self.healed_tokens += prefill.plan.tokens.size - prefill.plan.prefix.length
+        finally:
+            self._end_heal(prefill)
+
+    def abort_heal(self) -> None:
+        """Give up the heal in progress (its slots back, the indexes as they were)."""
+        if self.healing is not None:
+            self.settle(self.healing.seq)
+            self._end_heal(self.healing)
+
+    def _end_heal(self, prefill: Prefill) -> None:
+        self.healing = None
+        try:
+            self.planner.release(prefill.plan)
+        finally:
+            self.finish(prefill.seq, remember=False)
+
     # -- batches ---------------------------------------------------------------------------------
 
     def begin_batch(self, work: list[tuple[Sequence, np.ndarray, np.ndarray]]
@@ -337,6 +409,8 @@ class CacheManager:
         if remember and seq.handles.size == len(seq.tokens):
             self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace,
                                               seq.exact))
+            if self.heal and seq.exact is not None:
+                self._to_heal.append((seq.tokens.copy(), seq.namespace))
         self.pool.release(seq.handles)
         seq.finished = True
         self.sequences.remove(seq)

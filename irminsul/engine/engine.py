@@ -107,6 +107,39 @@ class Engine:
             raise
         return prefill.seq, logits[-1]
 
+    # -- heal ------------------------------------------------------------------------------------
+
+    def heal_step(self, budget: int) -> int:
+        """One forward of the heal in progress (or the next queued one, :meth:`CacheManager.
+        next_heal`) over at most ``budget`` tokens, completing it when it is done; the tokens it
+        computed (0: nothing to heal, or no free room for it now, which gives it up). For idle
+        time only: nothing else may hold a plan meanwhile."""
+        prefill = self.cache.next_heal()
+        if prefill is None:
+            return 0
+        left = prefill.prompt.size - max(len(prefill.seq.handles), prefill.plan.prefix.length)
+        if not self.cache.heal_room(min(budget, left)):
+            self.cache.abort_heal()
+            return 0
+        try:
+            span = self.advance(prefill, budget)
+            if span is not None:
+                self.run_batch([(prefill.seq, *span)])
+            if len(prefill.seq.handles) == prefill.prompt.size:
+                self.cache.complete_heal(prefill)
+        except BaseException:
+            self.cache.abort_heal()
+            raise
+        return 0 if span is None else len(span[0])
+
+    def heal(self, budget: int = 8192) -> int:
+        """Run every queued heal to its end, ``budget`` tokens per forward (what an idle server
+        does between requests); the tokens computed."""
+        total = 0
+        while self.cache.heal_pending:
+            total += self.heal_step(budget)
+        return total
+
     # -- forward ---------------------------------------------------------------------------------
 
     def run_batch(self, work: Work, *, all_logits: bool = False) -> list[torch.Tensor]:

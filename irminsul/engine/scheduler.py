@@ -102,6 +102,7 @@ class Load(NamedTuple):
     pool_free: int
     graph_replays: int  # forwards replayed from a CUDA graph so far
     failed: int  # requests failed by an error of their own so far
+    healed_tokens: int  # rows recomputed by heals so far
 
 
 _PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a prepared decode step's token, written later
@@ -137,6 +138,7 @@ class Scheduler:
         self.max_running = min(max_running or config.max_running or self.batch_tokens,
                                self.batch_tokens)
         self.await_shared = config.await_shared
+        self.heal_tokens = config.heal_tokens
         model = engine.model.config
         self.limits = Limits(model.max_position_embeddings, engine.pool.capacity,
                              model.vocab_size)
@@ -180,6 +182,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def idle_pending(self) -> bool:
+        """Whether :meth:`run_idle` has anything to do (an audit or a heal)."""
+        return self.audit.pending or self.cache.heal_pending
+
+    def run_idle(self) -> bool:
+        """When nothing else needs the device: one audit recomputation (:meth:`run_audit`), else
+        one forward of a heal (:meth:`Engine.heal_step`, ``heal_tokens`` at most); whether
+        anything ran. A failing heal is logged and given up: it never costs a request anything."""
+        if self.has_work():
+            return False
+        if self.run_audit():
+            return True
+        if not self.cache.heal_pending:
+            return False
+        try:
+            self.engine.heal_step(self.heal_tokens)
+        except Exception as err:
+            log.warning("heal failed: %r", err)
+        return True
+
     def run_audit(self) -> bool:
         """Recompute one request the audit kept (:mod:`.audit`), when nothing else needs the
         device; whether one ran. A failing recomputation is logged and dropped: the audit never
@@ -200,7 +222,7 @@ class Scheduler:
         """Requests in flight and the pool's use, for metrics."""
         pool = self.engine.pool
         return Load(len(self.running), len(self.waiting), pool.capacity, pool.free,
-                    self.engine.runner.graph_replays, self.failed)
+                    self.engine.runner.graph_replays, self.failed, self.cache.healed_tokens)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
@@ -287,7 +309,10 @@ class Scheduler:
         try:
             self.cache.make_room(held_ckv + fresh, held_kr + fresh)
         except PoolExhausted:
-            return None
+            if self.cache.healing is None:
+                return None
+            self.cache.abort_heal()  # idle work never keeps a request out
+            return self._fit(request)
         # Whatever this plan reuses needs fewer slots than computing it, which now fit; not so
         # a chunk fetched from the shared store (its own rows besides the request's k_r), so
         # this plan reuses only what the engine holds.

@@ -52,6 +52,7 @@ class EngineSnapshot:
     step_errors: int = 0
     graph_replays: int = 0  # forwards replayed from a CUDA graph
     request_failures: int = 0  # requests the engine failed alone (the others went on)
+    healed_tokens: int = 0  # rows recomputed by heals (CacheConfig.heal)
 
     @property
     def pool_usage(self) -> float:
@@ -231,8 +232,8 @@ class AsyncEngine:
                     break
                 if self.scheduler.has_work():
                     self._step()
-                else:  # idle: recompute one request the live-PIC audit kept, if any
-                    self.scheduler.run_audit()
+                else:  # idle: an audit recomputation or a heal's forward, if any
+                    self.scheduler.run_idle()
                 self._publish()
         except BaseException as err:  # a bug in this loop itself: fail everyone, stop serving
             log.exception("engine thread crashed")
@@ -245,7 +246,7 @@ class AsyncEngine:
     def _take_commands(self) -> bool:
         """Apply queued commands; block for one only when idle. False once told to stop."""
         commands: list[Any] = []
-        if not self.scheduler.has_work() and not self.scheduler.audit.pending:
+        if not self.scheduler.has_work() and not self.scheduler.idle_pending():
             commands.append(self._commands.get())
         elif not self.scheduler.running:
             # Work is waiting but nothing runs (admission is blocked): don't spin on step().
@@ -380,7 +381,7 @@ class AsyncEngine:
         load = self.scheduler.load()
         self.snapshot = EngineSnapshot(load.running, load.waiting, load.pool_capacity,
                                        load.pool_free, self._steps, self._errors,
-                                       load.graph_replays, load.failed)
+                                       load.graph_replays, load.failed, load.healed_tokens)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

@@ -89,6 +89,8 @@ class ServerMetrics:
               lambda s: s.request_failures)
         gauge("cuda_graph_replays", "Forwards replayed from a CUDA graph (batches of short spans)",
               lambda s: s.graph_replays)
+        gauge("healed_tokens", "Cached rows that came from reuse, recomputed in idle time and "
+              "swapped in for the reused ones (live PIC's heal)", lambda s: s.healed_tokens)
 
     def pic_gate(self, result: GateResult) -> None:
         """The PIC gate's verdict and figures at start (set once; absent if it did not run)."""

@@ -16,7 +16,7 @@ session are short, and compact changes nothing before a session's third tool res
 no hits at this size: ``--requests 12`` gives every pattern hits).
 
 JSON (``consistency.json``): ``study``, ``model``, ``settings`` {requests, tokens,
-header_tokens, seed, patterns}, ``workloads`` {pattern: the consistency report without its
+header_tokens, seed, patterns, heal}, ``workloads`` {pattern: the consistency report without its
 per-request rows: ``kl_pic``, ``kl_naive``, ``argmax_pic``, ``argmax_naive``,
 ``first_divergence_pic``, ``first_divergence_naive`` (requests with hits; ``_all`` suffix: every
 request), ``requests``, ``requests_with_hits``, ``pic_token_fraction``, ``served``, ...},
@@ -47,6 +47,7 @@ class ConsistencySettings:
     header_tokens: int = 250
     seed: int = 0
     patterns: tuple[str, ...] = PATTERNS
+    heal: bool = True  # engines heal between requests, as an idle server does (CacheConfig.heal)
 
 
 @dataclass
@@ -92,7 +93,8 @@ def consistency_study(model: MLAModel, renderer: ChatRenderer,
     for pattern in settings.patterns:
         requests = workload_requests(pattern, pool, settings)
         result.workloads[pattern] = consistency(model, renderer, requests,
-                                                tokens=settings.tokens, progress=progress)
+                                                tokens=settings.tokens, heal=settings.heal,
+                                                progress=progress)
     result.seconds = time.perf_counter() - started
     return result
 

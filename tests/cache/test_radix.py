@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from irminsul.cache.radix import PrefixMatch, RadixTree
@@ -115,6 +115,79 @@ def test_exact_rows_against_list_model(ops):
             assert m.length == model.match(ns, toks)[0]
             assert m.exact == want
         tree.check_integrity()
+
+
+# Two token values and short paths: heals of a path's prefix with branches below it are common.
+ops_heal = st.lists(
+    st.tuples(st.sampled_from(["insert", "match", "heal"]), namespaces,
+              st.lists(st.integers(0, 1), max_size=6), st.integers(-1, 6)),
+    min_size=1, max_size=30)
+
+
+@SETTINGS
+@given(ops=ops_heal)
+@example(ops=[("insert", 0, [0, 1], 1), ("insert", 0, [0, 1, 0], -1), ("heal", 0, [0, 1, 0], 2),
+              ("match", 0, [0, 1, 0], -1)])
+def test_heal_against_row_model(ops):
+    """A model of rows: (namespace, prefix) -> the handle and exactness of the row at its last
+    token. Insert stores the rows it adds (``exact`` as given); heal of a stored path from its
+    first inexact row replaces those rows' handles, makes the path exact, and makes every row
+    stored off the path after a replaced row inexact (it was computed over a replaced row). A
+    match returns the rows' handles and its leading run of exact rows."""
+    tree = RadixTree()
+    rows: dict[tuple, list] = {}  # (ns, prefix) -> [handle, exact]
+    next_handle = itertools.count(1000)
+    for op, ns, toks, exact in ops:
+        if op == "insert":
+            given_exact = None if exact < 0 else exact
+            handles = [next(next_handle) for _ in toks]
+            tree.insert(arr(toks), arr(handles, np.int64), namespace=ns, exact=given_exact)
+            for i, h in enumerate(handles):
+                rows.setdefault((ns, tuple(toks[:i + 1])), [h, given_exact is None or i < given_exact])
+            continue
+        if op == "heal" and exact >= 0:
+            toks = toks[:exact]  # a stored path's prefix: branches off it stay behind
+        m = tree.match_prefix(arr(toks), namespace=ns)
+        length = 0
+        while length < len(toks) and (ns, tuple(toks[:length + 1])) in rows:
+            length += 1
+        want_exact = 0
+        while want_exact < length and rows[(ns, tuple(toks[:want_exact + 1]))][1]:
+            want_exact += 1
+        assert m.length == length and m.exact == want_exact
+        assert m.handles.tolist() == [rows[(ns, tuple(toks[:i + 1]))][0] for i in range(length)]
+        if op == "heal" and m.exact < m.length:
+            path, start = tuple(toks[:length]), m.exact
+            fresh = [next(next_handle) for _ in range(length)]
+            old = tree.heal(arr(path), arr(fresh, np.int64), start, namespace=ns)
+            assert old.tolist() == m.handles[start:].tolist()
+            for key, row in rows.items():
+                if key[0] != ns:
+                    continue
+                prefix = key[1]
+                common = 0
+                while common < min(len(prefix), length) and prefix[common] == path[common]:
+                    common += 1
+                if common == len(prefix):  # on the path
+                    row[:] = [fresh[len(prefix) - 1] if len(prefix) > start else row[0], True]
+                elif common > start:  # off the path, after a replaced row
+                    row[1] = False
+        tree.check_integrity()
+
+
+def test_heal_hand_built():
+    """A turn whose last row was reused, and a follow-up stored over it ('exact' by its own
+    count): healing the turn makes it exact and leaves the follow-up's own row inexact."""
+    tree = RadixTree()
+    tree.insert(arr([0, 1]), arr([5, 6], np.int64), exact=1)
+    tree.insert(arr([0, 1, 2]), arr([5, 6, 7], np.int64))
+    old = tree.heal(arr([0, 1]), arr([-1, 9], np.int64), 1)
+    assert old.tolist() == [6]
+    m = tree.match_prefix(arr([0, 1, 2]))
+    assert (m.length, m.exact, m.handles.tolist()) == (3, 2, [5, 9, 7])
+    with pytest.raises(ValueError, match="stored"):
+        tree.heal(arr([0, 1, 3]), arr([1, 2, 3], np.int64), 1)
+    tree.check_integrity()
 
 
 def test_exact_stops_at_the_first_inexact_row_hand_built():

@@ -495,3 +495,32 @@ def test_register_chunks_indexes_every_chunk_at_its_position(seed, cuts, window,
     freed = reg.evict(10**6)
     assert [h.tolist() for h in freed] == [model.entries[k][0] for k in order]
     assert reg.window_table(0) == {} and reg.total_tokens == 0
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=50, deadline=None)
+def test_replace_handles_against_naive_loop(seed):
+    """Every occurrence of an old handle in any entry becomes the matching new one, element by
+    element as a plain loop does it; the held / freed lists count one per replaced occurrence;
+    tokens and lookups are untouched."""
+    rng = np.random.default_rng(seed)
+    reg = Registry(window=4)
+    entries = []
+    for i in range(8):
+        size = int(rng.integers(1, 12))
+        tokens = rng.integers(0, 50, size) + 100 * i  # distinct content per entry
+        entries.append(reg.register(0, i, tokens, rng.integers(0, 40, size), i))
+    before = {id(e): e.handles.copy() for e in entries}
+    old = rng.choice(40, size=int(rng.integers(0, 20)), replace=False)
+    new = rng.integers(1000, 2000, old.size)
+    held, freed = reg.replace_handles(old, new)
+    mapping = dict(zip(old.tolist(), new.tolist()))
+    want_held, want_freed = [], []
+    for e in entries:
+        want = [mapping.get(h, h) for h in before[id(e)].tolist()]
+        assert e.handles.tolist() == want
+        want_freed += [h for h in before[id(e)].tolist() if h in mapping]
+        want_held += [mapping[h] for h in before[id(e)].tolist() if h in mapping]
+        assert reg.lookup(0, e.fingerprint, e.tokens) is e
+    flat = lambda arrays: sorted(np.concatenate(arrays).tolist()) if arrays else []  # noqa: E731
+    assert flat(held) == sorted(want_held) and flat(freed) == sorted(want_freed)

@@ -351,6 +351,77 @@ def test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit(model3) -> None:
     engine.check()
 
 
+def _reusing_turn(engine: Engine) -> tuple[np.ndarray, list[int], int]:
+    """shifted_docs(4)'s source served and finished, then its target (reusing both documents):
+    the target's tokens, resets and first reused position."""
+    source, rs, target, rt, _ = shifted_docs(4)
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    seq, _ = engine.prefill(target, rt)
+    assert seq.stats.pic_tokens > 400
+    first_reused = seq.exact
+    engine.finish(seq)
+    return target, rt, first_reused
+
+
+def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
+    """Healing the turn that reused documents recomputes its rows from the first reused one on:
+    its follow-up is then an exact prefix throughout, and every row the indexes hold for the
+    turn — the radix path's and the registry entries registered from it — equals a fresh
+    prefill's (3 layers; test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit shows
+    them apart before). The slots the reused rows held go back to the pool."""
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
+    target, rt, first_reused = _reusing_turn(engine)
+    fresh = Engine(model3, EngineConfig(slots=4000, mode="off"))
+    ref, _ = fresh.prefill(target, rt)
+    want_ckv = fresh.pool.ckv[:, unpack(ref.handles)[0]]
+    want_kr = fresh.pool.kr[:, unpack(ref.handles)[1]]
+
+    def gap(handles: np.ndarray, start: int) -> torch.Tensor:
+        """Per position, the largest difference from the fresh rows over layers and dims."""
+        ckv, kr = unpack(handles)
+        end = start + len(handles)
+        return torch.maximum((engine.pool.ckv[:, ckv] - want_ckv[:, start:end]).abs().amax((0, 2)),
+                             (engine.pool.kr[:, kr] - want_kr[:, start:end]).abs().amax((0, 2)))
+
+    from_turn = [e for e in engine.cache.planner.registry.entries()
+                 if e.p_source >= first_reused + 32 and e.p_source + e.size <= len(target)
+                 and np.array_equal(e.tokens, target[e.p_source:e.p_source + e.size])]
+    assert from_turn and all(gap(e.handles, e.p_source).max() > 1e-4 for e in from_turn)
+    free = engine.pool.free
+    assert engine.cache.heal_pending
+    assert engine.heal(budget=100) == len(target) - first_reused
+    assert not engine.cache.heal_pending and engine.pool.free == free
+    engine.check()
+    for entry in from_turn:
+        assert gap(entry.handles, entry.p_source).max() <= 1e-5
+    cont = np.arange(16) % V
+    seq, _ = engine.prefill(np.concatenate([target, cont]), rt + [len(target)])
+    s = seq.stats
+    assert (s.prefix_tokens, s.derived_prefix_tokens, s.pic_tokens) == (len(target), 0, 0)
+    assert seq.exact is None
+    assert gap(seq.handles[:len(target)], 0).max() <= 1e-5
+    engine.finish(seq)
+    assert not engine.cache.heal_pending  # nothing reused: nothing to heal
+    fresh.finish(ref)
+    engine.check()
+
+
+def test_heal_off_and_heal_without_room(model3) -> None:
+    """With heal off nothing is queued; with it on but too few free slots for the turn's
+    recomputation, the heal is dropped without evicting anything or leaking a slot."""
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=False)))
+    _reusing_turn(engine)
+    assert not engine.cache.heal_pending and engine.heal() == 0
+    engine = Engine(model3, EngineConfig(slots=1400, mode="live"))
+    target, _, first_reused = _reusing_turn(engine)
+    assert engine.pool.free < len(target) - first_reused
+    stored = engine.cache.planner.radix.total_tokens
+    assert engine.heal() == 0 and not engine.cache.heal_pending
+    assert engine.cache.planner.radix.total_tokens == stored
+    engine.check()
+
+
 def test_cached_runs_are_counted_once_the_forward_is_issued(models1) -> None:
     """advance serves an exact prefix and PIC hits without counting their slots; until the
     forward counts them, check() sees them as owed, and the plan's locks keep eviction off them

@@ -264,3 +264,61 @@ def test_observer_never_waits_for_shared_content(model) -> None:
         scheduler.add(p, SamplingParams(max_tokens=3), resets=r)
     scheduler.step()
     assert len(scheduler.running) == 8 and not scheduler.waiting
+
+
+def _turns(seed: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A source prompt and a turn reusing its document behind another header (past the sink)."""
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(0, 97, 300)
+    first, second = rng.integers(0, 97, 40), rng.integers(0, 97, 60)
+    second[0] = (first[0] + 1) % 97
+    return np.concatenate([first, doc]), np.concatenate([second, doc]), [60]
+
+
+def test_idle_time_heals_a_reusing_turn(model) -> None:
+    """Between turns the scheduler recomputes, heal_tokens per idle call, the rows a turn
+    reused: its follow-up is then served as an exact prefix whose greedy tokens equal full
+    recomputation's, and nothing is left pending."""
+    source, turn, resets = _turns(11)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", heal_tokens=64)))
+    assert not scheduler.run_idle()
+    _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
+    request = scheduler.add(turn, SamplingParams(max_tokens=3), resets=resets)
+    first = _drain(scheduler, [request])[request]
+    assert scheduler.idle_pending()
+    calls = 0
+    while scheduler.run_idle():
+        calls += 1
+        scheduler.engine.check()
+    assert calls >= 5 and not scheduler.idle_pending()  # 300+ rows, 64 per call
+    follow = np.concatenate([turn, first, np.arange(5)])
+    request = scheduler.add(follow, SamplingParams(max_tokens=3))
+    stats = None
+    outs: list[int] = []
+    while scheduler.has_work():
+        for out in scheduler.step():
+            outs += out.new_tokens
+            stats = out.stats or stats
+    assert stats.prefix_tokens == len(turn) + len(first) - 1  # the last output was never fed
+    assert stats.derived_prefix_tokens == stats.pic_tokens == 0
+    ids = list(follow)
+    for _ in range(3):
+        ids.append(int(model.logits(torch.tensor(ids))[-1].argmax()))
+    assert outs == ids[len(follow):]
+
+
+def test_a_request_arriving_mid_heal_takes_its_room(model) -> None:
+    """A heal paused between idle calls holds fresh slots; a request that needs them gives the
+    heal up and runs. Nothing leaks."""
+    source, turn, resets = _turns(12)
+    engine = Engine(model, EngineConfig(slots=1100, mode="live", heal_tokens=64))
+    scheduler = Scheduler(engine)
+    _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
+    _drain(scheduler, [scheduler.add(turn, SamplingParams(max_tokens=2), resets=resets)])
+    assert scheduler.run_idle() and engine.cache.healing is not None
+    big = np.random.default_rng(13).integers(0, 97, 1100 - 8)
+    big[0] = (source[0] + 2) % 97
+    request = scheduler.add(big, SamplingParams(max_tokens=4))
+    out = _drain(scheduler, [request])[request]
+    assert len(out) == 4 and engine.cache.healing is None
+    scheduler.check()
