@@ -895,7 +895,11 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
              f"Model `{r['model']}`; per workload, its first {r['requests']} requests served in "
              "order by a persistent live engine per setting, against full recomputation over "
              f"{r['tokens']} teacher-forced tokens (first divergence: free-running greedy). "
-             "*EPIC k*: the first k tokens of every reused run computed (`recompute_head`); "
+             + ("Each engine heals after every request (`--heal`: the rows earlier requests "
+                "reused are recomputed in idle time, as a server does between an agent's turns, "
+                "and not counted as recomputed), so repair acts on each request's own reuse. "
+                if r.get("heal") else "")
+             + "*EPIC k*: the first k tokens of every reused run computed (`recompute_head`); "
              "*CacheBlend r*: the share r of the reused tokens whose c_KV at layer 1 deviates "
              "most from a check forward computed (`recompute_share`). *Recomputed*: the share of "
              "the tokens reused without repair that the setting computed instead. Means over "
@@ -1056,6 +1060,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
+        ("gpu-repair-healed.json", lambda p: repair(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
         ("cpu-kl-anatomy-*.json", lambda p: kl_anatomy(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),

@@ -27,7 +27,8 @@ GPU: its KL figures mean nothing).
     python benchmarks/cpu/repair.py [--heads 0 2 4 8 16 32] [--shares 0.05 0.10 0.15]
                                     [--check-layers 1] [--workloads agent_meta ...]
                                     [--requests 12] [--tokens 16]
-                                    [--model DIR | --random-weights] [--device cpu|cuda] [--out F]
+                                    [--model DIR | --random-weights] [--device cpu|cuda] [--heal]
+                                    [--out F]
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ def label(setting: dict[str, Any]) -> str:
     return f"CacheBlend r={setting['recompute_share']:.0%}" + (f" @L{layer}" if layer != 1 else "")
 
 
-def cache_config(setting: dict[str, Any]) -> CacheConfig:
+def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "epic":
-        return CacheConfig(recompute_head=setting["recompute_head"])
+        return CacheConfig(recompute_head=setting["recompute_head"], heal=heal)
     return CacheConfig(recompute_share=setting["recompute_share"],
-                       recompute_check_layer=setting["check_layer"])
+                       recompute_check_layer=setting["check_layer"], heal=heal)
 
 
 def timed_prefills(engine: Engine, times: list[float]) -> None:
@@ -107,9 +108,11 @@ def counted_checks(engine: Engine, lengths: list[int]) -> None:
 
 
 def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: list[dict],
-            requests: int, tokens: int) -> dict[str, Any]:
+            requests: int, tokens: int, heal: bool = False) -> dict[str, Any]:
     """Per setting: mean KL, argmax match, first divergence and prefill time over the requests
-    with hits, and the share of the unrepaired reused tokens computed instead."""
+    with hits, and the share of the unrepaired reused tokens computed instead. ``heal``: each
+    engine heals after every request (idle time, outside the request: not counted as
+    recomputed)."""
     chosen = load_workload(workload, renderer)[:requests]
     prompts = render_prompts(renderer, chosen, model.config.vocab_size)
     references = [full_continuation(model, p.tokens, tokens) for _, p in prompts]
@@ -117,7 +120,8 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
     layers = model.config.num_hidden_layers
     served_by = []
     for setting in repairs:
-        engine = Engine(model, EngineConfig(slots=slots, mode="live", cache=cache_config(setting)))
+        engine = Engine(model, EngineConfig(slots=slots, mode="live",
+                                            cache=cache_config(setting, heal)))
         times: list[float] = []
         timed_prefills(engine, times)
         checks: list[int] = []
@@ -127,6 +131,8 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
         for (_, prompt), (continuation, logits) in zip(prompts, references):
             before = len(checks)
             served.append(serve(engine, prompt, continuation, logits))
+            if heal:
+                engine.heal()
             # Token-layers the prefill ran: its computed tokens through every layer, the check
             # forward's tokens through the layers below the check layer.
             served[-1]["token_layers"] = (served[-1]["prefilled_tokens"] * layers
@@ -215,6 +221,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights and KV (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
+    parser.add_argument("--heal", action="store_true",
+                        help="heal after every request, as an idle server does between turns")
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -231,7 +239,8 @@ def main() -> None:
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:
-        result = measure(model, renderer, workload, repairs, args.requests, args.tokens)
+        result = measure(model, renderer, workload, repairs, args.requests, args.tokens,
+                         args.heal)
         workloads.append(result)
         if args.out:  # what is measured so far, in case a long run is stopped
             Path(args.out).write_text(json.dumps({"workloads": workloads}, indent=1),
@@ -250,7 +259,7 @@ def main() -> None:
                   f"{r['first_divergence']:>10.2f} {r['compute_vs_none'] or 0:>8.2f}× "
                   f"{r['prefill_vs_none'] or 0:>8.2f}×")
     cap = 0.10
-    report = {"model": name, "device": args.device, "requests": args.requests,
+    report = {"model": name, "device": args.device, "requests": args.requests, "heal": args.heal,
               "tokens": args.tokens, "target": {"recomputed_at_most": cap, "kl_vs_none_at_most":
                                                 0.5},
               "workloads": workloads, "summary": summary(workloads, repairs, cap),
