@@ -130,7 +130,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     # (what --random-weights serves with, and what a --url server is taken to use).
     renderer = ChatRenderer.from_dir(args.tokenizer or model_dir_of(args))
     load = Load(concurrency=args.concurrency if args.concurrency or args.session_rate else 4,
-                rate=args.session_rate, seed=args.seed, warmup=args.warmup)
+                rate=args.session_rate, seed=args.seed, warmup=args.warmup,
+                think_s=args.think_time)
     reports = []
     for name in args.workload:
         sessions = build_sessions(load_workload(name, renderer, sessions=args.sessions,
@@ -216,6 +217,9 @@ def _bench_serve_options(parser: argparse.ArgumentParser) -> None:
                              "by default)")
     parser.add_argument("--session-rate", type=float, default=None, metavar="R",
                         help="sessions arrive as a Poisson process of R per second instead")
+    parser.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                        help="seconds a session waits between a reply and its next call, as an "
+                             "agent runs its tools (default 0: back to back)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the arrivals and the workload's variations (default 0)")
     parser.add_argument("--warmup", type=int, default=None, metavar="N",

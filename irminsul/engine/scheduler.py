@@ -139,6 +139,8 @@ class Scheduler:
                                self.batch_tokens)
         self.await_shared = config.await_shared
         self.heal_tokens = config.heal_tokens
+        self.idle_delay = config.idle_delay_s
+        self._last_step = -float("inf")  # perf_counter() when the latest step returned
         model = engine.model.config
         self.limits = Limits(model.max_position_embeddings, engine.pool.capacity,
                              model.vocab_size)
@@ -186,11 +188,19 @@ class Scheduler:
         """Whether :meth:`run_idle` has anything to do (an audit or a heal)."""
         return self.audit.pending or self.cache.heal_pending
 
+    def idle_wait(self) -> float | None:
+        """Seconds until :meth:`run_idle` may run what is pending (0: now), counted from the
+        latest step (``idle_delay_s``); None when there is nothing to run."""
+        if self.has_work() or not self.idle_pending():
+            return None
+        return max(0.0, self._last_step + self.idle_delay - time.perf_counter())
+
     def run_idle(self) -> bool:
-        """When nothing else needs the device: one audit recomputation (:meth:`run_audit`), else
-        one forward of a heal (:meth:`Engine.heal_step`, ``heal_tokens`` at most); whether
-        anything ran. A failing heal is logged and given up: it never costs a request anything."""
-        if self.has_work():
+        """When nothing else has needed the device for ``idle_delay_s``: one audit recomputation
+        (:meth:`run_audit`), else one forward of a heal (:meth:`Engine.heal_step`,
+        ``heal_tokens`` at most); whether anything ran. A failing heal is logged and given up:
+        it never costs a request anything."""
+        if self.idle_wait() != 0.0:
             return False
         if self.run_audit():
             return True
@@ -328,6 +338,12 @@ class Scheduler:
         is launched and before its tokens are read back, while the device computes: the next
         step then only writes its token ids and replays. It is given back if anything changed
         in between (a request stopped, came or left)."""
+        try:
+            return self._step()
+        finally:  # idle work waits idle_delay_s from here
+            self._last_step = time.perf_counter()
+
+    def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         ahead, self._ahead = self._ahead, None
         if ahead is not None:

@@ -44,6 +44,7 @@ class Load:
     rate: float | None = None
     seed: int = 0
     warmup: int | None = None  # None: as many as run at once (the concurrency, else 4)
+    think_s: float = 0.0  # a session's pause between a reply and its next call (tools run)
 
     def warmup_calls(self) -> int:
         """How many warm-up calls are sent at once before the clock starts."""
@@ -52,10 +53,11 @@ class Load:
         return self.concurrency or 4
 
     def describe(self) -> str:
+        think = f", {self.think_s:g} s between a reply and the next call" if self.think_s else ""
         if self.rate is None:
-            return f"{self.concurrency} sessions at a time"
+            return f"{self.concurrency} sessions at a time{think}"
         cap = f", at most {self.concurrency} at a time" if self.concurrency else ""
-        return f"sessions arriving at {self.rate:g}/s (Poisson, seed {self.seed}){cap}"
+        return f"sessions arriving at {self.rate:g}/s (Poisson, seed {self.seed}){cap}{think}"
 
 
 def _client() -> httpx.AsyncClient:
@@ -105,7 +107,8 @@ async def _replay(url: str, sessions: Sequence[Session], load: Load, *, label: s
             return await send_call(client, url, model, call, origin=origin, cache_salt=cache_salt)
 
         run = await run_sessions(sessions, send, concurrency=load.concurrency, rate=load.rate,
-                                 seed=load.seed, progress=progress, label=label)
+                                 seed=load.seed, think=load.think_s, progress=progress,
+                                 label=label)
     return model, run
 
 

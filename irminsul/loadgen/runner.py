@@ -65,11 +65,15 @@ Send = Callable[[Call, float], Awaitable[CallRecord]]  # (call, run origin) -> i
 
 
 async def run_sessions(sessions: Sequence[Session], send: Send, *, concurrency: int | None,
-                       rate: float | None = None, seed: int = 0, progress: bool = False,
-                       label: str = "") -> Run:
-    """Replay ``sessions`` through ``send``; a bar on stderr counts finished calls."""
+                       rate: float | None = None, seed: int = 0, think: float = 0.0,
+                       progress: bool = False, label: str = "") -> Run:
+    """Replay ``sessions`` through ``send``, each session's calls in order, a call sent
+    ``think`` seconds after the previous reply (an agent's tools running; 0: at once); a bar
+    on stderr counts finished calls."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if think < 0:
+        raise ValueError(f"think time must be >= 0, got {think}")
     if rate is None and concurrency is None:
         raise ValueError("give a concurrency, a session rate, or both")
     offsets = arrivals(len(sessions), rate, seed)
@@ -85,7 +89,9 @@ async def run_sessions(sessions: Sequence[Session], send: Send, *, concurrency: 
         await asyncio.sleep(max(0.0, origin + offsets[i] - time.perf_counter()))
         async with limit or contextlib.nullcontext():
             records[i].start_s = time.perf_counter() - origin
-            for call in session.calls:
+            for j, call in enumerate(session.calls):
+                if j and think:
+                    await asyncio.sleep(think)
                 calls[i].append(await send(call, origin))
                 bar.update()  # after the call's clock stopped
             records[i].end_s = time.perf_counter() - origin

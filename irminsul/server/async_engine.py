@@ -246,8 +246,12 @@ class AsyncEngine:
     def _take_commands(self) -> bool:
         """Apply queued commands; block for one only when idle. False once told to stop."""
         commands: list[Any] = []
-        if not self.scheduler.has_work() and not self.scheduler.idle_pending():
-            commands.append(self._commands.get())
+        idle = None if self.scheduler.has_work() else self.scheduler.idle_wait()
+        if not self.scheduler.has_work() and idle != 0.0:
+            try:  # nothing to do, or idle work not due yet: wait for a command that long
+                commands.append(self._commands.get(timeout=idle))
+            except queue.Empty:
+                pass
         elif not self.scheduler.running:
             # Work is waiting but nothing runs (admission is blocked): don't spin on step().
             try:

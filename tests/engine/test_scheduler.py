@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -280,7 +282,8 @@ def test_idle_time_heals_a_reusing_turn(model) -> None:
     reused: its follow-up is then served as an exact prefix whose greedy tokens equal full
     recomputation's, and nothing is left pending."""
     source, turn, resets = _turns(11)
-    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", heal_tokens=64)))
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", heal_tokens=64,
+                                                     idle_delay_s=0.0)))
     assert not scheduler.run_idle()
     _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
     request = scheduler.add(turn, SamplingParams(max_tokens=3), resets=resets)
@@ -311,7 +314,8 @@ def test_a_request_arriving_mid_heal_takes_its_room(model) -> None:
     """A heal paused between idle calls holds fresh slots; a request that needs them gives the
     heal up and runs. Nothing leaks."""
     source, turn, resets = _turns(12)
-    engine = Engine(model, EngineConfig(slots=1100, mode="live", heal_tokens=64))
+    engine = Engine(model, EngineConfig(slots=1100, mode="live", heal_tokens=64,
+                                        idle_delay_s=0.0))
     scheduler = Scheduler(engine)
     _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
     _drain(scheduler, [scheduler.add(turn, SamplingParams(max_tokens=2), resets=resets)])
@@ -322,3 +326,17 @@ def test_a_request_arriving_mid_heal_takes_its_room(model) -> None:
     out = _drain(scheduler, [request])[request]
     assert len(out) == 4 and engine.cache.healing is None
     scheduler.check()
+
+
+def test_idle_work_waits_for_the_idle_delay(model) -> None:
+    """A heal is due only idle_delay_s after the latest step: run_idle declines before, and
+    idle_wait says how long is left."""
+    source, turn, resets = _turns(14)
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", idle_delay_s=0.3)))
+    _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
+    _drain(scheduler, [scheduler.add(turn, SamplingParams(max_tokens=2), resets=resets)])
+    wait = scheduler.idle_wait()
+    assert wait is not None and 0.0 < wait <= 0.3
+    assert not scheduler.run_idle() and scheduler.idle_pending()
+    time.sleep(wait)
+    assert scheduler.idle_wait() == 0.0 and scheduler.run_idle()

@@ -60,3 +60,32 @@ def test_default_warmup_is_the_concurrency() -> None:
     assert Load(concurrency=32).warmup_calls() == 32
     assert Load(concurrency=None, rate=2.0).warmup_calls() == 4
     assert Load(concurrency=32, warmup=0).warmup_calls() == 0
+
+
+def test_think_time_between_a_reply_and_the_next_call() -> None:
+    """With a think time, each session's next call is sent that long after its previous reply
+    came back (the first at once); sessions think side by side, not in turn."""
+    import time
+
+    from irminsul.loadgen.runner import run_sessions
+
+    ends: dict[tuple[int, int], float] = {}
+    starts: dict[tuple[int, int], float] = {}
+
+    async def send(call: Call, origin: float) -> CallRecord:
+        starts[call.session, call.index] = time.perf_counter()
+        await asyncio.sleep(0.01)
+        ends[call.session, call.index] = time.perf_counter()
+        return CallRecord(f"s{call.session}", call.session, call.index, call.index,
+                          call.max_tokens, True)
+
+    began = time.perf_counter()
+    run = asyncio.run(run_sessions([session(i, calls=3) for i in range(2)], send,
+                                   concurrency=2, think=0.1))
+    assert len(run.calls) == 6
+    for i in range(2):
+        assert starts[i, 0] - began < 0.05
+        for j in (1, 2):
+            assert starts[i, j] - ends[i, j - 1] >= 0.1
+    assert run.wall_s < 0.5  # two sessions of 2 thinks each, side by side: ~0.23 s
+    assert "0.1 s between a reply and the next call" in Load(think_s=0.1).describe()
