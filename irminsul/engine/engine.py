@@ -124,7 +124,11 @@ class Engine:
         try:
             span = self.advance(prefill, budget)
             if span is not None:
-                self.run_batch([(prefill.seq, *span)])
+                logits = self.run_batch([(prefill.seq, *span)])[0]
+                if logits.is_cuda:
+                    # One heal forward in flight at most: a request that arrives next waits for
+                    # it alone, not for every forward a loop of idle calls would have queued.
+                    torch.cuda.synchronize(logits.device)
             if len(prefill.seq.handles) == prefill.prompt.size:
                 self.cache.complete_heal(prefill)
         except BaseException:
