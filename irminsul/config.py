@@ -65,9 +65,12 @@ class CacheConfig:
     # engine is idle its rows from the first reused one on are computed again over the exact
     # rows before them and replace the reused ones in both indexes. A later turn then matches
     # an exact prefix, and chunks registered from that sequence are a full prefill's rows:
-    # reuse errors do not compound from turn to turn (benchmarks/cpu/kl_anatomy.py). Up to
-    # heal_queue sequences wait, the newest healed first.
-    heal: bool = True
+    # reuse errors do not compound from turn to turn (rerank's KL 0.022 -> 0.015 in the
+    # consistency study). Off by default: it spends the compute reuse saved, and under load
+    # there is little idle time to spend (an H200 serving rerank sessions 4 at a time with 0.5 s
+    # of think time: 3.4 against 5.1 requests/s; docs/quality.md). Up to heal_queue sequences
+    # wait, the newest healed first.
+    heal: bool = False
     heal_queue: int = 64
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ served only the request before it, fully computed: one level of reuse, the histo
 difference between the two is what earlier turns' reuse adds through the prefix; the largest
 single step says whether one token carries the mean (a copy from a reused document). And the
 session once more on a live engine that heals after every request (*healed*: what a server does
-in the idle time between an agent's turns, ``CacheConfig.heal``): the history exact again, each
+in the idle time between an agent's turns with ``CacheConfig.heal`` on): the history exact again, each
 turn's own reuse left.
 
     python benchmarks/cpu/kl_anatomy.py [--workload rerank] [--requests 12] [--tokens 16]
@@ -36,7 +36,7 @@ from irminsul.analysis.consistency import (  # noqa: E402
     kl_per_step,
     render_prompts,
 )
-from irminsul.config import EngineConfig  # noqa: E402
+from irminsul.config import CacheConfig, EngineConfig  # noqa: E402
 from irminsul.engine import Engine  # noqa: E402
 from irminsul.loadgen.workloads import load_workload  # noqa: E402
 from irminsul.model import default_model_dir, load_model  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> None:
     references = [full_continuation(model, p.tokens, args.tokens) for p in prompts]
     slots = sum(p.size + 2 * args.tokens for p in prompts)
     session = Engine(model, EngineConfig(slots=slots, mode="live"))
-    healing = Engine(model, EngineConfig(slots=slots, mode="live"))
+    healing = Engine(model, EngineConfig(slots=slots, mode="live", cache=CacheConfig(heal=True)))
     rows = []
     for i, (prompt, (continuation, logits)) in enumerate(zip(prompts, references)):
         row = {"request": i, "session": served(session, prompt, continuation, logits),

@@ -127,7 +127,7 @@ def _means(rows: list[dict], suffix: str = "") -> dict:
 
 
 def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Request], *,
-                tokens: int = 16, num_slots: int | None = None, heal: bool = True,
+                tokens: int = 16, num_slots: int | None = None, heal: bool = False,
                 progress: bool = False) -> dict:
     """Run the study over ``requests`` in order; returns the JSON report.
 
@@ -135,9 +135,9 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
     requests where either engine served prompt tokens from the registry; the same with an ``_all``
     suffix are over every request. ``num_slots`` sizes each engine's KV pool; by default it holds
     the whole workload (capped at MAX_SLOTS), so nothing is evicted. ``heal``: after each
-    request each engine heals what it reused (:meth:`~irminsul.engine.Engine.heal`), as a server
-    does in the idle time between an agent's turns; without it, later requests build on reused
-    rows (the worst case: a server never idle).
+    request each engine heals what it reused (:meth:`~irminsul.engine.Engine.heal`), as a
+    server with ``CacheConfig.heal`` does in the idle time between an agent's turns; without
+    it (the default, as the server's), later requests build on reused rows.
     """
     if tokens < 1:
         raise ValueError(f"need at least one continuation token, got {tokens}")

@@ -41,7 +41,7 @@ def cmd_consistency(args: argparse.Namespace) -> None:
         requests = islice(read_requests(log), args.requests)
         try:
             report = consistency(model, renderer, requests, tokens=args.tokens,
-                                 num_slots=args.slots, heal=not args.no_heal,
+                                 num_slots=args.slots, heal=args.heal,
                                  progress=not args.quiet)
         except PoolExhausted as err:
             raise ValueError(f"{err}; give the engines more --slots") from err
@@ -59,7 +59,7 @@ def cmd_study(args: argparse.Namespace) -> None:
                "sink": {"samples": args.samples, "reuse_samples": args.reuse_samples,
                         "seed": args.seed},
                "consistency": {"requests": args.requests, "tokens": args.tokens,
-                               "seed": args.seed, "heal": not args.no_heal},
+                               "seed": args.seed, "heal": args.heal},
                "hijack": {"documents": args.documents, "tokens": args.tokens,
                           "seed": args.seed}}[args.study]
     out = Path(args.out)
@@ -105,7 +105,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     model_workload_options(check, many=False)
     check.add_argument("--tokens", type=int, default=16,
                        help="continuation tokens per request (default 16)")
-    _no_heal_option(check)
+    _heal_option(check)
     check.set_defaults(func=cmd_consistency)
 
     gate = add_command(sub, "gate", "the PIC correctness gate: KL and argmax of PIC and naive reuse "
@@ -149,15 +149,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     study.add_argument("--documents", type=int, default=None,
                        help="hijack: documents, each behind one of three preambles (default 12)")
     study.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    _no_heal_option(study)
+    _heal_option(study)
     _run_model_options(study)
     study.set_defaults(func=cmd_study)
 
 
-def _no_heal_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-heal", action="store_true",
-                        help="consistency: no heal between requests (each request builds on the "
-                             "rows earlier ones reused, as on a server never idle)")
+def _heal_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--heal", action="store_true",
+                        help="consistency: the engines heal between requests (serve --heal on a "
+                             "server with idle time between an agent's turns)")
 
 
 def _run_model_options(parser: argparse.ArgumentParser) -> None:

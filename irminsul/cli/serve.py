@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_running=args.max_running, await_shared=args.await_shared,
                           pic_audit_rate=audit,
                           graphs=False if args.no_graphs else ENGINE.graphs,
-                          cache=dataclasses.replace(repair_cache(args), heal=not args.no_heal))
+                          cache=dataclasses.replace(repair_cache(args), heal=args.heal))
     server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           dtype=args.dtype, device=args.device, keep_fp8=args.keep_fp8,
                           engine=engine, max_request_bytes=args.max_request_bytes,
@@ -140,10 +140,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        f"KL exported as irminsul:pic_audit_kl (0: none; default "
                        f"{ENGINE.pic_audit_rate})")
     repair_options(serve)
-    serve.add_argument("--no-heal", action="store_true",
-                       help="live mode: do not heal (by default, rows a finished request reused "
-                            "are recomputed when the engine is idle and replace the reused ones "
-                            "in the cache, so later turns build on exact rows)")
+    serve.add_argument("--heal", action="store_true",
+                       help="live mode: rows a finished request reused are recomputed when the "
+                            "engine is idle and replace the reused ones in the cache, so later "
+                            "turns build on exact rows (spends idle compute; docs/quality.md)")
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")

@@ -47,7 +47,7 @@ class ConsistencySettings:
     header_tokens: int = 250
     seed: int = 0
     patterns: tuple[str, ...] = PATTERNS
-    heal: bool = True  # engines heal between requests, as an idle server does (CacheConfig.heal)
+    heal: bool = False  # engines heal between requests (CacheConfig.heal, serve --heal)
 
 
 @dataclass

@@ -370,7 +370,7 @@ def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
     turn — the radix path's and the registry entries registered from it — equals a fresh
     prefill's (3 layers; test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit shows
     them apart before). The slots the reused rows held go back to the pool."""
-    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=True)))
     target, rt, first_reused = _reusing_turn(engine)
     fresh = Engine(model3, EngineConfig(slots=4000, mode="off"))
     ref, _ = fresh.prefill(target, rt)
@@ -408,12 +408,12 @@ def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
 
 
 def test_heal_off_and_heal_without_room(model3) -> None:
-    """With heal off nothing is queued; with it on but too few free slots for the turn's
-    recomputation, the heal is dropped without evicting anything or leaking a slot."""
-    engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=False)))
+    """With heal off (the default) nothing is queued; with it on but too few free slots for
+    the turn's recomputation, the heal is dropped without evicting anything or leaking a slot."""
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
     _reusing_turn(engine)
     assert not engine.cache.heal_pending and engine.heal() == 0
-    engine = Engine(model3, EngineConfig(slots=1400, mode="live"))
+    engine = Engine(model3, EngineConfig(slots=1400, mode="live", cache=CacheConfig(heal=True)))
     target, _, first_reused = _reusing_turn(engine)
     assert engine.pool.free < len(target) - first_reused
     stored = engine.cache.planner.radix.total_tokens

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fixtures.tiny_models import build
 
-from irminsul.config import EngineConfig
+from irminsul.config import CacheConfig, EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.engine.scheduler import sample
 from irminsul.model import load_model
@@ -268,6 +268,9 @@ def test_observer_never_waits_for_shared_content(model) -> None:
     assert len(scheduler.running) == 8 and not scheduler.waiting
 
 
+HEAL = CacheConfig(heal=True)
+
+
 def _turns(seed: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """A source prompt and a turn reusing its document behind another header (past the sink)."""
     rng = np.random.default_rng(seed)
@@ -283,7 +286,7 @@ def test_idle_time_heals_a_reusing_turn(model) -> None:
     recomputation's, and nothing is left pending."""
     source, turn, resets = _turns(11)
     scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", heal_tokens=64,
-                                                     idle_delay_s=0.0)))
+                                                     idle_delay_s=0.0, cache=HEAL)))
     assert not scheduler.run_idle()
     _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
     request = scheduler.add(turn, SamplingParams(max_tokens=3), resets=resets)
@@ -315,7 +318,7 @@ def test_a_request_arriving_mid_heal_takes_its_room(model) -> None:
     heal up and runs. Nothing leaks."""
     source, turn, resets = _turns(12)
     engine = Engine(model, EngineConfig(slots=1100, mode="live", heal_tokens=64,
-                                        idle_delay_s=0.0))
+                                        idle_delay_s=0.0, cache=HEAL))
     scheduler = Scheduler(engine)
     _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
     _drain(scheduler, [scheduler.add(turn, SamplingParams(max_tokens=2), resets=resets)])
@@ -332,7 +335,8 @@ def test_idle_work_waits_for_the_idle_delay(model) -> None:
     """A heal is due only idle_delay_s after the latest step: run_idle declines before, and
     idle_wait says how long is left."""
     source, turn, resets = _turns(14)
-    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", idle_delay_s=0.3)))
+    scheduler = Scheduler(Engine(model, EngineConfig(slots=4000, mode="live", idle_delay_s=0.3,
+                                                     cache=HEAL)))
     _drain(scheduler, [scheduler.add(source, SamplingParams(max_tokens=2), resets=[40])])
     _drain(scheduler, [scheduler.add(turn, SamplingParams(max_tokens=2), resets=resets)])
     wait = scheduler.idle_wait()
