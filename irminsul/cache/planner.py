@@ -331,11 +331,17 @@ class Planner:
         return Plan(tokens[:match.length].copy(), namespace, prefix,
                     segments + [Segment("miss", exact, match.length)], [])
 
-    def healed(self, plan: Plan, handles: np.ndarray) -> Commit:
+    def healed(self, plan: Plan, handles: np.ndarray,
+               sources: Iterable[tuple[ChunkEntry, int]] = ()) -> Commit:
         """A :meth:`heal_plan`'s rows are computed (``handles``: one per plan token): every
         reference either index holds to a row it replaced — the radix path's, and any registry
         entry's (chunks and regions registered from that prompt, or from prompts that matched
-        it) — now names the recomputed row, and the path is exact."""
+        it) — now names the recomputed row, and the path is exact. ``sources``: (entry,
+        position) of the entries the healed prompt reused whole; each still registered and in
+        the recomputed range is moved to its recomputed rows (:meth:`Registry.move`), so the
+        next prompt reuses it from the latest context rather than the one it was first
+        registered in (served right after the turn before it, rerank's KL is 43% of what a
+        session in order gives: benchmarks/cpu/kl_anatomy.py)."""
         handles = np.asarray(handles, dtype=np.int64)
         if handles.shape != plan.tokens.shape:
             raise ValueError(f"need one handle per plan token: {handles.shape} vs "
@@ -344,6 +350,13 @@ class Planner:
         old = self.radix.heal(plan.tokens, handles, start, plan.namespace)
         new = handles[start:]
         held, freed = self.registry.replace_handles(old, new)
+        content = plan.tokens.astype(np.int64, copy=False)
+        for entry, at in sources:
+            end = at + entry.size
+            if (entry.registered and entry.namespace == plan.namespace and start <= at
+                    and end <= content.size and content[at:end].tobytes() == entry.content):
+                held.append(handles[at:end])
+                freed.append(self.registry.move(entry, handles[at:end], at))
         return Commit([new, *held], [old, *freed])
 
     def commit(self, plan: Plan, handles: np.ndarray, exact: int | None = None) -> Commit:

@@ -303,6 +303,19 @@ class Registry:
                 entry.handles = handles
         return held, freed
 
+    def move(self, entry: ChunkEntry, handles: np.ndarray, p_source: int) -> np.ndarray:
+        """Point a registered entry at other rows of its tokens: ``handles`` computed at
+        ``p_source`` (a heal's rows of a prompt that reused the entry whole, in a context nearer
+        the prompts to come). A region leaves its run: the run's rows stay those of the
+        context it was registered in, and a hit runs on only along rows of one context. Returns
+        the handles it no longer references."""
+        handles = np.asarray(handles, dtype=np.int64)
+        if handles.shape != (entry.size,):
+            raise ValueError(f"need {entry.size} handles, got {handles.shape}")
+        old, entry.handles, entry.p_source = entry.handles, handles.copy(), int(p_source)
+        entry.run, entry.run_offset = None, 0
+        return old
+
     def touch(self, entry: ChunkEntry) -> None:
         """Mark an entry as just used (LRU)."""
         entry.last_use = next(self._clock)

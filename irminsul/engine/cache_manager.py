@@ -31,6 +31,7 @@ import numpy as np
 
 from ..cache.plan import Commit, Plan, Segment
 from ..cache.planner import Planner
+from ..cache.registry import ChunkEntry
 from ..config import CacheConfig, Mode
 from .batch import ForwardBatch, Reuse
 from .kv_pool import KVPool, PoolExhausted, unpack
@@ -67,8 +68,10 @@ class CacheManager:
         # Heal: finished sequences' (tokens, namespace) waiting to be recomputed, newest last,
         # and the one being recomputed now.
         self.heal = config.heal and mode == "live"
-        self._to_heal: deque[tuple[np.ndarray, int]] = deque(maxlen=config.heal_queue)
+        self._to_heal: deque[tuple[np.ndarray, int, list[tuple[ChunkEntry, int]]]] = deque(
+            maxlen=config.heal_queue)
         self.healing: Prefill | None = None
+        self._healing_sources: list[tuple[ChunkEntry, int]] = []
         self.healed_tokens = 0  # rows recomputed by completed heals so far
         self.sequences: list[Sequence] = []
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
@@ -168,6 +171,8 @@ class CacheManager:
     def complete_prefill(self, prefill: Prefill) -> None:
         """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
         self.settle(prefill.seq)  # before the plan's locks go
+        if self.heal and self.mode == "live":  # what a heal may move (Planner.healed)
+            prefill.seq.sources = _whole_sources(prefill.plan)
         try:
             self._apply(self.planner.commit(prefill.plan, prefill.seq.handles,
                                             prefill.seq.exact))
@@ -284,7 +289,7 @@ class CacheManager:
         if self.healing is not None:
             return self.healing
         while self._to_heal:
-            tokens, namespace = self._to_heal.pop()
+            tokens, namespace, sources = self._to_heal.pop()
             plan = self.planner.heal_plan(tokens, namespace)
             if plan is None:
                 continue
@@ -297,6 +302,7 @@ class CacheManager:
             stretches = deque([Stretch("prefix", 0, exact, [])] if exact else [])
             stretches.append(Stretch("compute", exact, end, []))
             self.healing = Prefill(seq, plan, plan.tokens, stretches)
+            self._healing_sources = sources
             return self.healing
         return None
 
@@ -312,7 +318,7 @@ class CacheManager:
         seq = prefill.seq
         self.settle(seq)
         try:
-            commit = self.planner.healed(prefill.plan, seq.handles)
+            commit = self.planner.healed(prefill.plan, seq.handles, self._healing_sources)
             self._apply(commit)
             self.healed_tokens += prefill.plan.tokens.size - prefill.plan.prefix.length
         finally:
@@ -325,7 +331,7 @@ class CacheManager:
             self._end_heal(self.healing)
 
     def _end_heal(self, prefill: Prefill) -> None:
-        self.healing = None
+        self.healing, self._healing_sources = None, []
         try:
             self.planner.release(prefill.plan)
         finally:
@@ -410,7 +416,7 @@ class CacheManager:
             self._apply(self.planner.remember(seq.tokens, seq.handles, seq.namespace,
                                               seq.exact))
             if self.heal and seq.exact is not None:
-                self._to_heal.append((seq.tokens.copy(), seq.namespace))
+                self._to_heal.append((seq.tokens.copy(), seq.namespace, seq.sources))
         self.pool.release(seq.handles)
         seq.finished = True
         self.sequences.remove(seq)
@@ -459,6 +465,21 @@ class CacheManager:
         references sequences are owed not yet)."""
         owed = [seq.owed_slots() for seq in self.sequences]
         self.pool.check(self.references(), uncounted=([c for c, _ in owed], [k for _, k in owed]))
+
+
+def _whole_sources(plan: Plan) -> list[tuple[ChunkEntry, int]]:
+    """(entry, position) of every registry entry a plan's hits reuse whole: an entry hit whole,
+    and each region found whole whose run a hit took on (the region's span of that hit)."""
+    hits = plan.hits
+    out = [(hit.entry, hit.start) for hit in hits
+           if hit.offset == 0 and hit.size == hit.entry.size]
+    for region in plan.region_entries:
+        for hit in hits:
+            if (hit.entry is region.run and hit.offset <= region.run_offset
+                    and region.run_offset + region.size <= hit.offset + hit.size):
+                out.append((region, hit.start + region.run_offset - hit.offset))
+                break
+    return out
 
 
 def _first(at: int | None, position: int) -> int:

@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from ..cache.plan import Plan, Segment
+from ..cache.registry import ChunkEntry
 from .kv_pool import unpack
 
 
@@ -88,6 +89,8 @@ class Sequence:
         # entries hold those slots meanwhile). Handles (both slots); c_KV slots alone.
         self.owed: list[np.ndarray] = []
         self.owed_ckv: list[np.ndarray] = []
+        # With heal on: (entry, position) of each registry entry its prompt reused whole.
+        self.sources: list[tuple[ChunkEntry, int]] = []
 
     @property
     def tokens(self) -> np.ndarray:

@@ -367,9 +367,10 @@ def _reusing_turn(engine: Engine) -> tuple[np.ndarray, list[int], int]:
 def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
     """Healing the turn that reused documents recomputes its rows from the first reused one on:
     its follow-up is then an exact prefix throughout, and every row the indexes hold for the
-    turn — the radix path's and the registry entries registered from it — equals a fresh
-    prefill's (3 layers; test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit shows
-    them apart before). The slots the reused rows held go back to the pool."""
+    turn — the radix path's, the registry entries registered from it, and the entries it reused
+    whole, now moved to it — equals a fresh prefill's (3 layers;
+    test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit shows them apart before). The
+    slots the reused rows held go back to the pool."""
     engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=True)))
     target, rt, first_reused = _reusing_turn(engine)
     fresh = Engine(model3, EngineConfig(slots=4000, mode="off"))
@@ -394,6 +395,14 @@ def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
     assert not engine.cache.heal_pending and engine.pool.free == free
     engine.check()
     for entry in from_turn:
+        assert gap(entry.handles, entry.p_source).max() <= 1e-5
+    # The source's entries the turn reused whole now hold the turn's recomputed rows at their
+    # positions in it: the next prompt reuses them from the latest context.
+    moved = [e for e in engine.cache.planner.registry.entries() if e not in from_turn
+             and e.p_source >= first_reused and e.p_source + e.size <= len(target)
+             and np.array_equal(e.tokens, target[e.p_source:e.p_source + e.size])]
+    assert sum(e.size for e in moved) >= 500  # both documents
+    for entry in moved:
         assert gap(entry.handles, entry.p_source).max() <= 1e-5
     cont = np.arange(16) % V
     seq, _ = engine.prefill(np.concatenate([target, cont]), rt + [len(target)])
