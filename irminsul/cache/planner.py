@@ -337,8 +337,8 @@ class Planner:
         reference either index holds to a row it replaced — the radix path's, and any registry
         entry's (chunks and regions registered from that prompt, or from prompts that matched
         it) — now names the recomputed row, and the path is exact. ``sources``: (entry,
-        position) of the entries the healed prompt reused whole; each still registered and in
-        the recomputed range is moved to its recomputed rows (:meth:`Registry.move`), so the
+        position) of the entries the healed prompt reused whole; each still registered is moved
+        to the path's rows at that position (:meth:`Registry.move`), so the
         next prompt reuses it from the latest context rather than the one it was first
         registered in (served right after the turn before it, rerank's KL is 43% of what a
         session in order gives: benchmarks/cpu/kl_anatomy.py)."""
@@ -353,7 +353,8 @@ class Planner:
         content = plan.tokens.astype(np.int64, copy=False)
         for entry, at in sources:
             end = at + entry.size
-            if (entry.registered and entry.namespace == plan.namespace and start <= at
+            # Anywhere on the healed path: its rows before ``start`` were exact already.
+            if (entry.registered and entry.namespace == plan.namespace and 0 <= at
                     and end <= content.size and content[at:end].tobytes() == entry.content):
                 held.append(handles[at:end])
                 freed.append(self.registry.move(entry, handles[at:end], at))

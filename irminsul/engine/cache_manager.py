@@ -403,6 +403,7 @@ class CacheManager:
         self.settle(seq)
         twin = Sequence(seq.tokens, seq.handles.copy(), seq.namespace, seq.stats,
                         exact=seq.exact)
+        twin.sources = list(seq.sources)  # the same prompt: whichever heals first moves them
         self.pool.retain(twin.handles)
         self.sequences.append(twin)
         return twin

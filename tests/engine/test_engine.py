@@ -416,6 +416,28 @@ def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
     engine.check()
 
 
+def test_heal_of_a_fork_moves_what_the_prompt_reused(model3) -> None:
+    """A turn forked before it finished (two continuations of one prompt): whichever heal runs
+    first recomputes the shared prompt, and the entries the prompt reused whole move to it all
+    the same (the second heal starts past them)."""
+    source, rs, target, rt, _ = shifted_docs(4)
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=True)))
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    seq, _ = engine.prefill(target, rt)
+    twin = engine.fork(seq)
+    engine.extend(seq, [1, 2])
+    engine.extend(twin, [3])
+    engine.finish(seq)
+    engine.finish(twin)  # healed first: the newest
+    engine.heal()
+    engine.check()
+    moved = [e for e in engine.cache.planner.registry.entries()
+             if e.p_source >= 75 and e.p_source + e.size <= len(target)
+             and np.array_equal(e.tokens, target[e.p_source:e.p_source + e.size])]
+    assert sum(e.size for e in moved if e.run is None) >= 550  # both documents' regions
+
+
 def test_heal_off_and_heal_without_room(model3) -> None:
     """With heal off (the default) nothing is queued; with it on but too few free slots for
     the turn's recomputation, the heal is dropped without evicting anything or leaking a slot."""
