@@ -971,6 +971,50 @@ def kl_anatomy(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def heal(r: dict[str, Any], name: str) -> list[str]:
+    """Heal (CacheConfig.heal): the consistency it buys and the serving load it costs."""
+    c = r["commands"]
+    lines = ["## GPU: heal, what it buys and what it costs", "",
+             f"`docs/results/{name}`. " + _run_line(r["meta"], model=r["meta"].get("about", "")),
+             "", "```bash", c["consistency"], c["serve"], "```", "",
+             "Heal recomputes, when the engine is idle, the rows a finished request reused "
+             "(from its first reused row on, over the exact rows before it) and swaps them in "
+             "wherever the radix tree and the registry hold them. *Consistency*: the study's PIC "
+             "KL and argmax over the requests with hits, without heal and with it (the engines "
+             "heal after every request); " + r["consistency_note"] + ".", ""]
+    now = r.get("consistency_now")
+    if now:
+        lines[-2] += (f" *Heal now*: the same with the heal as it is now ({now['commit']}), "
+                      f"on a CPU with torch {now['torch']}: `{now['command']}`.")
+    rows = []
+    for n, runs in r["consistency"].items():
+        for workload, off in runs["no_heal"].items():
+            on = runs["heal"][workload]
+            latest = (now["workloads"].get(workload) if now and now["requests"] == n else None)
+            rows.append([n, workload, f"{off['kl_pic']:.3g}", f"{on['kl_pic']:.3g}",
+                         f"{on['kl_pic'] / off['kl_pic']:.2f}", f"{off['argmax_pic']:.3f}",
+                         f"{on['argmax_pic']:.3f}"]
+                        + ([f"{latest['kl_pic']:.3g} / {latest['argmax_pic']:.3f}"
+                            if latest else "—"] if now else []))
+    lines += _table(("requests", "workload", "KL pic", "KL pic, heal", "heal ÷ none", "argmax",
+                     "argmax, heal") + (("heal now: KL / argmax",) if now else ()), rows)
+    lines += ["*Serving*: rerank sessions through `irminsul serve` (live) without and with heal, "
+              "each cell a fresh server; *think*: seconds a session waits between a reply and "
+              "its next call. One line per run of the A/B, in the order the changes landed.", ""]
+    rows = []
+    for run in r["serve"]:
+        for cell in run["cells"]:
+            rows.append([f"{run['label']} ({run['commit']})", cell["concurrency"],
+                         f"{cell['think_s']:g}", "on" if cell["heal"] else "off",
+                         f"{cell['request_throughput_rps']:.2f}", f"{cell['ttft_ms']['p50']:.0f}",
+                         f"{cell['ttft_ms']['p90']:.0f}", f"{cell['session_s']['p50']:.2f}",
+                         f"{cell['derived_prefix_share']:.1%}"])
+    lines += _table(("run", "sessions at once", "think (s)", "heal", "req/s", "TTFT p50 (ms)",
+                     "TTFT p90 (ms)", "session p50 (s)", "derived prefix"), rows)
+    lines += ["; ".join(f"*{run['label']}*: {run['note']}" for run in r["serve"]) + ".", ""]
+    return lines
+
+
 def repair_ttft(r: dict[str, Any], name: str) -> list[str]:
     """The TTFT each repair setting costs on agent_meta prompts whose header changed."""
     meta = r["meta"]
@@ -1061,6 +1105,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("gpu-repair-healed.json", lambda p: repair(_load(p), p.name)),
+        ("gpu-heal.json", lambda p: heal(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
         ("cpu-kl-anatomy-*.json", lambda p: kl_anatomy(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),

@@ -65,8 +65,8 @@ class CacheManager:
             raise ValueError("recompute_share needs the runner's latent check")
         self.latent_check = latent_check
         self.write_rows = write_rows
-        # Heal: finished sequences' (tokens, namespace) waiting to be recomputed, newest last,
-        # and the one being recomputed now.
+        # Heal: finished sequences (tokens, namespace, the entries their prompt reused whole)
+        # waiting to be recomputed, newest last, and the one being recomputed now.
         self.heal = config.heal and mode == "live"
         self._to_heal: deque[tuple[np.ndarray, int, list[tuple[ChunkEntry, int]]]] = deque(
             maxlen=config.heal_queue)
@@ -171,7 +171,7 @@ class CacheManager:
     def complete_prefill(self, prefill: Prefill) -> None:
         """Register the prompt's new chunks and insert it into the radix tree; release the plan."""
         self.settle(prefill.seq)  # before the plan's locks go
-        if self.heal and self.mode == "live":  # what a heal may move (Planner.healed)
+        if self.heal:  # what a heal may move (Planner.healed)
             prefill.seq.sources = _whole_sources(prefill.plan)
         try:
             self._apply(self.planner.commit(prefill.plan, prefill.seq.handles,
