@@ -133,8 +133,7 @@ class EngineConfig:
     pic_audit_rate: float = 0.01
     # Idle work (the audit's recomputations, heals) starts once the engine has had nothing to do
     # for this long: the gap between a reply and the same agent's next call, sent back to back,
-    # is a few ms, and a heal's forward there would only delay that call (an A/B on an H200 with
-    # no delay: 6% fewer requests/s, bench serve rerank at concurrency 2).
+    # is a few ms, and idle work started there would only delay that call.
     idle_delay_s: float = 0.1
     # Live mode with the cache's heal on: tokens one idle forward heals (a request that arrives
     # meanwhile waits for at most one such forward)
