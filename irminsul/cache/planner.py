@@ -354,8 +354,8 @@ class Planner:
         for entry, at in sources:
             end = at + entry.size
             # Anywhere on the healed path: its rows before ``start`` were exact already.
-            if (entry.registered and entry.namespace == plan.namespace and 0 <= at
-                    and end <= content.size and content[at:end].tobytes() == entry.content):
+            if (entry.registered and entry.namespace == plan.namespace and end <= content.size
+                    and content[at:end].tobytes() == entry.content):
                 held.append(handles[at:end])
                 freed.append(self.registry.move(entry, handles[at:end], at))
         return Commit([new, *held], [old, *freed])

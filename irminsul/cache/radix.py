@@ -66,6 +66,16 @@ def _as_1d_int(x: np.ndarray, name: str) -> np.ndarray:
     return arr
 
 
+def _path(node: RadixNode) -> list[RadixNode]:
+    """The edges from the root (left out) down to ``node``, root side first."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens two equal-length, non-empty token arrays share (one pass)."""
     differ = a != b
@@ -169,11 +179,7 @@ class RadixTree:
         node, length, _ = self._walk(self._root(namespace), tokens)
         if length < len(tokens):
             raise ValueError(f"only {length} of the {len(tokens)} tokens are stored")
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
+        path = _path(node)
         old, at = [], 0
         for depth, edge in enumerate(path):
             n = len(edge.key)
@@ -347,12 +353,8 @@ class RadixTree:
     def _exact(node: RadixNode) -> int:
         """Leading tokens with exact rows on the path from the root to ``node``: the edges'
         exact counts up to the first edge that is not exact throughout."""
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
         exact = 0
-        for edge in reversed(path):
+        for edge in _path(node):
             exact += edge.exact
             if edge.exact < len(edge.key):
                 break

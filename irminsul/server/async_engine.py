@@ -246,7 +246,7 @@ class AsyncEngine:
     def _take_commands(self) -> bool:
         """Apply queued commands; block for one only when idle. False once told to stop."""
         commands: list[Any] = []
-        idle = None if self.scheduler.has_work() else self.scheduler.idle_wait()
+        idle = self.scheduler.idle_wait()  # None with work, or nothing idle to do
         if not self.scheduler.has_work() and idle != 0.0:
             try:  # nothing to do, or idle work not due yet: wait for a command that long
                 commands.append(self._commands.get(timeout=idle))
