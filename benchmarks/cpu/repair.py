@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
@@ -55,17 +56,21 @@ from irminsul.traffic.render import ChatRenderer  # noqa: E402
 from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 
 
-def settings(heads: list[int], shares: list[float],
-             check_layers: list[int]) -> list[dict[str, Any]]:
+def settings(heads: list[int], shares: list[float], check_layers: list[int],
+             oracle: list[float] | None = None) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
-    return out + [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
-                  for layer in check_layers for r in shares]
+    out += [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
+            for layer in check_layers for r in shares]
+    return out + [{"method": method, "recompute_share": r, "check_layer": 1}
+                  for method in ("oracle", "gradient") for r in oracle or []]
 
 
 def label(setting: dict[str, Any]) -> str:
     if setting["method"] == "epic":
         return f"EPIC k={setting['recompute_head']}"
+    if setting["method"] in ("oracle", "gradient"):
+        return f"{setting['method']} r={setting['recompute_share']:.0%}"
     layer = setting["check_layer"]
     return f"CacheBlend r={setting['recompute_share']:.0%}" + (f" @L{layer}" if layer != 1 else "")
 
@@ -73,7 +78,7 @@ def label(setting: dict[str, Any]) -> str:
 def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "epic":
         return CacheConfig(recompute_head=setting["recompute_head"], heal=heal)
-    return CacheConfig(recompute_share=setting["recompute_share"],
+    return CacheConfig(recompute_share=setting["recompute_share"],  # cacheblend or oracle
                        recompute_check_layer=setting["check_layer"], heal=heal)
 
 
@@ -107,6 +112,80 @@ def counted_checks(engine: Engine, lengths: list[int]) -> None:
     engine.cache.latent_check = counted
 
 
+def oracle_deviation(model: MLAModel, engine: Engine) -> None:
+    """Replace the engine's check forward by an oracle no server has: each reused token's c_KV
+    deviation at *every* layer, from a full forward of the prompt, each layer's squared
+    distance divided by that layer's mean squared fresh row (so no layer wins by its scale),
+    summed. It ranks tokens by how far their served rows are from the rows full recomputation
+    computes (CacheBlend's criterion without its one-layer proxy): the bound on what ranking
+    by deviation can buy. Its cost (a full prefill) is not counted."""
+    ckv = engine.runner.ckv
+    rank = ckv.shape[2]
+
+    def deviation(prompt: Any, positions: Any, slots: Any) -> Any:
+        length = int(positions.max()) + 1
+        ids = torch.as_tensor(prompt[:length], dtype=torch.long)
+        latents = model.forward(ids, torch.arange(length)).latents
+        where = torch.as_tensor(positions, dtype=torch.long)
+        at = torch.as_tensor(slots, dtype=torch.long, device=ckv.device)
+        score = torch.zeros(len(positions), dtype=torch.float64)
+        for layer in range(1, len(latents)):  # layer 0's rows are exact
+            fresh = latents[layer][:, :rank].double().cpu()
+            served = ckv[layer, at].double().cpu()
+            scale = fresh.pow(2).sum(-1).mean()
+            score += (fresh[where] - served).pow(2).sum(-1) / scale
+        return score.numpy()
+
+    engine.cache.latent_check = deviation
+
+
+def gradient_deviation(model: MLAModel, engine: Engine,
+                       references: dict[bytes, tuple[list[int], torch.Tensor]]) -> None:
+    """Replace the engine's check forward by a second oracle: each reused token ranked by how
+    much replacing its cached c_KV rows (every layer) by the fresh ones lowers the KL of the
+    teacher-forced continuation, to first order: the gradient of that KL with respect to the
+    served rows, dotted with (fresh − cached). The served state is approximated by fresh rows
+    everywhere but the reused tokens' c_KV. Ranks by effect on the output, not by distance;
+    its cost (a full prefill and a backward pass) is not counted."""
+    ckv = engine.runner.ckv
+    rank = ckv.shape[2]
+    body = model.model
+
+    def deviation(prompt: Any, positions: Any, slots: Any) -> Any:
+        continuation, reference = references[np.asarray(prompt, dtype=np.int64).tobytes()]
+        length = prompt.size - 1  # the context; the last prompt token starts the continuation
+        latents = model.forward(torch.as_tensor(prompt[:length], dtype=torch.long),
+                                torch.arange(length)).latents
+        inside = positions < length
+        where = torch.as_tensor(positions[inside], dtype=torch.long)
+        at = torch.as_tensor(slots[inside], dtype=torch.long, device=ckv.device)
+        context, deltas = [], []
+        for layer, fresh in enumerate(latents):
+            served = fresh.clone()
+            cached = ckv[layer, at].to(fresh.dtype).cpu()
+            served[where, :rank] = cached
+            deltas.append(fresh[where, :rank] - cached)
+            context.append(served.requires_grad_(True))
+        ids = torch.as_tensor([int(prompt[-1]), *continuation[:-1]], dtype=torch.long)
+        at_positions = torch.arange(length, length + ids.numel())
+        with torch.enable_grad():
+            x = body.embed_tokens(ids)
+            for layer, rows in zip(body.layers, context):
+                x, _ = layer(x, at_positions, [rows], [ids.numel()], None)
+            logits = model.lm_head(body.norm(x)).float()
+            loss = (reference.softmax(-1) * (reference.log_softmax(-1)
+                                             - logits.log_softmax(-1))).sum()
+            grads = torch.autograd.grad(loss, context)
+        gain = torch.zeros(len(positions), dtype=torch.float64)
+        drop = torch.zeros(int(inside.sum()), dtype=torch.float64)
+        for grad, delta in zip(grads, deltas):
+            drop -= (grad[where, :rank] * delta).sum(-1).double()  # first-order KL decrease
+        gain[torch.as_tensor(inside)] = drop
+        return gain.numpy()
+
+    engine.cache.latent_check = deviation
+
+
 def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: list[dict],
             requests: int, tokens: int, heal: bool = False) -> dict[str, Any]:
     """Per setting: mean KL, argmax match, first divergence and prefill time over the requests
@@ -122,6 +201,12 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
     for setting in repairs:
         engine = Engine(model, EngineConfig(slots=slots, mode="live",
                                             cache=cache_config(setting, heal)))
+        if setting["method"] == "oracle":
+            oracle_deviation(model, engine)
+        if setting["method"] == "gradient":
+            gradient_deviation(model, engine, {p.tokens.astype(np.int64).tobytes(): ref
+                                               for (_, p), ref
+                                               in zip(prompts, references)})
         times: list[float] = []
         timed_prefills(engine, times)
         checks: list[int] = []
@@ -207,6 +292,9 @@ def main() -> None:
                         help="values of recompute_head (k) for EPIC-style repair")
     parser.add_argument("--shares", type=float, nargs="*", default=[0.05, 0.10, 0.15],
                         help="values of recompute_share (r) for CacheBlend-style repair")
+    parser.add_argument("--oracle", type=float, nargs="*", default=[],
+                        help="shares recomputed by two oracle rankings: every layer's deviation "
+                             "from a full forward, and the first-order effect on the output")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
                         help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
@@ -235,7 +323,7 @@ def main() -> None:
             torch.float32 if args.device == "cpu" else torch.bfloat16)
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
-    repairs = settings(args.heads, args.shares, args.check_layers)
+    repairs = settings(args.heads, args.shares, args.check_layers, args.oracle)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:

@@ -201,6 +201,28 @@ def test_repair_runs(tmp_path: Path) -> None:
     assert 0 <= workload["floor_kl"] < 1e-6
 
 
+def test_repair_oracles_run(tmp_path: Path) -> None:
+    """Both oracle rankings recompute the share they are given; at r = 1 they recompute every
+    reused token and serve what full recomputation computes."""
+    out = tmp_path / "oracles.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair.py"),
+                    "--workloads", "sysvar", "--requests", "3", "--heads", "0", "--shares",
+                    "--oracle", "0.5", "1", "--tokens", "2", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    (workload,) = json.loads(out.read_text())["workloads"]
+    assert workload["requests_with_hits"] > 0
+    none, *oracles = workload["rows"]
+    assert [(r["method"], r["recompute_share"]) for r in oracles] == [
+        ("oracle", 0.5), ("oracle", 1.0), ("gradient", 0.5), ("gradient", 1.0)]
+    assert none["kl"] > 1e-6
+    for row in oracles:
+        if row["recompute_share"] == 1.0:
+            assert row["recomputed_share"] == 1.0 and row["kl"] < 1e-6
+        else:
+            assert 0.45 < row["recomputed_share"] <= 0.5
+
+
 def test_kl_anatomy_runs(tmp_path: Path) -> None:
     """Request 0 is computed whole (KL at float32 noise); the stats add up to each prompt; the
     one-level replay exists from request 1 on."""
