@@ -61,6 +61,13 @@ class CacheConfig:
     # Layer 1 is the first whose c_KV depends on context (layer 0's rows are the token's own),
     # and the cheapest check: one layer of a fresh prefill.
     recompute_check_layer: int = 1
+    # How recompute_share's tokens are picked. "deviation": the largest c_KV deviations at the
+    # check layer (CacheBlend's criterion). "signed": the largest first-order drops of the
+    # error in the prompt tail's attention output at layers 1 .. recompute_check_layer when a
+    # token's fresh c_KV replaces its cached one: reused tokens' errors partly offset each
+    # other, and recomputing one whose error offsets others' raises the output's error, which
+    # a deviation's size cannot tell (docs/quality.md: sysvar 1.29x KL at 10% by deviation).
+    recompute_rule: str = "deviation"
     # Heal (live): a finished sequence that was served reused rows is queued, and when the
     # engine is idle its rows from the first reused one on are computed again over the exact
     # rows before them and replace the reused ones in both indexes. A later turn then matches
@@ -80,6 +87,9 @@ class CacheConfig:
             raise ValueError(f"recompute_share must be in [0, 1], got {self.recompute_share}")
         if self.heal_queue < 1:
             raise ValueError(f"heal_queue must be >= 1, got {self.heal_queue}")
+        if self.recompute_rule not in ("deviation", "signed"):
+            raise ValueError(f"recompute_rule must be 'deviation' or 'signed', got "
+                             f"{self.recompute_rule!r}")
         if self.recompute_check_layer < 1:
             raise ValueError(f"recompute_check_layer must be >= 1, got "
                              f"{self.recompute_check_layer}")

@@ -169,6 +169,7 @@ def test_analyze_takes_tokenizer_after_the_log(tmp_path: Path) -> None:
     (["serve", "--max-request-bytes", "0"], "max_request_bytes must be >= 1"),
     (["serve", "--recompute-head", "-1"], "recompute_head must be >= 0"),
     (["serve", "--recompute-share", "1.5"], "recompute_share must be in [0, 1]"),
+    (["serve", "--recompute-check-layer", "0"], "recompute_check_layer must be >= 1"),
 ])
 def test_serve_refuses_bad_sizes_before_loading(argv: list[str], needle: str, capsys) -> None:
     """A size that cannot work is an error naming it (it used to mean 65,536 slots)."""

@@ -57,11 +57,14 @@ from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 
 
 def settings(heads: list[int], shares: list[float], check_layers: list[int],
-             oracle: list[float] | None = None) -> list[dict[str, Any]]:
+             oracle: list[float] | None = None,
+             signed: list[float] | None = None) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
     out += [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
             for layer in check_layers for r in shares]
+    out += [{"method": "signed", "recompute_share": r, "check_layer": layer}
+            for layer in check_layers for r in signed or []]
     return out + [{"method": method, "recompute_share": r, "check_layer": 1}
                   for method in ("oracle", "gradient") for r in oracle or []]
 
@@ -72,13 +75,16 @@ def label(setting: dict[str, Any]) -> str:
     if setting["method"] in ("oracle", "gradient"):
         return f"{setting['method']} r={setting['recompute_share']:.0%}"
     layer = setting["check_layer"]
-    return f"CacheBlend r={setting['recompute_share']:.0%}" + (f" @L{layer}" if layer != 1 else "")
+    name = "CacheBlend" if setting["method"] == "cacheblend" else "signed"
+    return f"{name} r={setting['recompute_share']:.0%}" + (f" @L{layer}" if layer != 1 else "")
 
 
 def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "epic":
         return CacheConfig(recompute_head=setting["recompute_head"], heal=heal)
-    return CacheConfig(recompute_share=setting["recompute_share"],  # cacheblend or oracle
+    # The oracles replace the deviation rule's check (oracle_deviation, gradient_deviation).
+    rule = "signed" if setting["method"] == "signed" else "deviation"
+    return CacheConfig(recompute_share=setting["recompute_share"], recompute_rule=rule,
                        recompute_check_layer=setting["check_layer"], heal=heal)
 
 
@@ -295,6 +301,9 @@ def main() -> None:
     parser.add_argument("--oracle", type=float, nargs="*", default=[],
                         help="shares recomputed by two oracle rankings: every layer's deviation "
                              "from a full forward, and the first-order effect on the output")
+    parser.add_argument("--signed", type=float, nargs="*", default=[],
+                        help="shares recomputed by the sign-aware check (each --check-layers "
+                             "value: the layers it scores)")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
                         help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
@@ -323,7 +332,7 @@ def main() -> None:
             torch.float32 if args.device == "cpu" else torch.bfloat16)
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
-    repairs = settings(args.heads, args.shares, args.check_layers, args.oracle)
+    repairs = settings(args.heads, args.shares, args.check_layers, args.oracle, args.signed)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:

@@ -86,7 +86,8 @@ def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> No
 
 
 def repair_options(parser: argparse.ArgumentParser) -> None:
-    """--recompute-head and --recompute-share (CacheConfig's repair knobs), for serve and gate."""
+    """--recompute-head, --recompute-share and how its tokens are picked (CacheConfig's repair
+    knobs), for serve and gate."""
     parser.add_argument("--recompute-head", type=int, default=ENGINE.cache.recompute_head,
                         metavar="K", help="live mode, repair: compute the first K tokens of "
                         "every reused run instead of reusing them (EPIC-style; docs/quality.md "
@@ -95,6 +96,15 @@ def repair_options(parser: argparse.ArgumentParser) -> None:
                         metavar="R", help="live mode, repair: compute this share of each "
                         "prompt's reused tokens, those whose latent deviates most from a fresh "
                         "one at an early layer (CacheBlend-style; 0: none)")
+    parser.add_argument("--recompute-rule", choices=("deviation", "signed"),
+                        default=ENGINE.cache.recompute_rule,
+                        help="how --recompute-share picks its tokens: the largest c_KV "
+                        "deviations at the check layer, or the largest drops of the prompt "
+                        "tail's attention error at layers 1 .. the check layer (docs/quality.md)")
+    parser.add_argument("--recompute-check-layer", type=int, metavar="N",
+                        default=ENGINE.cache.recompute_check_layer,
+                        help="the check forward's layer (deviation) or last layer (signed); "
+                        "it costs N layers of a fresh prefill")
 
 
 def write_json(path: str | None, reports: list[dict]) -> None:
@@ -128,7 +138,9 @@ def model_renderer(args: argparse.Namespace) -> ChatRenderer:
 def repair_cache(args: argparse.Namespace) -> CacheConfig:
     """The default planner config with the repair knobs of :func:`repair_options`."""
     return dataclasses.replace(ENGINE.cache, recompute_head=args.recompute_head,
-                               recompute_share=args.recompute_share)
+                               recompute_share=args.recompute_share,
+                               recompute_rule=args.recompute_rule,
+                               recompute_check_layer=args.recompute_check_layer)
 
 
 def text_pool(renderer: ChatRenderer, sources: list[Path]) -> TextPool:

@@ -55,7 +55,8 @@ class Engine:
         repair = config.mode == "live" and config.cache.recompute_share  # CacheBlend-style
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
                              rotation=config.mode == "live", scratch=scratch,
-                             check_layer=config.cache.recompute_check_layer if repair else None)
+                             check_layer=config.cache.recompute_check_layer if repair else None,
+                             check_rule=config.cache.recompute_rule)
         self.cache = CacheManager(config.cache, config.mode, self.pool, context,
                                   write_rows=self.runner.write_rows,
                                   latent_check=self.runner.check_latent if repair else None)

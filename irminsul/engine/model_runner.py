@@ -27,7 +27,7 @@ from ..model.model import use_kernels
 from ..model.paged import MaskedSpans, PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
-from .repair import LatentCheck
+from .repair import Deviation, LatentCheck, SignedCheck
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs, Staged
@@ -88,14 +88,18 @@ class ModelRunner:
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *, kernels: bool,
                  graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None,
-                 check_layer: int | None = None) -> None:
+                 check_layer: int | None = None, check_rule: str = "deviation") -> None:
         """``kernels`` / ``graphs``: as :func:`resolve_backend` gives them; ``rotation``: make
         the captured rotation (only live engines reuse rows); ``scratch``: a (c_KV, k_r) slot
         pair outside the cache's capacity that graphs write their padding rows to;
         ``check_layer``: the layer of CacheBlend-style repair's check forward
-        (:meth:`check_latent`), None without that repair."""
+        (:meth:`check_latent`), None without that repair; ``check_rule``: how it scores
+        reused tokens (``CacheConfig.recompute_rule``)."""
         self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
-        self._latent_check = None if check_layer is None else LatentCheck(model, ckv, check_layer)
+        self._latent_check: Deviation | None = None
+        if check_layer is not None:
+            check = SignedCheck if check_rule == "signed" else LatentCheck
+            self._latent_check = check(model, ckv, check_layer)
         use_kernels(model, kernels)  # fused experts, router, latent store, add + norm
         self._naive_from = naive_from(model.config)
         self._rotation: Rotation | None = None

@@ -17,6 +17,13 @@ compute):
   default layer — and takes the L2 distance between each reused token's fresh c_KV at the check
   layer and the cached one it would be served. The tokens with the largest distances, ``floor(r ·
   reused)`` of them, are computed.
+* **signed** (``recompute_rule`` "signed", the same share): :class:`SignedCheck` runs the same
+  check forward over the whole prompt and, at each layer 1 .. ``recompute_check_layer``, the
+  attention of the prompt's tail (its tokens after the last reused one, computed fresh when
+  served) over the served rows against over the fresh ones; each reused token is scored by the
+  first-order drop of that error when its fresh c_KV replaces the cached one. Reused tokens'
+  errors partly offset each other: recomputing a token whose error offsets the others' raises
+  the output's error, which the size of its deviation cannot tell.
 
 The stretches are the cache manager's ``[kind, start, end, hits]`` lists (kind "prefix",
 "derived", "reuse" or "compute"; a reuse's hits are the plan's segments it serves, trimmed to
@@ -130,6 +137,20 @@ def _trimmed(hits: list[Segment], start: int, end: int) -> list[Segment]:
             for h in hits if h.start < end and h.end > start]
 
 
+def _fresh_layers(model: MLAModel, tokens: np.ndarray, layers: int,
+                  device: torch.device) -> list[torch.Tensor]:
+    """The residual stream [T, D] of ``tokens`` from position 0 before each of the first
+    ``layers`` + 1 layers, computed from scratch (no cached row is read)."""
+    body = model.model
+    at = torch.arange(len(tokens), device=device)
+    x = body.embed_tokens(upload(tokens, device))
+    stream = [x]
+    for layer in body.layers[:layers]:
+        x, _ = layer(x, at, [None], [len(tokens)], None)
+        stream.append(x)
+    return stream
+
+
 class LatentCheck:
     """The check forward of CacheBlend-style repair: reused tokens' fresh c_KV at one layer,
     against the cached c_KV the pool would serve them."""
@@ -147,16 +168,69 @@ class LatentCheck:
     def __call__(self, prompt: np.ndarray, positions: np.ndarray,
                  ckv_slots: np.ndarray) -> np.ndarray:
         """‖fresh c_KV − cached c_KV‖₂ at the check layer for each reused position (float64)."""
-        body = self.model.model
         device = self.ckv.device
         length = int(positions.max()) + 1
-        at = torch.arange(length, device=device)
-        x = body.embed_tokens(upload(prompt[:length], device))
-        for layer in body.layers[:self.layer]:  # from scratch: no cached row is read
-            x, _ = layer(x, at, [None], [length], None)
-        check = body.layers[self.layer]
+        x = _fresh_layers(self.model, prompt[:length], self.layer, device)[-1]
+        check = self.model.model.layers[self.layer]
         where = upload(positions, device)
         fresh = check.self_attn.latent(check.input_layernorm(x[where]), where)
         fresh = fresh[:, :self.ckv.shape[2]].float()
         cached = self.ckv[self.layer, upload(ckv_slots, device)].float()
         return torch.linalg.vector_norm(fresh - cached, dim=-1).double().cpu().numpy()
+
+
+class SignedCheck:
+    """The check forward of sign-aware repair (``recompute_rule`` "signed"): each reused token's
+    first-order effect on the error of the prompt tail's attention output, summed over layers
+    1 .. ``layers``."""
+
+    def __init__(self, model: MLAModel, ckv: torch.Tensor, layers: int = 1,
+                 tail: int = 16) -> None:
+        """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layers``: the check
+        layers 1 .. layers; ``tail``: the prompt's last tokens whose attention is compared (at
+        most this many, all after the last reused one where the prompt has them)."""
+        count = model.config.num_hidden_layers
+        if not 1 <= layers < count:
+            raise ValueError(f"recompute_check_layer must be in [1, {count - 1}] for a model "
+                             f"of {count} layers, got {layers}")
+        self.model, self.ckv, self.layers, self.tail = model, ckv, layers, tail
+
+    def __call__(self, prompt: np.ndarray, positions: np.ndarray,
+                 ckv_slots: np.ndarray) -> np.ndarray:
+        """Per reused position (float64), larger first: the drop, to first order, of
+        Σ_layers ‖out(served) − out(fresh)‖² / ‖out(fresh)‖² when its fresh c_KV replaces the
+        cached one, ``out`` the tail's attention output over the rows before it (served: each
+        reused token's cached c_KV, every other row fresh). Reused positions inside the tail
+        (a prompt ending in reused tokens) score −inf: the tail's own rows are fresh here."""
+        device, rank = self.ckv.device, self.ckv.shape[2]
+        length = len(prompt)
+        start = min(max(int(positions.max()) + 1, length - self.tail), length - 1)
+        before = positions < start
+        where = upload(positions[before], device)
+        slots = upload(ckv_slots[before], device)
+        at = torch.arange(length, device=device)
+        with torch.inference_mode():
+            stream = _fresh_layers(self.model, prompt, self.layers, device)
+        drop = torch.zeros(int(before.sum()), dtype=torch.float64, device=device)
+        for index in range(1, self.layers + 1):
+            attn = self.model.model.layers[index].self_attn
+            with torch.inference_mode():
+                h = self.model.model.layers[index].input_layernorm(stream[index])
+                fresh = attn.latent(h[:start], at[:start]).float()
+                reference, _ = attn(h[start:], at[start:], [fresh.to(h.dtype)],
+                                    [length - start])
+            # Inference tensors cannot take part in autograd: plain copies of what it reads.
+            h, fresh, reference = h.clone(), fresh.clone(), reference.float()
+            cached = self.ckv[index, slots].float()
+            served = fresh.clone()
+            served[where, :rank] = cached
+            served.requires_grad_(True)
+            with torch.enable_grad():
+                out, _ = attn(h[start:], at[start:], [served.to(h.dtype)], [length - start])
+                error = (out.float() - reference).pow(2).sum() / reference.pow(2).sum()
+                (grad,) = torch.autograd.grad(error, served)
+            # Replacing cached by fresh moves the served row by (fresh − cached).
+            drop -= (grad[where, :rank] * (fresh[where, :rank] - cached)).sum(-1).double()
+        scores = np.full(len(positions), -np.inf)
+        scores[before] = drop.cpu().numpy()
+        return scores

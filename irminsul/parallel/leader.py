@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import EngineConfig
+from ..config import CacheConfig, EngineConfig
 from ..engine import Engine
 from ..engine.batch import ForwardBatch, Reuse
 from ..engine.model_runner import ModelRunner
@@ -149,6 +149,15 @@ def _leading(runner: type[ModelRunner]) -> type[LeaderRunner]:
     return type(f"Leader{runner.__name__}", (LeaderRunner, runner), {})
 
 
+def check_repair(cache: CacheConfig, world_size: int) -> None:
+    """Refuse repair that does not run sharded: the signed rule scores reused tokens by the
+    prompt tail's attention output, of which a rank computes only its own heads' share."""
+    if world_size > 1 and cache.recompute_share and cache.recompute_rule == "signed":
+        raise ValueError("--recompute-rule signed does not run under --tensor-parallel (each "
+                         "rank holds only its heads' share of the attention output it scores "
+                         "by); use --recompute-rule deviation")
+
+
 def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,
                   runner: type[ModelRunner] = ModelRunner,
                   on_failure: Callable[[str, BaseException], None] | None = None,
@@ -162,6 +171,7 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
     if not group.leader:
         raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
     check_sharded(model, group)
+    check_repair(config.cache, group.world_size)
     config = dataclasses.replace(config, graphs=False)
     channel = next(_channels)
     broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)

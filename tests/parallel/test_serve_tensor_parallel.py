@@ -376,6 +376,8 @@ def test_followers_exit_when_the_leader_is_killed(model_dir: Path, tmp_path: Pat
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel", "3"], "--tensor-parallel 3 does not fit"),
+    (["--tensor-parallel", "2", "--recompute-share", "0.1", "--recompute-rule", "signed"],
+     "--recompute-rule signed does not run under --tensor-parallel"),
 ])
 def test_bad_tensor_parallel_options_are_refused_before_any_rank_starts(
         argv: list[str], needle: str, model_dir: Path, capsys: pytest.CaptureFixture,
