@@ -350,3 +350,19 @@ def test_moe_kernel_against_its_floor_runs(tmp_path: Path) -> None:
         assert c["max_rel_diff"] < 1e-5
         assert all(c[k]["ms"] > 0 for k in ("grouped", "fused", "align"))
         assert sum(k.startswith("fused m") for k in c) >= 4  # the sweep's shapes
+
+
+def test_repair_picks_runs(tmp_path: Path) -> None:
+    """Every figure of the picks' analysis is a share in [0, 1], per request with reuse."""
+    out = tmp_path / "picks.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair_picks.py"),
+                    "--workload", "sysvar", "--requests", "2", "--tokens", "2",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    rows = json.loads(out.read_text())["rows"]
+    assert rows
+    for row in rows:
+        shares = [row["negative_share"], row["top_tenth_share_of_positive_effect"],
+                  row["overlap_deviation_oracle"], *row["overlap_attention_per_layer"]]
+        assert all(0 <= s <= 1 for s in shares), row
