@@ -909,7 +909,8 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
              "against no repair" + (", on this shared CPU (one thread; noisy, and not the GPU's "
                                     "TTFT). " if on_cpu else " (a small model: host-bound). ")
              + f"*Target*: KL at most {r['target']['kl_vs_none_at_most']} × no repair's on every "
-             f"workload, recomputing at most {r['target']['recomputed_at_most']:.0%}.", ""]
+             f"workload, recomputing at most {r['target']['recomputed_at_most']:.0%}."
+             + _repair_rankings({s["method"] for s in r["summary"]}), ""]
     rows = [[s["label"], f"{s['recomputed_share']:.1%} / {s['recomputed_share_max']:.1%}",
              f"{s['kl']:.3e}", f"{s['kl_vs_none_max']:.3f}", f"{s['argmax']:.3f}",
              f"{s['first_divergence']:.2f}", f"{s['compute_vs_none']:.2f}×",
@@ -930,6 +931,22 @@ def repair(r: dict[str, Any], name: str) -> list[str]:
         rows.append(["no reuse (floor)"] + [f"{w['floor_kl']:.2e} / —" for w in workloads])
     lines += _table(header, rows)
     return lines
+
+
+def _repair_rankings(methods: set[str]) -> str:
+    """What the other rankings of a repair run mean, for those it measured."""
+    text = ""
+    if "signed" in methods:
+        text += (" *signed r @LN*: the share r whose fresh c_KV most lowers the prompt tail's "
+                 "attention error at layers 1 .. N, to first order (`recompute_rule` "
+                 "\"signed\"; its check forward runs N layers).")
+    if methods & {"oracle", "gradient"}:
+        text += (" *oracle r* and *gradient r* are bounds no server can afford: the share r "
+                 "with the largest c_KV deviation from full recomputation summed over every "
+                 "layer, and with the largest first-order drop of KL(full ‖ served) itself "
+                 "(docs/quality.md); their own cost, a full prefill and a backward pass, is not "
+                 "in *compute* or *prefill*.")
+    return text
 
 
 def kl_anatomy(r: dict[str, Any], name: str) -> list[str]:
