@@ -56,8 +56,9 @@ def main() -> None:
     chosen = load_workload(args.workload, renderer)[:args.requests]
     prompts = render_prompts(renderer, chosen, model.config.vocab_size)
     references = [full_continuation(model, p.tokens, args.tokens) for _, p in prompts]
-    # Any share > 0 runs the check on every request with reuse; it recomputes nothing here
-    # (every score is replaced by 0 below, and 5% of the ties go to the earliest positions).
+    # Any share > 0 runs the check on every request with reuse. ``record`` returns 0 for every
+    # token, so the 5% recomputed are each request's earliest reused tokens (ties go to the
+    # earlier position), which later requests then match as computed rows.
     engine = Engine(model, EngineConfig(slots=sum(p.size + 2 * args.tokens for _, p in prompts),
                                         mode="live", cache=CacheConfig(recompute_share=0.05)))
     gradient_deviation(model, engine, {p.tokens.astype(np.int64).tobytes(): r

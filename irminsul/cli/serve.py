@@ -60,10 +60,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                             model_id=args.store_model_id))
     parallel = ParallelConfig(world_size=args.tensor_parallel,
                               timeout_s=args.collective_timeout)
-    if parallel.world_size > 1:
-        from ..parallel.leader import check_repair  # before any follower starts
-
-        check_repair(engine.cache, parallel.world_size)
     return serve(model_dir_of(args), server, parallel=parallel, **random_weights)
 
 

@@ -137,6 +137,14 @@ def _trimmed(hits: list[Segment], start: int, end: int) -> list[Segment]:
             for h in hits if h.start < end and h.end > start]
 
 
+def _check_layer_fits(model: MLAModel, layer: int) -> None:
+    """Refuse a check layer the model has no layer for, or none below."""
+    layers = model.config.num_hidden_layers
+    if not 1 <= layer < layers:
+        raise ValueError(f"recompute_check_layer must be in [1, {layers - 1}] for a model "
+                         f"of {layers} layers, got {layer}")
+
+
 def _fresh_layers(model: MLAModel, tokens: np.ndarray, layers: int,
                   device: torch.device) -> list[torch.Tensor]:
     """The residual stream [T, D] of ``tokens`` from position 0 before each of the first
@@ -158,10 +166,7 @@ class LatentCheck:
     def __init__(self, model: MLAModel, ckv: torch.Tensor, layer: int = 1) -> None:
         """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layer``: the check
         layer (1 is the first whose c_KV depends on context)."""
-        layers = model.config.num_hidden_layers
-        if not 1 <= layer < layers:
-            raise ValueError(f"recompute_check_layer must be in [1, {layers - 1}] for a model "
-                             f"of {layers} layers, got {layer}")
+        _check_layer_fits(model, layer)
         self.model, self.ckv, self.layer = model, ckv, layer
 
     @torch.inference_mode()
@@ -189,10 +194,7 @@ class SignedCheck:
         """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layers``: the check
         layers 1 .. layers; ``tail``: the prompt's last tokens whose attention is compared (at
         most this many, all after the last reused one where the prompt has them)."""
-        count = model.config.num_hidden_layers
-        if not 1 <= layers < count:
-            raise ValueError(f"recompute_check_layer must be in [1, {count - 1}] for a model "
-                             f"of {count} layers, got {layers}")
+        _check_layer_fits(model, layers)
         self.model, self.ckv, self.layers, self.tail = model, ckv, layers, tail
 
     def __call__(self, prompt: np.ndarray, positions: np.ndarray,

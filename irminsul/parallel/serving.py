@@ -31,7 +31,7 @@ from ..engine.model_runner import ModelRunner
 from ..model import MLAModel, load_config
 from .follower import STARTUP_TIMEOUT_S, FollowerSpec
 from .group import ParallelGroup, RankFailure, abort, init, shutdown
-from .leader import LeaderRunner, leader_engine
+from .leader import LeaderRunner, check_repair, leader_engine
 from .load import load_shard
 from .ranks import Exited, Followers, free_address
 from .shard import check_divisible, shard_model
@@ -260,7 +260,7 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
     """Serve ``model_dir`` on ``parallel.world_size`` ranks until interrupted (see the module
     docstring); returns 0 after a normal stop, and ends the process with status 1 after a
     failure. ValueError, before any rank starts, for a model whose heads, experts or MLP
-    widths do not split evenly."""
+    widths do not split evenly, or repair that does not run sharded."""
     import uvicorn
 
     from ..server.launch import build_server, resolve_device
@@ -272,6 +272,7 @@ def serve_tensor_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         check_divisible(load_config(checkpoint), world)
     except ValueError as err:
         raise ValueError(f"--tensor-parallel {world} does not fit {checkpoint}: {err}") from None
+    check_repair(config.engine.cache, world)
     device, _ = resolve_device(config)
     devices = rank_devices(device, world)
     vocab, never = _random_weights_ids(path) if random_weights is not None else (0, ())

@@ -233,8 +233,8 @@ def test_cli_gate_measures_with_the_repair_it_is_given(monkeypatch: pytest.Monke
                                                        default_result: GateResult,
                                                        gate_config: GateConfig) -> None:
     """--recompute-head / --recompute-share / --recompute-rule / --recompute-check-layer reach
-    the engine the gate measures (and so its cache
-    key), as they reach the served engine; a bad value is refused before anything runs."""
+    the engine the gate measures (and so its cache key), as they reach the served engine; a bad
+    value is refused before anything runs."""
     seen: list[EngineConfig] = []
 
     def fake_run_gate(model, renderer, checkpoint, config, *, engine, fresh):  # noqa: ANN001
