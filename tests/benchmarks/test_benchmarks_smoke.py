@@ -119,13 +119,9 @@ def test_cpu_run_and_table(tmp_path: Path) -> None:
 
 
 def test_cache_host_time_runs(tmp_path: Path) -> None:
-    out = tmp_path / "host.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "cache_host_time.py"),
-                    "--lengths", "512", "--headers", "50", "--requests", "3", "--warmup", "1",
-                    "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=120,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    rows = json.loads(out.read_text())["phases_ms_p50"]
+    results = _run_benchmark("cache_host_time", "--lengths", "512", "--headers", "50", "--requests",
+                             "3", "--warmup", "1", tmp_path=tmp_path, timeout=120)
+    rows = results["phases_ms_p50"]
     assert [(r["pattern"], r["header_tokens"]) for r in rows] == [
         ("agent_meta", 50), ("sysvar", 50), ("rerank", 0)]
     assert all(r[p] > 0 for r in rows for p in ("plan", "advance (reuse, alloc)", "commit"))
@@ -133,13 +129,9 @@ def test_cache_host_time_runs(tmp_path: Path) -> None:
 
 def test_decode_host_time_runs(tmp_path: Path) -> None:
     """Every timed step took the graph input path and decoded one token per request."""
-    out = tmp_path / "decode-host.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "decode_host_time.py"),
-                    "--batches", "3", "--contexts", "64", "--steps", "3", "--warmup", "1",
-                    "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=120,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    cells = json.loads(out.read_text())["cells"]
+    results = _run_benchmark("decode_host_time", "--batches", "3", "--contexts", "64", "--steps", "3",
+                             "--warmup", "1", tmp_path=tmp_path, timeout=120)
+    cells = results["cells"]
     assert [(c["batch"], c["context"], c["steps"]) for c in cells] == [(3, 64, 3)]
     assert cells[0]["host_ms"] > 0
 
@@ -147,12 +139,9 @@ def test_decode_host_time_runs(tmp_path: Path) -> None:
 def test_tp_messages_runs(tmp_path: Path) -> None:
     """A decode step's message with mirrored keys carries each request's one new handle: the
     whole message's handles (3 × 65 × 8 bytes) are gone from it."""
-    out = tmp_path / "tp.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "tp_messages.py"),
-                    "--batch", "3", "--context", "64", "--steps", "3", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    rows = json.loads(out.read_text())["rows"]
+    results = _run_benchmark("tp_messages", "--batch", "3", "--context", "64", "--steps", "3",
+                             tmp_path=tmp_path)
+    rows = results["rows"]
     assert rows["whole"]["bytes"] - rows["mirrored"]["bytes"] > 3 * 64 * 8
     assert rows["mirrored"]["first_bytes"] > rows["mirrored"]["bytes"]
     assert all(row["broadcast_ms"] > 0 for row in rows.values())
@@ -184,13 +173,8 @@ def test_tensor_parallel_suite_runs_on_float8_shares(tmp_path: Path) -> None:
 def test_repair_runs(tmp_path: Path) -> None:
     """k = 0 recomputes nothing; a k past every run recomputes every reused token and serves what
     full recomputation computes; r = 0.5 recomputes half (rounded down per prompt)."""
-    out = tmp_path / "repair.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair.py"),
-                    "--workloads", "agent_meta", "--requests", "3", "--heads", "0", "100000",
-                    "--shares", "0.5", "--tokens", "2", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    result = json.loads(out.read_text())
+    result = _run_benchmark("repair", "--workloads", "agent_meta", "--requests", "3", "--heads", "0",
+                            "100000", "--shares", "0.5", "--tokens", "2", tmp_path=tmp_path)
     (workload,) = result["workloads"]
     assert workload["requests_with_hits"] > 0
     none, every, half = workload["rows"]
@@ -204,13 +188,9 @@ def test_repair_runs(tmp_path: Path) -> None:
 def test_repair_oracles_run(tmp_path: Path) -> None:
     """Both oracle rankings recompute the share they are given; at r = 1 they recompute every
     reused token and serve what full recomputation computes."""
-    out = tmp_path / "oracles.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair.py"),
-                    "--workloads", "sysvar", "--requests", "3", "--heads", "0", "--shares",
-                    "--oracle", "0.5", "1", "--tokens", "2", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    (workload,) = json.loads(out.read_text())["workloads"]
+    results = _run_benchmark("repair", "--workloads", "sysvar", "--requests", "3", "--heads", "0",
+                             "--shares", "--oracle", "0.5", "1", "--tokens", "2", tmp_path=tmp_path)
+    (workload,) = results["workloads"]
     assert workload["requests_with_hits"] > 0
     none, *oracles = workload["rows"]
     assert [(r["method"], r["recompute_share"]) for r in oracles] == [
@@ -226,13 +206,8 @@ def test_repair_oracles_run(tmp_path: Path) -> None:
 def test_kl_anatomy_runs(tmp_path: Path) -> None:
     """Request 0 is computed whole (KL at float32 noise); the stats add up to each prompt; the
     one-level replay exists from request 1 on."""
-    out = tmp_path / "anatomy.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "kl_anatomy.py"),
-                    "--workload", "agent_meta", "--requests", "3", "--tokens", "2",
-                    "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    result = json.loads(out.read_text())
+    result = _run_benchmark("kl_anatomy", "--workload", "agent_meta", "--requests", "3", "--tokens",
+                            "2", tmp_path=tmp_path)
     first, *rest = result["rows"]
     assert first["session"]["kl"] < 1e-6 and "after_one" not in first
     assert all("after_one" in row for row in rest)
@@ -261,12 +236,20 @@ def test_performance_page_is_generated_from_the_results() -> None:
     assert (ROOT / "docs" / "performance.md").read_text(encoding="utf-8") == report.performance()
 
 
-def _script(name: str, *args: str, tmp_path: Path) -> dict:
+def _run_benchmark(name: str, *args: str, tmp_path: Path, timeout: int = 300,
+                folder: str = "cpu") -> dict:
+    """The results JSON of ``benchmarks/FOLDER/NAME.py ARGS --out F``, run as a user runs it."""
     out = tmp_path / f"{name}.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / f"{name}.py"), "--device",
-                    "cpu", "--tiny", *args, "--out", str(out)], check=True, cwd=ROOT, timeout=180,
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / folder / f"{name}.py"), *args,
+                    "--out", str(out)], check=True, cwd=ROOT, timeout=timeout,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     return json.loads(out.read_text())
+
+
+def _script(name: str, *args: str, tmp_path: Path) -> dict:
+    """A GPU benchmark's results JSON, run on the CPU with the tiny model."""
+    return _run_benchmark(name, "--device", "cpu", "--tiny", *args, tmp_path=tmp_path, timeout=180,
+                          folder="gpu")
 
 
 def test_decode_steps_against_their_floor_run(tmp_path: Path) -> None:
@@ -354,13 +337,9 @@ def test_moe_kernel_against_its_floor_runs(tmp_path: Path) -> None:
 
 def test_repair_picks_runs(tmp_path: Path) -> None:
     """Every figure of the picks' analysis is a share in [0, 1], per request with reuse."""
-    out = tmp_path / "picks.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu" / "repair_picks.py"),
-                    "--workload", "sysvar", "--requests", "2", "--tokens", "2",
-                    "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    rows = json.loads(out.read_text())["rows"]
+    results = _run_benchmark("repair_picks", "--workload", "sysvar", "--requests", "2", "--tokens",
+                             "2", tmp_path=tmp_path)
+    rows = results["rows"]
     assert rows
     for row in rows:
         shares = [row["negative_share"], row["top_tenth_share_of_positive_effect"],
