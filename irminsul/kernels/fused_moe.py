@@ -40,23 +40,22 @@ ALIGN_CHUNK = 64  # assignments per program of the sort
 
 
 @triton.jit
-def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
-                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    # Each program places one chunk of assignments. Every program counts all of them (and those
-    # before its chunk) rather than waiting on the others: at decode sizes that repeated count
-    # is cheaper than a second launch, and programs run side by side where one program's
-    # sequential scan over every chunk took ~20 µs at 64 tokens × 6 experts on an H200.
-    pid = tl.program_id(0)
-    first = pid * CHUNK
+def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
+                 E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                 SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr, VOLATILE: tl.constexpr):
+    """Place the assignments ``first .. first + CHUNK`` in their sorted rows; the chunk at 0
+    also writes the used rows, the padding and every block's expert. ``VOLATILE``: read the ids
+    past the L1 cache (a caller that wrote them in the same launch)."""
+    # Every chunk counts all the assignments (and those before it) rather than waiting on the
+    # others: at decode sizes that repeated count is cheaper than a second launch, and programs
+    # run side by side where one program's sequential scan over every chunk took ~20 µs at
+    # 64 tokens × 6 experts on an H200.
     experts = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     before = tl.zeros([E_P2], tl.int32)  # per expert, assignments before this chunk
     for start in range(0, n, SCAN):
         at = start + tl.arange(0, SCAN)
-        e = tl.load(IDS + at, mask=at < n, other=E_P2)  # masked lanes match no expert
+        e = tl.load(IDS + at, mask=at < n, other=E_P2, volatile=VOLATILE)  # masked: no expert
         hit = (e[:, None] == experts[None, :]).to(tl.int32)
         counts += tl.sum(hit, 0)
         before += tl.sum(hit * (at < first)[:, None].to(tl.int32), 0)
@@ -64,10 +63,10 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     used = tl.sum(padded, 0)
-    if pid == 0:
+    if first == 0:
         tl.store(USED, used)
         # Each expert's padding rows hold the sentinel n. They never overlap the assignments'
-        # rows, so no ordering between these stores and the other programs' is needed.
+        # rows, so no ordering between these stores and the other chunks' is needed.
         j = tl.arange(0, BLOCK_M)
         tl.store(SORTED + (starts + counts)[:, None] + j[None, :], n,
                  mask=j[None, :] < (padded - counts)[:, None])
@@ -83,12 +82,22 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
     # before it within the chunk (a stable sort: within an expert, assignment order).
     i = tl.arange(0, CHUNK)
     at = first + i
-    e = tl.load(IDS + at, mask=at < n, other=E_P2)
+    e = tl.load(IDS + at, mask=at < n, other=E_P2, volatile=VOLATILE)
     earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)
     hit = (e[:, None] == experts[None, :]).to(tl.int32)
     base = tl.sum(hit * (starts + before)[None, :], 1)
     tl.store(SORTED + base + rank, at, mask=at < n)
+
+
+@triton.jit
+def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, tl.program_id(0) * CHUNK,
+                 E_P2, BLOCK_M, CHUNK, SCAN, BLOCK_CHUNK, False)
 
 
 @triton.jit
@@ -263,37 +272,69 @@ def max_rows(assignments: int, experts: int, block_m: int) -> int:
     return assignments + min(experts, assignments) * (block_m - 1)
 
 
-def align_blocks(ids: torch.Tensor, experts: int, block_m: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The assignments of ``ids`` [T, k] (expert per token and slot) sorted by expert, in blocks
-    of ``block_m`` rows: (rows, block_expert, used), int32 on ids' device.
+@dataclass(frozen=True)
+class Alignment:
+    """Assignments sorted by expert into blocks (:func:`align_blocks`): ``rows`` [max_rows]
+    (assignment index t·k + j, each expert's run padded to whole blocks with the sentinel
+    T·k, experts in order, one expert's assignments in index order; entries from ``used`` on
+    unspecified), ``block_expert`` [max_rows / block_m] (each block's expert, -1 past the used
+    rows), ``used`` [1] (rows in use, whole blocks); int32, on the ids' device. ``block_m``
+    and ``bins`` (the experts counted) say what it was sorted for."""
 
-    ``rows`` [max_rows]: assignment index t·k + j, each expert's run padded to whole blocks with
-    the sentinel T·k, experts in order, assignments of one expert in index order (a stable sort);
-    entries from ``used`` on are unspecified. ``block_expert`` [max_rows / block_m]: each block's
-    expert, -1 past the used rows. ``used`` [1]: rows in use (whole blocks). Nothing is read back
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    used: torch.Tensor
+    block_m: int
+    bins: int
+
+
+@dataclass(frozen=True)
+class AlignShape:
+    """The sizes and scan steps :func:`_align_chunk` runs with for ``n`` assignments over
+    ``bins`` experts in blocks of ``block_m``: buffers sized for the worst case, the counting
+    scan's and the block table's steps kept within 16K one-hot lanes."""
+
+    rows: int
+    blocks: int
+    e_p2: int
+    scan: int
+    chunk: int
+    block_chunk: int
+
+    @classmethod
+    def of(cls, n: int, bins: int, block_m: int) -> AlignShape:
+        rows = max_rows(n, bins, block_m)
+        blocks = rows // block_m
+        e_p2 = triton.next_power_of_2(bins)
+        # V2's 64 experts: scans of 256; V3's 256: 64.
+        return cls(rows, blocks, e_p2,
+                   scan=max(16, min(triton.next_power_of_2(max(1, n)), (1 << 14) // e_p2)),
+                   chunk=max(16, min(ALIGN_CHUNK, triton.next_power_of_2(max(1, n)))),
+                   block_chunk=max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2)))
+
+    def empty(self, device: torch.device, block_m: int, bins: int) -> Alignment:
+        """Uninitialised outputs of this shape."""
+        return Alignment(torch.empty(self.rows, dtype=torch.int32, device=device),
+                         torch.empty(self.blocks, dtype=torch.int32, device=device),
+                         torch.empty(1, dtype=torch.int32, device=device), block_m, bins)
+
+
+def align_blocks(ids: torch.Tensor, experts: int, block_m: int) -> Alignment:
+    """The assignments of ``ids`` [T, k] (expert per token and slot, ``experts`` of them)
+    sorted by expert in blocks of ``block_m`` rows (:class:`Alignment`). Nothing is read back
     to the host."""
     n = ids.numel()
-    rows = max_rows(n, experts, block_m)
-    blocks = rows // block_m
+    shape = AlignShape.of(n, experts, block_m)
     flat = ids.reshape(-1)
     if n > ALIGN_KERNEL_MAX:
-        return _align_torch(flat, experts, block_m, rows, blocks)
-    device = ids.device
-    sorted_rows = torch.empty(rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    used = torch.empty(1, dtype=torch.int32, device=device)
-    e_p2 = triton.next_power_of_2(experts)
-    # Steps of the counting scan such that its one-hot [scan, experts] stays within 16K lanes
-    # (V2's 64 experts: 256; V3's 256: 64).
-    scan = max(16, min(triton.next_power_of_2(max(1, n)), (1 << 14) // e_p2))
-    chunk = max(16, min(ALIGN_CHUNK, triton.next_power_of_2(n)))
-    block_chunk = max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2))
-    _align_kernel[(triton.cdiv(n, chunk),)](
-        flat, sorted_rows, block_expert, used, n, blocks, E_P2=e_p2, BLOCK_M=block_m,
-        CHUNK=chunk, SCAN=scan, BLOCK_CHUNK=block_chunk, **pdl_args(flat.device),
-        num_warps=4)
-    return sorted_rows, block_expert, used
+        return Alignment(*_align_torch(flat, experts, block_m, shape.rows, shape.blocks),
+                         block_m, experts)
+    out = shape.empty(ids.device, block_m, experts)
+    _align_kernel[(triton.cdiv(n, shape.chunk),)](
+        flat, out.rows, out.block_expert, out.used, n, shape.blocks, E_P2=shape.e_p2,
+        BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan, BLOCK_CHUNK=shape.block_chunk,
+        **pdl_args(flat.device), num_warps=4)
+    return out
 
 
 def _align_torch(flat: torch.Tensor, experts: int, block_m: int, rows: int, blocks: int
@@ -319,7 +360,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, tiles: MoETiles | None = None,
                   shared: SharedExperts | None = None,
                   scales: ExpertScales | None = None, first: int | None = None,
-                  routed: int | None = None, summed: bool = True) -> torch.Tensor:
+                  routed: int | None = None, summed: bool = True,
+                  alignment: Alignment | None = None) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path. ``summed`` False: the terms of that
@@ -347,7 +389,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sum, with no host synchronisation. ``routed``: the model's routed experts, with ``first``:
     the default tiles are sized for the T·k/routed assignments each of this rank's experts
     expects, not T·k over the rank's own experts (W times too many at W ranks: V3 on 8 ranks at
-    512 tokens took 128-row blocks for ~16 rows an expert)."""
+    512 tokens took 128-row blocks for ~16 rows an expert).
+
+    ``alignment``: ``ids`` already sorted into blocks (the router's launch did it:
+    :func:`~irminsul.kernels.router.route_aligned`), for the routed and shared experts, in
+    blocks of the tiles' ``block_m``; not under expert parallel."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -377,7 +423,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         local = ids - first
         ids = torch.where((local >= 0) & (local < experts), local, bins)
         bins, others = bins + 1, bins
-    sorted_rows, block_expert, used = align_blocks(ids, bins, bm)
+    if alignment is None:
+        alignment = align_blocks(ids, bins, bm)
+    elif first is not None or (alignment.block_m, alignment.bins) != (bm, bins):
+        raise ValueError(f"the alignment sorted {alignment.bins} experts into blocks of "
+                         f"{alignment.block_m}; this call needs {bins} in blocks of {bm}"
+                         + (" (and none under expert parallel)" if first is not None else ""))
+    sorted_rows, block_expert, used = alignment.rows, alignment.block_expert, alignment.used
     grid_m = block_expert.numel()
     upcast = interpreted() and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"

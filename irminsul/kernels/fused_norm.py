@@ -112,15 +112,54 @@ def _rotate_pairs(SRC, src_col, DST, dst_col, pairs, ok, cos, sin, STEP: tl.cons
 
 
 @triton.jit
+def _absorb_tile(Q_NOPE, W_UK, ABSORBED, tile, tokens, qn_s0, qn_s1, qn_s2, wk_s0, wk_s1,
+                 wk_s2, ab_s0, ab_s1, ab_s2, heads, NOPE: tl.constexpr, RANK: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of q̃ = W_UKᵀ q_nope: BLOCK_T tokens × BLOCK_L latent columns of one head,
+    accumulated in float32 and rounded once (torch.bmm's arithmetic, in another order)."""
+    per_head = tl.cdiv(RANK, BLOCK_L)
+    t_block = tile // (heads * per_head)
+    h = ((tile // per_head) % heads).to(tl.int64)
+    cols = (tile % per_head) * BLOCK_L + tl.arange(0, BLOCK_L)
+    col_ok = cols < RANK
+    rows = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    ps = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_T, BLOCK_L], tl.float32)
+    for p0 in range(0, NOPE, BLOCK_P):
+        p_ok = p0 + ps < NOPE
+        q = tl.load(Q_NOPE + rows[:, None].to(tl.int64) * qn_s0 + h * qn_s1
+                    + (p0 + ps)[None, :] * qn_s2, mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+        w = tl.load(W_UK + h * wk_s0 + (p0 + ps)[:, None] * wk_s1 + cols[None, :] * wk_s2,
+                    mask=p_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 tiles wrongly: float32 there
+            q, w = q.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(q, w, acc, input_precision=PRECISION)
+    tl.store(ABSORBED + rows[:, None].to(tl.int64) * ab_s0 + h * ab_s1 + cols[None, :] * ab_s2,
+             acc.to(ABSORBED.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE, Q_OUT,
                          q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, heads,
                          kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
+                         Q_NOPE, W_UK, ABSORBED, tokens, qn_s0, qn_s1, qn_s2, wk_s0, wk_s1, wk_s2,
+                         ab_s0, ab_s1, ab_s2,
                          RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
                          HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
                          QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr,
-                         PDL: tl.constexpr):
+                         ABSORB: tl.constexpr, NOPE: tl.constexpr, ABS_RANK: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if ABSORB:  # programs past the tokens' each absorb one tile of the query
+        if t >= tokens:
+            _absorb_tile(Q_NOPE, W_UK, ABSORBED, t - tokens, tokens, qn_s0, qn_s1, qn_s2, wk_s0,
+                         wk_s1, wk_s2, ab_s0, ab_s1, ab_s2, heads, NOPE, ABS_RANK, BLOCK_T,
+                         BLOCK_L, BLOCK_P, UPCAST, PRECISION)
+            return
     row = KV_A + t * kv_s0
     # c_KV: RMSNorm of the first RANK columns, written to this token's c_KV slot.
     cols = tl.arange(0, RANK_P2)
@@ -212,7 +251,8 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis: torch.Tensor,
                  interleaved: bool, ckv: torch.Tensor, kr: torch.Tensor, ckv_slots: torch.Tensor,
                  kr_slots: torch.Tensor, q_rope: torch.Tensor | None = None,
-                 q_out: torch.Tensor | None = None) -> None:
+                 q_out: torch.Tensor | None = None, q_nope: torch.Tensor | None = None,
+                 w_uk: torch.Tensor | None = None, absorbed: torch.Tensor | None = None) -> None:
     """Store the new tokens' latent rows in one layer of the pool: ``ckv[ckv_slots[t]] =
     rms_norm(kv_a[t, :rank]) · norm_weight`` and ``kr[kr_slots[t]] = kv_a[t, rank:]`` rotated
     by ``cis[t]`` — ``MLAttention.latent`` followed by ``PagedKV.store``.
@@ -230,7 +270,13 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
     ``q_rope`` [T, H, rope] and ``q_out`` [T, H, rope] (any strides, e.g. the rope columns of
     the q projection and of the attention kernel's query buffer): also ``q_out = q_rope``
     rotated by ``cis`` — ``Rotary.apply`` on the query — in the same launch, as the tokens'
-    phasors are already loaded; in float32, rounded once to q_out's dtype."""
+    phasors are already loaded; in float32, rounded once to q_out's dtype.
+
+    ``q_nope`` [T, H, P], ``w_uk`` [H, P, L] and ``absorbed`` [T, H, L] (any strides, e.g. the
+    nope columns of the q projection, W_UK's rows of kv_b_proj and the latent columns of the
+    attention kernel's query buffer): also the absorbed query ``absorbed[t, h] = q_nope[t, h] @
+    w_uk[h]`` — ``MLAttention._absorb``, a bmm of its own before — by more programs of the same
+    launch, in float32 tiles rounded once to absorbed's dtype."""
     if kv_a.dim() != 2 or ckv.dim() != 2 or kr.dim() != 2:
         raise ValueError(f"kv_a {tuple(kv_a.shape)}, ckv {tuple(ckv.shape)} and kr "
                          f"{tuple(kr.shape)} must be 2-D (one layer's pool slices)")
@@ -262,14 +308,57 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
                              "floating point")
         _check_devices(kv_a, q_rope, q_out)
         heads, query_args = q_rope.shape[1], (q_rope, q_out, *q_rope.stride(), *q_out.stride())
+    absorb_args, absorb_meta, tiles = _absorb_args(tokens, kv_a, q_nope, w_uk, absorbed)
     if tokens == 0:
         return
     step, shift = pair_layout(rope, interleaved)
-    _store_latent_kernel[(tokens,)](
+    _store_latent_kernel[(tokens + tiles,)](
         kv_a, norm_weight.contiguous(), cis, ckv, kr, ckv_slots.contiguous(),
         kr_slots.contiguous(), *query_args, heads, *kv_a.stride(), *cis.stride(),
-        *ckv.stride(), *kr.stride(), eps,
+        *ckv.stride(), *kr.stride(), eps, *absorb_args,
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
         HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=heads > 0,
         HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
-        **pdl_args(kv_a.device), num_warps=4 if rank <= 1024 else 8)
+        **absorb_meta, **pdl_args(kv_a.device),
+        num_warps=4 if rank <= 1024 else 8)
+
+
+# The absorb's tiles: 16 tokens (tl.dot's least) × 128 latent columns of a head, 64 of the
+# P nope columns a step (V2's 16 heads × 512 columns: 64 tiles per 16 tokens).
+ABSORB_TOKENS, ABSORB_COLUMNS, ABSORB_STEP = 16, 128, 64
+
+
+def _absorb_args(tokens: int, kv_a: torch.Tensor, q_nope: torch.Tensor | None,
+                 w_uk: torch.Tensor | None, absorbed: torch.Tensor | None
+                 ) -> tuple[tuple, dict, int]:
+    """store_latent's absorb arguments (checked), its constexprs and its tile count; without
+    one, placeholders the kernel never reads and no tiles."""
+    given = [t is not None for t in (q_nope, w_uk, absorbed)]
+    meta = dict(ABSORB=False, NOPE=16, ABS_RANK=16, BLOCK_T=16, BLOCK_L=16, BLOCK_P=16,
+                UPCAST=False, PRECISION="ieee")
+    if not any(given):
+        return (kv_a, kv_a, kv_a, tokens, *(0,) * 9), meta, 0
+    if not all(given):
+        raise ValueError("q_nope, w_uk and absorbed go together: pass all three or none")
+    assert q_nope is not None and w_uk is not None and absorbed is not None
+    if q_nope.dim() != 3 or w_uk.dim() != 3 or absorbed.dim() != 3:
+        raise ValueError(f"q_nope {tuple(q_nope.shape)}, w_uk {tuple(w_uk.shape)} and absorbed "
+                         f"{tuple(absorbed.shape)} must be [T, H, P], [H, P, L] and [T, H, L]")
+    heads, nope, rank = w_uk.shape
+    if q_nope.shape != (tokens, heads, nope) or absorbed.shape != (tokens, heads, rank):
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} and absorbed {tuple(absorbed.shape)} "
+                         f"do not fit w_uk {tuple(w_uk.shape)} over {tokens} tokens: want "
+                         f"[{tokens}, {heads}, {nope}] and [{tokens}, {heads}, {rank}]")
+    if not (q_nope.dtype == w_uk.dtype == absorbed.dtype and q_nope.dtype.is_floating_point):
+        raise ValueError(f"q_nope ({q_nope.dtype}), w_uk ({w_uk.dtype}) and absorbed "
+                         f"({absorbed.dtype}) must share a floating dtype")
+    _check_devices(kv_a, q_nope, w_uk, absorbed)
+    upcast = interpreted() and q_nope.dtype != torch.float32
+    meta = dict(ABSORB=True, NOPE=nope, ABS_RANK=rank, BLOCK_T=ABSORB_TOKENS,
+                BLOCK_L=min(ABSORB_COLUMNS, triton.next_power_of_2(rank)),
+                BLOCK_P=min(ABSORB_STEP, max(16, triton.next_power_of_2(nope))), UPCAST=upcast,
+                PRECISION="ieee" if q_nope.dtype == torch.float32 or upcast else "tf32")
+    tiles = (triton.cdiv(tokens, ABSORB_TOKENS) * heads
+             * triton.cdiv(rank, meta["BLOCK_L"]))
+    return ((q_nope, w_uk, absorbed, tokens, *q_nope.stride(), *w_uk.stride(),
+             *absorbed.stride()), meta, tiles)

@@ -15,7 +15,7 @@ from .config import MLAConfig
 from .fp8 import FP8Linear, dequantize_stacked, scale_grid
 
 if TYPE_CHECKING:
-    from ..kernels.fused_moe import ExpertScales, SharedExperts
+    from ..kernels.fused_moe import Alignment, ExpertScales, SharedExperts
 
 # With kernels on, batches of up to this many tokens run the fused Triton kernel and larger ones
 # the torch grouped GEMMs. On an H200 at V2-Lite's shapes the fused kernel reads the touched
@@ -81,6 +81,18 @@ class Router(nn.Module):
         extra = torch.arange(self.experts, self.experts + shared, device=ids.device)
         return (torch.cat([weights, weights.new_ones(weights.shape[0], shared)], 1),
                 torch.cat([ids, extra.expand(ids.shape[0], shared).to(ids.dtype)], 1))
+
+    def aligned(self, x: torch.Tensor, shared: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+        """:meth:`forward` with kernels on, and the assignments sorted by expert into blocks of
+        ``block_m`` for the fused MoE (:func:`~irminsul.kernels.router.route_aligned`: one
+        launch at decode sizes)."""
+        from ..kernels.router import route_aligned  # needs triton: only with kernels
+
+        return route_aligned(x, self.weight.float(), top_k=self.k, method=self.method,
+                             groups=self.groups, topk_group=self.topk_group, norm=self.norm,
+                             scaling=self.scaling, shared=shared, block_m=block_m,
+                             bias=self.e_score_correction_bias.float() if self.v3 else None)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -211,16 +223,23 @@ class MoE(nn.Module):
         # FP8 experts take the kernel at every size: the torch path would dequantize every
         # expert of the layer for each forward (V3 at 8 ranks: 32 experts, ~5.6 GB in float32).
         if self.kernels and (x.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
-            from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
+            from ..kernels.fused_moe import MoETiles, fused_experts  # needs triton
 
             # Under expert parallel the router's ids are the model's and the shared MLP is a
             # tensor-parallel share: it runs on its own.
             shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
-            weights, ids = self.gate(routed_input, shared=count)
-            out = fused_experts(x, self.w13, self.w2, weights, ids, shared=shared,
+            tiles = alignment = None
+            if self.expert_first is None:  # the router's launch sorts the assignments too
+                tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
+                                            self.gate.experts + count, x.dtype)
+                weights, ids, alignment = self.gate.aligned(routed_input, count, tiles.block_m)
+            else:
+                weights, ids = self.gate(routed_input, shared=count)
+            out = fused_experts(x, self.w13, self.w2, weights, ids, tiles=tiles, shared=shared,
                                 scales=self.expert_scales(), first=self.expert_first,
-                                routed=self.gate.experts, summed=not terms or shared is None)
+                                routed=self.gate.experts, summed=not terms or shared is None,
+                                alignment=alignment)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(routed_input)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.alignment import check_alignment
 
 from irminsul.model import parse_config
 from irminsul.model.model import use_kernels
@@ -138,23 +139,13 @@ def test_block_sort_invariants(tokens: int, experts: int, k: int, block_m: int) 
     _, ids = routing(tokens, experts, k, gen, skew=3.0)
     n = ids.numel()
     rows, blocks = max_rows(n, experts, block_m), max_rows(n, experts, block_m) // block_m
-    kernel = [t.cpu() for t in align_blocks(ids.to(DEVICE), experts, block_m)]
+    aligned = align_blocks(ids.to(DEVICE), experts, block_m)
+    kernel = [t.cpu() for t in (aligned.rows, aligned.block_expert, aligned.used)]
     torch_sort = [t.cpu() for t in _align_torch(ids.reshape(-1).to(DEVICE), experts, block_m,
                                                 rows, blocks)]
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    used = int(padded.sum())
-    expected = torch.cat([torch.cat([torch.nonzero(flat == e).flatten(),
-                                     torch.full((int(padded[e] - counts[e]),), n)])
-                          for e in range(experts)])
-    owners = torch.repeat_interleave(torch.arange(experts), padded // block_m)
     for sorted_rows, block_expert, used_rows in (kernel, torch_sort):
         assert sorted_rows.shape == (rows,) and block_expert.shape == (blocks,)
-        assert int(used_rows) == used
-        assert torch.equal(sorted_rows[:used].long(), expected)
-        assert torch.equal(block_expert[:used // block_m].long(), owners)
-        assert (block_expert[used // block_m:] == -1).all()
+        check_alignment(ids, experts, block_m, sorted_rows, block_expert, used_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -226,6 +226,36 @@ def test_store_latent_rotates_the_query_as_torch(name: str, tokens: int, dtype: 
     assert torch.equal(ckv, ckv_alone) and torch.equal(kr, kr_alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 17])
+def test_store_latent_absorbs_the_query_as_torch(tokens: int, dtype: torch.dtype) -> None:
+    """store_latent's absorb, from the nope columns of the q projection into the latent columns
+    of the query buffer, equals ``MLAttention._absorb`` (torch's bmm) over W_UK's rows of
+    kv_b_proj (17 tokens: two token tiles); the rope columns get the rotation as without it."""
+    from irminsul.kernels.fused_norm import store_latent
+
+    attn = attention_for("v2_lite_yarn", dtype, seed=tokens + 20)
+    rank, rope, nope = attn.rank, attn.rope_dim, attn.nope
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=gen).to(device=DEVICE, dtype=dtype)
+    positions = positions_for(tokens, gen)
+    slots = torch.randperm(32, generator=gen)[:tokens].to(DEVICE)
+    ckv = torch.zeros(32, rank, device=DEVICE, dtype=dtype)
+    kr = torch.zeros(32, rope, device=DEVICE, dtype=dtype)
+    query = torch.full((tokens, HEADS, rank + rope), float("nan"), device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        q = attn.q_proj(x).view(tokens, HEADS, nope + rope)
+        w_uk, _ = attn._weights()
+        store_latent(attn.kv_a_proj_with_mqa(x), attn.kv_a_layernorm.weight, LATENT_NORM_EPS,
+                     phasors(attn.rotary, positions), attn.rotary.interleaved, ckv, kr, slots,
+                     slots, q_rope=q[..., nope:], q_out=query[..., rank:], q_nope=q[..., :nope],
+                     w_uk=w_uk, absorbed=query[..., :rank])
+        want_nope, want_rope = attn._query(x, positions)
+        want = attn._absorb(want_nope, w_uk)
+    check(query[..., :rank], want, exact=False)  # float32 sums in another order than cuBLAS's
+    check(query[..., rank:], want_rope)
+
+
 def test_no_tokens_launch_nothing() -> None:
     from irminsul.kernels.fused_norm import add_rms_norm, store_latent
 
@@ -273,6 +303,10 @@ def test_bad_arguments_raise() -> None:
     for change, message in ((dict(kv_a=t(3, 50)), "rank 32 \\+ rope 16"),
                             (dict(norm_weight=t(16)), "norm_weight"),
                             (dict(cis=t(3, 8, 2, dtype=torch.float64)), "cis"),
+            (dict(q_nope=t(3, 2, 8)), "go together"),
+            (dict(q_nope=t(3, 2, 8), w_uk=t(2, 8, 16), absorbed=t(3, 2, 32)), "do not fit"),
+            (dict(q_nope=t(3, 2, 8), w_uk=t(2, 8, 32, dtype=torch.bfloat16),
+                  absorbed=t(3, 2, 32)), "share a floating dtype"),
                             (dict(cis=t(3, 16)), "cis"),
                             (dict(kr_slots=slots.float()), "kr_slots"),
                             (dict(ckv_slots=slots[:2]), "ckv_slots"),

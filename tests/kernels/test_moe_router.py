@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.alignment import check_alignment
 
 from irminsul.model import parse_config
 from irminsul.model.moe import Router
@@ -86,6 +87,30 @@ def test_route_matches_router(case: str, dtype: torch.dtype, count: int) -> None
     weights, ids = kernel_route(router, x)
     assert weights.shape == ids.shape == (count, router.k)
     check(router, x, weights, ids)
+
+
+@pytest.mark.parametrize("count", [1, 5, 16, 17])
+@pytest.mark.parametrize("case", ["greedy_norm", "group_limited_odd", "noaux_tc",
+                                  "noaux_tc_v3_shape"])
+def test_route_aligned_routes_and_sorts(case: str, count: int) -> None:
+    """One launch up to 16 tokens (its own GEMV, the last program choosing and sorting), route
+    then the sort above: the Router's choice, and a stable sort of it into whole blocks; the
+    count it keeps between launches is back at zero, so a second call gives the same again."""
+    from irminsul.kernels.router import _counter, route_aligned
+
+    router = make_router(case)
+    for seed in (1, 2):
+        x = tokens(count, torch.bfloat16, seed=seed)
+        weights, ids, aligned = route_aligned(
+            x, router.weight, top_k=router.k, method=router.method, groups=router.groups,
+            topk_group=router.topk_group, norm=router.norm, scaling=router.scaling,
+            bias=router.e_score_correction_bias if router.v3 else None, shared=1, block_m=16)
+        assert weights.shape == ids.shape == (count, router.k + 1)
+        check(router, x, weights, ids)
+        assert (aligned.block_m, aligned.bins) == (16, router.experts + 1)
+        check_alignment(ids, router.experts + 1, 16, aligned.rows, aligned.block_expert,
+                        aligned.used)
+        assert int(_counter(x.device)) == 0
 
 
 @pytest.mark.parametrize("case", ["greedy_norm", "noaux_tc"])
@@ -211,3 +236,32 @@ def test_graph_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     check(router, x, weights, ids)
+
+
+@ON_GPU
+def test_route_aligned_replays_in_a_cuda_graph() -> None:
+    """Captured once, replayed on new tokens twice: the Router's choice and its sort each time
+    (the launch's count of finished programs is reset by its last one, not by the capture)."""
+    from irminsul.kernels.router import route_aligned
+
+    router = make_router("noaux_tc_v3_shape")
+    x = tokens(3, torch.bfloat16)
+
+    def call() -> tuple[torch.Tensor, ...]:
+        return route_aligned(x, router.weight, top_k=router.k, method=router.method,
+                             groups=router.groups, topk_group=router.topk_group, norm=router.norm,
+                             scaling=router.scaling, bias=router.e_score_correction_bias,
+                             shared=1, block_m=16)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, aligned = call()
+    for seed in (7, 8):
+        x.copy_(tokens(3, torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(router, x, weights, ids)
+        check_alignment(ids, router.experts + 1, 16, aligned.rows, aligned.block_expert,
+                        aligned.used)
