@@ -298,7 +298,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: str,
                   groups: int, topk_group: int, norm: bool, scaling: float, block_m: int,
                   bias: torch.Tensor | None = None, shared: int = 0,
-                  experts_total: int | None = None
+                  experts_total: int | None = None, num_warps: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """:func:`route`, and its assignments sorted by expert into blocks of ``block_m`` rows for
     the fused MoE (``align_blocks(ids, experts_total + shared, block_m)``).
@@ -308,7 +308,8 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
     experts' logits for every token, and the last one to finish (an atomic count) chooses the
     experts and sorts the assignments. Above that, :func:`route` then the sort. The logits
     there are the same products summed in another order than cuBLAS's, so weights match the
-    Router's to float32 rounding, and ids wherever two experts' logits are not within it."""
+    Router's to float32 rounding, and ids wherever two experts' logits are not within it.
+    ``num_warps``: the one-launch path's warps (default by the experts; for benchmarks)."""
     from .fused_moe import align_blocks
 
     experts_total = _check(x, weight, top_k, method, groups, topk_group, bias, shared,
@@ -338,5 +339,5 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
         experts_total, shape.blocks, BLOCK_T=block_t, PER_PROGRAM=per_program, BLOCK_D=block_d,
         BINS_P2=shape.e_p2, BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan,
         BLOCK_CHUNK=shape.block_chunk, **meta, **pdl_args(x.device),
-        num_warps=4 if meta["E_P2"] <= 64 else 8)
+        num_warps=num_warps or (4 if meta["E_P2"] <= 64 else 8))
     return weights, ids, out

@@ -15,7 +15,7 @@ from .config import MLAConfig
 from .fp8 import FP8Linear, dequantize_stacked, scale_grid
 
 if TYPE_CHECKING:
-    from ..kernels.fused_moe import Alignment, ExpertScales, SharedExperts
+    from ..kernels.fused_moe import ExpertScales, SharedExperts
 
 # With kernels on, batches of up to this many tokens run the fused Triton kernel and larger ones
 # the torch grouped GEMMs. On an H200 at V2-Lite's shapes the fused kernel reads the touched
@@ -64,35 +64,32 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.experts),
                                                         requires_grad=False)
 
-    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared: int = 0, block_m: int | None = None
+                ) -> tuple[torch.Tensor, ...]:
         """Weights [T, k] (float32) and expert ids [T, k] for tokens x [T, D]; ``shared`` > 0
         appends that many columns for the shared experts taken as experts E .. E + shared − 1,
-        weight 1 (:func:`~irminsul.kernels.fused_moe.fused_experts`)."""
+        weight 1 (:func:`~irminsul.kernels.fused_moe.fused_experts`). ``block_m`` (kernels on
+        only): also the assignments sorted by expert into blocks of that many rows for the fused
+        MoE, an :class:`~irminsul.kernels.fused_moe.Alignment` third
+        (:func:`~irminsul.kernels.router.route_aligned`: one launch at decode sizes)."""
         if self.kernels:
-            from ..kernels.router import route  # needs triton: only with kernels
+            from ..kernels.router import route, route_aligned  # needs triton: only with kernels
 
-            return route(x, self.weight.float(), top_k=self.k, method=self.method,
-                         groups=self.groups, topk_group=self.topk_group, norm=self.norm,
-                         scaling=self.scaling, shared=shared,
-                         bias=self.e_score_correction_bias.float() if self.v3 else None)
+            args = dict(top_k=self.k, method=self.method, groups=self.groups,
+                        topk_group=self.topk_group, norm=self.norm, scaling=self.scaling,
+                        shared=shared,
+                        bias=self.e_score_correction_bias.float() if self.v3 else None)
+            if block_m is not None:
+                return route_aligned(x, self.weight.float(), block_m=block_m, **args)
+            return route(x, self.weight.float(), **args)
+        if block_m is not None:
+            raise ValueError("the router sorts assignments into blocks with kernels on only")
         weights, ids = self._route(x)
         if not shared:
             return weights, ids
         extra = torch.arange(self.experts, self.experts + shared, device=ids.device)
         return (torch.cat([weights, weights.new_ones(weights.shape[0], shared)], 1),
                 torch.cat([ids, extra.expand(ids.shape[0], shared).to(ids.dtype)], 1))
-
-    def aligned(self, x: torch.Tensor, shared: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-        """:meth:`forward` with kernels on, and the assignments sorted by expert into blocks of
-        ``block_m`` for the fused MoE (:func:`~irminsul.kernels.router.route_aligned`: one
-        launch at decode sizes)."""
-        from ..kernels.router import route_aligned  # needs triton: only with kernels
-
-        return route_aligned(x, self.weight.float(), top_k=self.k, method=self.method,
-                             groups=self.groups, topk_group=self.topk_group, norm=self.norm,
-                             scaling=self.scaling, shared=shared, block_m=block_m,
-                             bias=self.e_score_correction_bias.float() if self.v3 else None)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -233,7 +230,8 @@ class MoE(nn.Module):
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
                                             self.gate.experts + count, x.dtype)
-                weights, ids, alignment = self.gate.aligned(routed_input, count, tiles.block_m)
+                weights, ids, alignment = self.gate(routed_input, shared=count,
+                                                     block_m=tiles.block_m)
             else:
                 weights, ids = self.gate(routed_input, shared=count)
             out = fused_experts(x, self.w13, self.w2, weights, ids, tiles=tiles, shared=shared,
