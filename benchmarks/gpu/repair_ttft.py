@@ -16,6 +16,10 @@ so that no kernel compiles inside a timed request:
     share r    live, recompute_share = r: the share r of the reused tokens whose c_KV at layer 1
                deviates most computed (CacheBlend-style; a check forward through layer 0 picks
                them), for each r of ``--shares``
+    signed r Ln  live, recompute_share = r with recompute_rule "signed" and n check layers
+               (``--signed``, ``--check-layers``): the share whose fresh rows most lower the
+               prompt tail's attention error at layers 1..n (a check forward through n layers
+               and one attention backward per layer pick them)
 
 Per setting also the tokens PIC served and the tokens repair computed instead. ServeStats records
 no recomputed count, so it is live's PIC tokens less the setting's, request by request: every
@@ -57,12 +61,17 @@ from irminsul.model import MLAModel
 WARMUP = 2  # the first request registers the body; the second is the first served from it
 
 
-def settings(heads: list[int], shares: list[float]) -> list[tuple[str, str, CacheConfig]]:
-    """(label, mode, cache config) of every setting: off, live without repair, then each k and
-    each r."""
+def settings(heads: list[int], shares: list[float], signed: list[float] = (),
+             check_layers: list[int] = (3,)) -> list[tuple[str, str, CacheConfig]]:
+    """(label, mode, cache config) of every setting: off, live without repair, then each k, each
+    r, and each signed r at each number of check layers."""
     return ([("off", "off", CacheConfig()), ("live", "live", CacheConfig())]
             + [(f"head {k}", "live", CacheConfig(recompute_head=k)) for k in heads]
-            + [(f"share {r:.0%}", "live", CacheConfig(recompute_share=r)) for r in shares])
+            + [(f"share {r:.0%}", "live", CacheConfig(recompute_share=r)) for r in shares]
+            + [(f"signed {r:.0%} L{n}", "live",
+                CacheConfig(recompute_share=r, recompute_rule="signed",
+                            recompute_check_layer=n))
+               for r in signed for n in check_layers])
 
 
 def measure(model: MLAModel, requests: list[ShiftRequest], mode: str, cache: CacheConfig,
@@ -91,7 +100,8 @@ def summary(label: str, mode: str, cache: CacheConfig, rows: dict[str, list[floa
     request (None for off, and before live is measured)."""
     out: dict[str, Any] = {
         "setting": label, "mode": mode, "recompute_head": cache.recompute_head,
-        "recompute_share": cache.recompute_share,
+        "recompute_share": cache.recompute_share, "recompute_rule": cache.recompute_rule,
+        "recompute_check_layer": cache.recompute_check_layer,
         "ttft_ms": 1e3 * statistics.median(rows["ttft_s"]),
         "ttft_ms_all": [1e3 * s for s in rows["ttft_s"]],
         "pic_tokens": statistics.median(rows["pic_tokens"]),
@@ -114,6 +124,10 @@ def main() -> None:
                         help="values of recompute_head (k)")
     parser.add_argument("--shares", type=float, nargs="*", default=[0.05, 0.10, 0.15],
                         help="values of recompute_share (r)")
+    parser.add_argument("--signed", type=float, nargs="*", default=[],
+                        help="recompute shares r under the signed rule (none by default)")
+    parser.add_argument("--check-layers", type=int, nargs="+", default=[3],
+                        help="check layers n of the signed settings")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA graphs on in every engine (each start captures them, ~20 s)")
     parser.add_argument("--threads", type=int,
@@ -134,7 +148,7 @@ def main() -> None:
         "model": "tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16",
         "tokens": args.tokens, "header": args.header, "requests": args.requests,
         "warmup": WARMUP, "graphs": args.graphs, "settings": []}
-    configs = settings(args.heads, args.shares)
+    configs = settings(args.heads, args.shares, args.signed, args.check_layers)
     if default_kernels(model):
         # Every setting once untimed first: Triton compiles a kernel variant on the first call
         # of each new specialisation (span sizes differ by setting and request), taking seconds

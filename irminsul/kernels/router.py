@@ -1,11 +1,16 @@
 """Fused MoE router: scoring, group limiting, top-k and the weights' normalisation of
-DeepSeek-V2/V3 routers in one Triton launch after cuBLAS's logits.
+DeepSeek-V2/V3 routers in one Triton launch — after cuBLAS's logits (:func:`route`), or, for a
+decode step, with the logits and the fused MoE's block sort in the same launch
+(:func:`route_aligned`).
 
 Decode is launch-bound. On an H200 a DeepSeek-V2-Lite decode step ran
 :class:`~irminsul.model.moe.Router` as about eight small kernels per MoE layer (cast, GEMV,
-softmax, topk as a gather and a bitonic sort, scale), ~17 µs per layer at batch 1. Here the
-logits are the Router's own (x.float() · weightᵀ, cuBLAS in float32, bit for bit its values)
-and one program per block of tokens does the rest in registers:
+softmax, topk as a gather and a bitonic sort, scale), ~17 µs per layer at batch 1. In
+:func:`route` the logits are the Router's own (x.float() · weightᵀ, cuBLAS in float32, bit for
+bit its values) and one program per block of tokens does the rest in registers; in
+:func:`route_aligned` programs each compute a few experts' logits for every token, and the last
+of them to finish (an atomic count of finished programs) does the rest and sorts the
+assignments into blocks (:func:`~irminsul.kernels.fused_moe.align_blocks`' arithmetic):
 
 1. the logits [T, E], over a power-of-two padded expert axis (padding masked out);
 2. scores: softmax (V2) or sigmoid (V3, whose choice adds ``e_score_correction_bias``);
