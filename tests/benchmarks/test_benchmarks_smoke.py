@@ -303,9 +303,11 @@ def test_repair_ttft_runs_every_setting(tmp_path: Path) -> None:
     only live, and each repair computing what its knob says instead (agent_meta's body is one
     reused run, so k tokens per request for head k; floor(r · reused) for share r)."""
     results = _script("repair_ttft", "--tokens", "512", "--requests", "1", "--heads", "4", "16",
-                      "--shares", "0.1", "--threads", "1", tmp_path=tmp_path)
+                      "--shares", "0.1", "--signed", "0.1", "--check-layers", "1",
+                      "--threads", "1", tmp_path=tmp_path)
     rows = {s["setting"]: s for s in results["settings"]}
-    assert list(rows) == ["off", "live", "head 4", "head 16", "share 10%"]
+    assert list(rows) == ["off", "live", "head 4", "head 16", "share 10%", "signed 10% L1"]
+    assert rows["signed 10% L1"]["recompute_rule"] == "signed"
     assert all(s["ttft_ms"] > 0 for s in rows.values())
     assert rows["off"]["pic_tokens"] == 0 and rows["off"]["recomputed_tokens"] is None
     live = rows["live"]["pic_tokens"]
@@ -314,7 +316,8 @@ def test_repair_ttft_runs_every_setting(tmp_path: Path) -> None:
     # Repair picks among live's reused tokens and the last one, which is computed anyway: one
     # fewer is recomputed when it is among them.
     picked = int(0.1 * (live + 1))
-    assert rows["share 10%"]["recomputed_tokens"] in (picked, picked - 1)
+    for setting in ("share 10%", "signed 10% L1"):
+        assert rows[setting]["recomputed_tokens"] in (picked, picked - 1)
     for s in rows.values():
         if s["recomputed_tokens"] is not None:
             assert s["pic_tokens"] == live - s["recomputed_tokens"]
