@@ -7,7 +7,9 @@ Three steps, all on the device with no host synchronisation (a CUDA graph captur
    expert's run padded to whole blocks with a sentinel (T·k), and gives every block its expert
    (-1 past the last used block) and the number of used rows. Outputs have fixed sizes, sized
    for the worst case (T·k + min(E, T·k)·(block_m − 1) rows), so the grid never depends on the
-   routing.
+   routing. At decode sizes the router's launch does this sort itself
+   (:func:`~irminsul.kernels.router.route_aligned`, the same :func:`_align_chunk`) and hands
+   :func:`fused_experts` its :class:`Alignment`.
 2. gate/up: one program takes a block of assignments and ``block_n`` columns of the expert's
    intermediate width, reads each assignment's token row of x in place (row = assignment // k,
    no gathered copy), computes the gate and the up tile of the same columns and writes
