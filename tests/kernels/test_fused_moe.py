@@ -115,6 +115,22 @@ def test_shared_mlp_folded_in_as_experts(shared: int, dtype: torch.dtype) -> Non
                                                                down[:, :-1].to(DEVICE)))
 
 
+def test_a_given_alignment_is_used_and_checked() -> None:
+    """An alignment sorted beforehand gives the sort's result; one sorted for other blocks or
+    other experts is refused, not read."""
+    from irminsul.kernels import fused_moe
+
+    x, w13, w2, weights, ids = (t.to(DEVICE) for t in problem(5, 8, 3, 32, 32, torch.float32,
+                                                              seed=2))
+    tiles = fused_moe.MoETiles(16, 32, 32, 4, 2)
+    aligned = fused_moe.align_blocks(ids, 8, 16)
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids, tiles=tiles, alignment=aligned)
+    check(got, naive_experts(*(t.cpu() for t in (x, w13, w2, weights, ids))), torch.float32)
+    for wrong in (fused_moe.align_blocks(ids, 8, 32), fused_moe.align_blocks(ids, 9, 16)):
+        with pytest.raises(ValueError, match="alignment sorted"):
+            fused_moe.fused_experts(x, w13, w2, weights, ids, tiles=tiles, alignment=wrong)
+
+
 def test_sort_in_torch_for_many_assignments(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above ALIGN_KERNEL_MAX assignments the block sort runs in torch ops: same results."""
     from irminsul.kernels import fused_moe
