@@ -25,36 +25,62 @@ def test_no_pdl_off_a_hopper_gpu() -> None:
     assert launch.pdl_args(torch.device("cpu")) == {"PDL": 0, "launch_pdl": False}
 
 
+def test_weight_prefetch_only_for_short_batches_with_pdl(monkeypatch) -> None:
+    """Prefetch programs join a launch only where PDL is on, "weights" is asked for and the
+    batch is at most PREFETCH_MAX_TOKENS tokens; they cover the contiguous weights' bytes, at
+    most two, and a missing weight is 0 bytes of the launch's own tensor."""
+    big, small = torch.zeros(64, 32), torch.zeros(8, dtype=torch.bfloat16)
+    skewed = torch.zeros(32, 64).t()  # not contiguous: skipped
+    like = torch.zeros(3)
+    assert launch.weight_prefetch([big], 1, like)["PF_PARTS"] == 0  # a CPU: no PDL
+    monkeypatch.setattr(launch, "pdl_mode", lambda device: 1)
+    on = launch.weight_prefetch([skewed, big, small, big], 1, like)
+    assert on["PF_PARTS"] == launch.PREFETCH_PARTS
+    assert (on["pf_a_bytes"], on["pf_b_bytes"]) == (64 * 32 * 4, 8 * 2)
+    assert on["PF_A"].data_ptr() == big.data_ptr() and on["PF_A"].dtype == torch.uint8
+    one = launch.weight_prefetch([big], launch.PREFETCH_MAX_TOKENS, like)
+    assert one["PF_PARTS"] > 0 and one["pf_b_bytes"] == 0 and one["PF_B"] is like
+    long = launch.weight_prefetch([big], launch.PREFETCH_MAX_TOKENS + 1, like)
+    assert long["PF_PARTS"] == 0 and long["pf_a_bytes"] == 0
+    monkeypatch.setattr(launch, "PREFETCH", frozenset({"keys"}))
+    assert launch.weight_prefetch([big], 1, like)["PF_PARTS"] == 0
+    assert launch.prefetching("keys", torch.device("cpu"))
+
+
 def _chain(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-           links: int) -> list[torch.Tensor]:
+           links: int, prefetch: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor]:
     outs = []
     for _ in range(links):
-        delta, residual = add_rms_norm(delta, residual, weight, 1e-6)
+        delta, residual = add_rms_norm(delta, residual, weight, 1e-6, prefetch=prefetch)
         outs += [delta, residual]
     return outs
 
 
 @ON_GPU
-@pytest.mark.parametrize("mode", [1, 2])
-def test_a_graph_of_dependent_launches_equals_plain_launches(mode: int,
+@pytest.mark.parametrize("mode,tokens", [(1, 64), (2, 64), (1, 8), (2, 8)])
+def test_a_graph_of_dependent_launches_equals_plain_launches(mode: int, tokens: int,
                                                               monkeypatch) -> None:
+    """At 8 tokens each launch also has prefetch programs (a 32 MB weight), which stop before
+    the wait: the chain must still read every producer's rows."""
     if not launch._hopper(torch.cuda.current_device()):
         pytest.skip("PDL needs sm_90 or later")
     g = torch.Generator(device="cuda").manual_seed(mode)
-    tokens, dim, links = 64, 2048, 40
+    dim, links = 2048, 40
     delta = torch.randn(tokens, dim, device="cuda", generator=g).to(torch.bfloat16)
     residual = torch.randn(tokens, dim, device="cuda", generator=g).to(torch.bfloat16)
     weight = torch.rand(dim, device="cuda", generator=g) + 0.5
+    fetched = (torch.zeros(4096, dim, device="cuda", dtype=torch.float32),)
 
     monkeypatch.setattr(launch, "MODE", 0)
     want = _chain(delta, residual, weight, links)
     monkeypatch.setattr(launch, "MODE", mode)
     assert launch.pdl_args(delta.device) == {"PDL": mode, "launch_pdl": True}
-    _chain(delta, residual, weight, 1)  # compiled outside the capture
+    assert (launch.weight_prefetch(fetched, tokens, delta)["PF_PARTS"] > 0) == (tokens <= 16)
+    _chain(delta, residual, weight, 1, fetched)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = _chain(delta, residual, weight, links)
+        got = _chain(delta, residual, weight, links, fetched)
     for _ in range(3):
         for t in got:
             t.zero_()
