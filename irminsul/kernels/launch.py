@@ -28,9 +28,9 @@ from .interpreter import interpreted
 
 MODE = 1  # see the module's docstring; benchmarks set it for an A/B
 # What launches fetch into L2 before their wait (prefetch_l2): "keys", the attention's first key
-# rows; "weights", the weights of the launches after a short one (see weight_prefetch). Benchmarks
-# set it for an A/B.
-PREFETCH: frozenset[str] = frozenset({"keys", "weights"})
+# rows; "weights", the weights of the launches after a short one (see weight_prefetch). Off until
+# a GPU measures it (benchmarks/gpu/decode.py --prefetch keys weights, an A/B).
+PREFETCH: frozenset[str] = frozenset()
 PREFETCH_MAX_TOKENS = 16  # batches up to this many tokens prefetch weights: latency-bound steps
 PREFETCH_PARTS = 16  # programs a launch adds to fetch weights, each a share of their bytes
 
