@@ -62,13 +62,11 @@ def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, NORMED_FLOAT, 
                          PF_B, pf_b_bytes, TERMS: tl.constexpr,
                          FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr,
                          PF_PARTS: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
     if PF_PARTS > 0:  # the last programs fetch the next launches' weights, and stop
-        tokens = tl.num_programs(0) - PF_PARTS
-        if row >= tokens:
-            prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, row - tokens, PF_PARTS)
+        if prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, PF_PARTS):
             return
     wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
     dtype = SUMMED.dtype.element_ty
@@ -161,13 +159,11 @@ def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE
                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
                          UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                          PF_PARTS: tl.constexpr, PDL: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
     if PF_PARTS > 0:  # the last programs fetch the next launches' weights, and stop
-        working = tl.num_programs(0) - PF_PARTS
-        if t >= working:
-            prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, t - working, PF_PARTS)
+        if prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, PF_PARTS):
             return
     wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
     if ABSORB:  # programs past the tokens' each absorb one tile of the query
         if t >= tokens:
             _absorb_tile(Q_NOPE, W_UK, ABSORBED, t - tokens, tokens, qn_s0, qn_s1, qn_s2, wk_s0,

@@ -115,9 +115,13 @@ def _prefetch_share(BASE, nbytes, part, PARTS: tl.constexpr):
 
 
 @triton.jit
-def prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, part, PF_PARTS: tl.constexpr):
-    """Program ``part`` of a launch's ``PF_PARTS`` prefetch programs (:func:`weight_prefetch`):
-    its share of both weights' bytes into L2. Called before the wait: weights are no grid's
-    output."""
-    _prefetch_share(PF_A, pf_a_bytes, part, PF_PARTS)
-    _prefetch_share(PF_B, pf_b_bytes, part, PF_PARTS)
+def prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, PF_PARTS: tl.constexpr):
+    """Whether this program is one of the last ``PF_PARTS`` of its (1-D) grid, the prefetch
+    programs of :func:`weight_prefetch`; if so, its share of both weights' bytes is now asked
+    of L2 and the caller returns. Called before the wait: weights are no grid's output."""
+    working = tl.num_programs(0) - PF_PARTS
+    part = tl.program_id(0) - working
+    if part >= 0:
+        _prefetch_share(PF_A, pf_a_bytes, part, PF_PARTS)
+        _prefetch_share(PF_B, pf_b_bytes, part, PF_PARTS)
+    return part >= 0
