@@ -127,6 +127,15 @@ def _load_query(Q, grow, row_ok, q_stride, RANK: tl.constexpr, ROPE: tl.constexp
 
 
 @triton.jit
+def _split(kvlen, split):
+    """(first key, keys) of split ``split`` of a request's ``kvlen`` keys. Each request splits
+    its own keys evenly over the launch's splits (in whole steps of 64 keys): the grid does not
+    depend on the batch's lengths, so a captured launch serves any."""
+    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    return split * split_len, split_len
+
+
+@triton.jit
 def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
                 heads, scale_log2, q_stride, c_stride, r_stride, out_rows, entries, pool_rows,
@@ -136,19 +145,20 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 PRECISION: tl.constexpr, C_LINES: tl.constexpr, LINE: tl.constexpr,
                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
-                                                    REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
-    # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
-    # keys): the grid does not depend on the batch's lengths, so a captured launch serves any.
-    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
-    start = split * split_len
     # The tables come from the host before the step's first kernel, and every key row but
     # this step's tokens' from launches before the previous grid: reading them and fetching
     # the rows into L2 before the wait overlaps the split's longest latency with that grid.
+    # (Read again after the wait, as without a prefetch: those reads hit the cache.)
     if PDL >= 1 and PREFETCH > 0:
+        kv0, kvlen, _, _, _ = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
+                                          REQ_KVLEN, blk, heads, BLOCK_M)
+        start, split_len = _split(kvlen, split)
         _prefetch_keys(CKV, KR, KV_CKV, KV_KR, kv0, start, tl.minimum(start + split_len, kvlen),
                        entries, pool_rows, c_stride, r_stride, ROPE, C_LINES, LINE, PREFETCH)
     wait_for_previous(PDL)
+    kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
+                                                    REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
+    start, split_len = _split(kvlen, split)
     end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
     q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
@@ -175,6 +185,18 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
 
 
 @triton.jit
+def _piece(SCHED, i, room):
+    """(live, block, first key, end) of program ``i``'s piece. Idle programs read block 0 over no
+    keys and store nothing: no branch around the loop, which would keep the compiler from
+    pipelining it as it pipelines the split kernel's."""
+    live = i < tl.load(SCHED)
+    b = tl.where(live, tl.load(SCHED + 1 + i).to(tl.int32), 0)
+    start = tl.load(SCHED + 1 + room + i).to(tl.int32)
+    end = tl.where(live, tl.load(SCHED + 1 + 2 * room + i).to(tl.int32), start)
+    return live, b, start, end
+
+
+@triton.jit
 def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
                        BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, SCHED,
                        blocks, heads, scale_log2, q_stride, c_stride, r_stride, entries,
@@ -187,19 +209,17 @@ def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
     # one piece gets its output here, a block cut into several a partial output per piece, in
     # the piece's slot, merged by _merge_pieces_kernel. Programs past the batch's pieces idle.
     i, room = tl.program_id(0), tl.num_programs(0)
-    # Idle programs read block 0 over no keys and store nothing: no branch around the loop,
-    # which would keep the compiler from pipelining it as it pipelines the split kernel's.
-    live = i < tl.load(SCHED)
-    b = tl.where(live, tl.load(SCHED + 1 + i).to(tl.int32), 0)
-    start = tl.load(SCHED + 1 + room + i).to(tl.int32)
-    end = tl.where(live, tl.load(SCHED + 1 + 2 * room + i).to(tl.int32), start)
-    whole = tl.load(SCHED + 1 + 3 * room + blocks + b) == 1
-    kv0, _, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
-                                                REQ_KVLEN, b, heads, BLOCK_M)
     if PDL >= 1 and PREFETCH > 0:  # as the split kernel: the tables are the host's
+        _, b, start, end = _piece(SCHED, i, room)
+        kv0, _, _, _, _ = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, b,
+                                      heads, BLOCK_M)
         _prefetch_keys(CKV, KR, KV_CKV, KV_KR, kv0, start, end, entries, pool_rows, c_stride,
                        r_stride, ROPE, C_LINES, LINE, PREFETCH)
     wait_for_previous(PDL)
+    live, b, start, end = _piece(SCHED, i, room)
+    whole = tl.load(SCHED + 1 + 3 * room + blocks + b) == 1
+    kv0, _, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
+                                                REQ_KVLEN, b, heads, BLOCK_M)
     row_ok = row_ok & (tl.arange(0, BLOCK_M) < tl.where(live, BLOCK_M, 0))
     q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
