@@ -12,6 +12,10 @@ here waits before it reads or writes anything another launch touches.
 programs exit); 2 also release the next kernel right after the wait, so its programs can be
 resident while this one runs (they then hold SM room this one's later programs could use).
 Off the GPU, under Triton's interpreter and before sm_90 it is 0.
+
+What a launch reads that no recent grid wrote it may ask of L2 before its wait
+(:func:`prefetch_l2`; :data:`PREFETCH` says which launches do): the decode attention its first
+key rows, a short launch the weights of the launches after it (:func:`weight_prefetch`).
 """
 
 from __future__ import annotations
