@@ -39,7 +39,6 @@ from common import build_model, run_metadata, sync
 
 from irminsul.config import EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
-from irminsul.kernels import launch
 from irminsul.model import MLAModel
 
 
@@ -259,17 +258,12 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
                         metavar=("BATCH", "CONTEXT"),
                         help="also profile this cell's steps (torch.profiler table; repeatable)")
-    parser.add_argument("--prefetch", nargs="*", choices=["keys", "weights"],
-                        default=sorted(launch.PREFETCH),
-                        help="what launches fetch into L2 before their wait (irminsul.kernels."
-                             "launch.PREFETCH; none: give the flag alone), for an A/B")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
-    launch.PREFETCH = frozenset(args.prefetch)
     model = build_model(args.device, tiny=args.tiny)
     copy_gbps = roofline.copy_bandwidth(args.device)
     results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
-                               "prefetch": sorted(launch.PREFETCH), "cells": []}
+                               "cells": []}
     if args.device.startswith("cuda"):
         results["launch_us"] = launch_us(args.device)
         print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)

@@ -29,14 +29,12 @@ rotation's phasors come in as ``torch.view_as_real`` of the rotary's complex ``c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from .interpreter import interpreted
-from .launch import pdl_args, prefetch_weights, prefetching, wait_for_previous, weight_prefetch
+from .launch import pdl_args, wait_for_previous
 from .rotate import pair_layout
 
 # A normed row is held whole in one program's registers (one pass: read once, write once).
@@ -58,13 +56,9 @@ def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, NORMED_FLOAT, dim, delta_s0,
-                         delta_s1, delta_s2, residual_s0, residual_s1, eps, PF_A, pf_a_bytes,
-                         PF_B, pf_b_bytes, TERMS: tl.constexpr,
+                         delta_s1, delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
                          FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr,
-                         PF_PARTS: tl.constexpr, PDL: tl.constexpr):
-    if PF_PARTS > 0:  # the last programs fetch the next launches' weights, and stop
-        if prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, PF_PARTS):
-            return
+                         PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -151,17 +145,13 @@ def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE
                          q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, heads,
                          kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,
                          Q_NOPE, W_UK, ABSORBED, tokens, qn_s0, qn_s1, qn_s2, wk_s0, wk_s1, wk_s2,
-                         ab_s0, ab_s1, ab_s2, PF_A, pf_a_bytes, PF_B, pf_b_bytes,
+                         ab_s0, ab_s1, ab_s2,
                          RANK: tl.constexpr, RANK_P2: tl.constexpr, HALF: tl.constexpr,
                          HALF_P2: tl.constexpr, STEP: tl.constexpr, SHIFT: tl.constexpr,
                          QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr,
                          ABSORB: tl.constexpr, NOPE: tl.constexpr, ABS_RANK: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                         PF_PARTS: tl.constexpr, PDL: tl.constexpr):
-    if PF_PARTS > 0:  # the last programs fetch the next launches' weights, and stop
-        if prefetch_weights(PF_A, pf_a_bytes, PF_B, pf_b_bytes, PF_PARTS):
-            return
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     if ABSORB:  # programs past the tokens' each absorb one tile of the query
@@ -210,8 +200,8 @@ def _check_cis(cis: torch.Tensor, tokens: int, rope: int) -> None:
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, normed_float: torch.Tensor | None = None,
-                 prefetch: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, normed_float: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed): ``summed = residual + delta`` rounded to their dtype, and ``normed =
     F.rms_norm(summed, (D,), weight.to(summed.dtype), eps)`` — statistics in float32 over the
     rounded sum, times the weight, rounded once. Both new contiguous [T, D] tensors.
@@ -221,9 +211,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     outputs, summed here rather than by a launch of their own. ``residual``: [T, D] of the same
     floating dtype; both any strides. ``weight``: [D], any floating dtype. D up to
     :data:`MAX_NORM_DIM`. ``normed_float``: a contiguous float32 [T, D] that also receives
-    ``normed.float()`` (the MoE router's input, which reads in float32: no cast launch).
-    ``prefetch``: up to two weights the launches after this one read, fetched into L2 by
-    programs of this launch at decode sizes (:func:`~.launch.weight_prefetch`)."""
+    ``normed.float()`` (the MoE router's input, which reads in float32: no cast launch)."""
     if delta.dim() not in (2, 3) or (delta.shape[0], delta.shape[-1]) != residual.shape \
             or residual.dim() != 2:
         raise ValueError(f"delta {tuple(delta.shape)} must be [T, D] or [T, J, D] and residual "
@@ -251,11 +239,10 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         return normed, summed
     terms = delta if delta.dim() == 3 else delta[:, None]
     block = triton.next_power_of_2(dim)
-    fetch = weight_prefetch(prefetch, tokens, residual)
-    _add_rms_norm_kernel[(tokens + fetch["PF_PARTS"],)](
+    _add_rms_norm_kernel[(tokens,)](
         terms, residual, weight.contiguous(), normed, summed,
         normed if normed_float is None else normed_float, dim, *terms.stride(),
-        *residual.stride(), eps, **fetch, TERMS=terms.shape[1], FLOAT=normed_float is not None,
+        *residual.stride(), eps, TERMS=terms.shape[1], FLOAT=normed_float is not None,
         BLOCK=block, BY_HAND=interpreted(), **pdl_args(residual.device),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
@@ -265,8 +252,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
                  interleaved: bool, ckv: torch.Tensor, kr: torch.Tensor, ckv_slots: torch.Tensor,
                  kr_slots: torch.Tensor, q_rope: torch.Tensor | None = None,
                  q_out: torch.Tensor | None = None, q_nope: torch.Tensor | None = None,
-                 w_uk: torch.Tensor | None = None, absorbed: torch.Tensor | None = None,
-                 prefetch: Sequence[torch.Tensor] = ()) -> None:
+                 w_uk: torch.Tensor | None = None, absorbed: torch.Tensor | None = None) -> None:
     """Store the new tokens' latent rows in one layer of the pool: ``ckv[ckv_slots[t]] =
     rms_norm(kv_a[t, :rank]) · norm_weight`` and ``kr[kr_slots[t]] = kv_a[t, rank:]`` rotated
     by ``cis[t]`` — ``MLAttention.latent`` followed by ``PagedKV.store``.
@@ -290,11 +276,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
     nope columns of the q projection, W_UK's rows of kv_b_proj and the latent columns of the
     attention kernel's query buffer): also the absorbed query ``absorbed[t, h] = q_nope[t, h] @
     w_uk[h]`` — ``MLAttention._absorb``, a bmm of its own before — by more programs of the same
-    launch, in float32 tiles rounded once to absorbed's dtype.
-
-    ``prefetch``: up to two weights the launches after the attention read (o_proj's, W_UV's),
-    fetched into L2 by programs of this launch at decode sizes
-    (:func:`~.launch.weight_prefetch`)."""
+    launch, in float32 tiles rounded once to absorbed's dtype."""
     if kv_a.dim() != 2 or ckv.dim() != 2 or kr.dim() != 2:
         raise ValueError(f"kv_a {tuple(kv_a.shape)}, ckv {tuple(ckv.shape)} and kr "
                          f"{tuple(kr.shape)} must be 2-D (one layer's pool slices)")
@@ -330,17 +312,14 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
     if tokens == 0:
         return
     step, shift = pair_layout(rope, interleaved)
-    fetch = weight_prefetch(prefetch, tokens, kv_a)
-    _store_latent_kernel[(tokens + tiles + fetch["PF_PARTS"],)](
+    _store_latent_kernel[(tokens + tiles,)](
         kv_a, norm_weight.contiguous(), cis, ckv, kr, ckv_slots.contiguous(),
         kr_slots.contiguous(), *query_args, heads, *kv_a.stride(), *cis.stride(),
-        *ckv.stride(), *kr.stride(), eps, *absorb_args, **fetch,
+        *ckv.stride(), *kr.stride(), eps, *absorb_args,
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
         HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=heads > 0,
         HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
-        # Its successor is the attention, which fetches its keys' rows before its own wait:
-        # released at once, it does so while this launch runs.
-        **absorb_meta, **pdl_args(kv_a.device, release=prefetching("keys", kv_a.device)),
+        **absorb_meta, **pdl_args(kv_a.device),
         num_warps=4 if rank <= 1024 else 8)
 
 

@@ -15,7 +15,7 @@ plain load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..device import SMS, sm_count, upload
-from .launch import pdl_args, prefetch_l2, prefetching, wait_for_previous
+from .launch import pdl_args, wait_for_previous
 
 SM_TARGET = 2 * SMS  # programs to aim for: two waves over an H100/H200's 132 SMs
 LOG2E = 1.4426950408889634
@@ -33,7 +33,6 @@ SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill 
 # balance a few blocks, and the pieces' merge costs more than it saves there): an H200 measure.
 PIECES_FROM_BLOCKS = 16
 SCHEDULE_LEAST = 64  # keys a piece holds at least
-PREFETCH_KEYS = 128  # keys a decode program fetches into L2 before its wait (TileConfig)
 
 
 @triton.jit
@@ -77,27 +76,6 @@ def _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible, 
 
 
 @triton.jit
-def _prefetch_keys(CKV, KR, KV_CKV, KV_KR, kv0, start, end, entries, pool_rows, c_stride,
-                   r_stride, ROPE: tl.constexpr, C_LINES: tl.constexpr, LINE: tl.constexpr,
-                   KEYS: tl.constexpr):
-    """Before the wait: the rows of keys ``start .. start + KEYS`` (within ``end``) into L2,
-    where the loads after the wait find them. Rows written by the previous grid (this step's
-    own tokens) are fetched again with their new bytes, as any line it writes. Indices are
-    clamped: what is read here only names lines, but must stay in the tables and the pool."""
-    keys = start + tl.arange(0, KEYS)
-    ok = keys < end
-    at = tl.minimum(tl.maximum(kv0 + keys, 0), entries - 1)
-    c_slot = tl.load(KV_CKV + at, mask=ok, other=0).to(tl.int64)
-    r_slot = tl.load(KV_KR + at, mask=ok, other=0).to(tl.int64)
-    c_slot = tl.minimum(tl.maximum(c_slot, 0), pool_rows - 1)
-    r_slot = tl.minimum(tl.maximum(r_slot, 0), pool_rows - 1)
-    lines = tl.arange(0, C_LINES) * LINE
-    prefetch_l2(CKV + c_slot[:, None] * c_stride + lines[None, :])
-    prefetch_l2(KR + r_slot * r_stride)
-    prefetch_l2(KR + r_slot * r_stride + (ROPE - 1))  # a row that straddles two lines
-
-
-@triton.jit
 def _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, blk, heads,
                 BLOCK_M: tl.constexpr):
     """A block's request (first key entry, keys) and its folded rows: which are real, their
@@ -127,38 +105,22 @@ def _load_query(Q, grow, row_ok, q_stride, RANK: tl.constexpr, ROPE: tl.constexp
 
 
 @triton.jit
-def _split(kvlen, split):
-    """(first key, keys) of split ``split`` of a request's ``kvlen`` keys. Each request splits
-    its own keys evenly over the launch's splits (in whole steps of 64 keys): the grid does not
-    depend on the batch's lengths, so a captured launch serves any."""
-    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
-    return split * split_len, split_len
-
-
-@triton.jit
 def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
-                heads, scale_log2, q_stride, c_stride, r_stride, out_rows, entries, pool_rows,
+                heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
                 RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
                 SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                PRECISION: tl.constexpr, C_LINES: tl.constexpr, LINE: tl.constexpr,
-                PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The tables come from the host before the step's first kernel, and every key row but
-    # this step's tokens' from launches before the previous grid: reading them and fetching
-    # the rows into L2 before the wait overlaps the split's longest latency with that grid.
-    # (Read again after the wait, as without a prefetch: those reads hit the cache.)
-    if PDL >= 1 and PREFETCH > 0:
-        kv0, kvlen, _, _, _ = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
-                                          REQ_KVLEN, blk, heads, BLOCK_M)
-        start, split_len = _split(kvlen, split)
-        _prefetch_keys(CKV, KR, KV_CKV, KV_KR, kv0, start, tl.minimum(start + split_len, kvlen),
-                       entries, pool_rows, c_stride, r_stride, ROPE, C_LINES, LINE, PREFETCH)
+                PRECISION: tl.constexpr,
+                PDL: tl.constexpr):
     wait_for_previous(PDL)
+    blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
                                                     REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
-    start, split_len = _split(kvlen, split)
+    # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
+    # keys): the grid does not depend on the batch's lengths, so a captured launch serves any.
+    split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    start = split * split_len
     end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
     q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
@@ -185,38 +147,24 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
 
 
 @triton.jit
-def _piece(SCHED, i, room):
-    """(live, block, first key, end) of program ``i``'s piece. Idle programs read block 0 over no
-    keys and store nothing: no branch around the loop, which would keep the compiler from
-    pipelining it as it pipelines the split kernel's."""
-    live = i < tl.load(SCHED)
-    b = tl.where(live, tl.load(SCHED + 1 + i).to(tl.int32), 0)
-    start = tl.load(SCHED + 1 + room + i).to(tl.int32)
-    end = tl.where(live, tl.load(SCHED + 1 + 2 * room + i).to(tl.int32), start)
-    return live, b, start, end
-
-
-@triton.jit
 def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
                        BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, SCHED,
-                       blocks, heads, scale_log2, q_stride, c_stride, r_stride, entries,
-                       pool_rows,
+                       blocks, heads, scale_log2, q_stride, c_stride, r_stride,
                        RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, C_LINES: tl.constexpr, LINE: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # One piece of one block's keys per program (SCHED, see PagedLayout.plan): a block read in
     # one piece gets its output here, a block cut into several a partial output per piece, in
     # the piece's slot, merged by _merge_pieces_kernel. Programs past the batch's pieces idle.
     i, room = tl.program_id(0), tl.num_programs(0)
-    if PDL >= 1 and PREFETCH > 0:  # as the split kernel: the tables are the host's
-        _, b, start, end = _piece(SCHED, i, room)
-        kv0, _, _, _, _ = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, b,
-                                      heads, BLOCK_M)
-        _prefetch_keys(CKV, KR, KV_CKV, KV_KR, kv0, start, end, entries, pool_rows, c_stride,
-                       r_stride, ROPE, C_LINES, LINE, PREFETCH)
-    wait_for_previous(PDL)
-    live, b, start, end = _piece(SCHED, i, room)
+    # Idle programs read block 0 over no keys and store nothing: no branch around the loop,
+    # which would keep the compiler from pipelining it as it pipelines the split kernel's.
+    live = i < tl.load(SCHED)
+    b = tl.where(live, tl.load(SCHED + 1 + i).to(tl.int32), 0)
+    start = tl.load(SCHED + 1 + room + i).to(tl.int32)
+    end = tl.where(live, tl.load(SCHED + 1 + 2 * room + i).to(tl.int32), start)
     whole = tl.load(SCHED + 1 + 3 * room + blocks + b) == 1
     kv0, _, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0,
                                                 REQ_KVLEN, b, heads, BLOCK_M)
@@ -433,14 +381,12 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes of one launch: keys per step, value columns per program, warps, stages, and
-    keys whose rows a program fetches into L2 before its wait (0: none)."""
+    """Tile sizes of one launch: keys per step, value columns per program, warps, stages."""
 
     block_n: int
     dv: int
     num_warps: int
     num_stages: int
-    prefetch: int = 0
 
     @classmethod
     def default(cls, block_m: int, rank: int, dtype: torch.dtype, splits: int = 1
@@ -451,14 +397,12 @@ class TileConfig:
         split hundreds of keys long: 10–18% faster at batch 8, 4K–16K keys; slower for batch
         1's 64–128 splits of 64–128 keys) — prefill blocks (64 rows) 32 keys with 8 warps and
         one stage: the fastest of the shapes benchmarks/gpu/decode_attention.py and kernels.py
-        try on an H200. float32 tiles are twice the bytes: fewer keys per step. Decode blocks
-        fetch their first 128 keys' rows into L2 before the wait (a batch-1 program's whole
-        split); prefill blocks, compute-bound over long spans, do not."""
+        try on an H200. float32 tiles are twice the bytes: fewer keys per step."""
         wide = dtype == torch.float32
         if block_m == 16:
             if wide:
-                return cls(32, rank, 4, 2, PREFETCH_KEYS)
-            return cls(128 if 1 < splits <= 16 else 64, rank, 8, 2, PREFETCH_KEYS)
+                return cls(32, rank, 4, 2)
+            return cls(128 if 1 < splits <= 16 else 64, rank, 8, 2)
         return cls(16 if wide else 32, rank, 8, 1)
 
 
@@ -479,8 +423,6 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
     q = q.contiguous()
     block_m = layout.block_m
     tiles = tiles or TileConfig.default(block_m, rank, q.dtype, layout.splits)
-    if not prefetching("keys", q.device):
-        tiles = replace(tiles, prefetch=0)
     dv = tiles.dv
     rows = tokens * heads
     req = layout.requests
@@ -498,10 +440,9 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         q, ckv, kr, out, lse, layout.kv_ckv, layout.kv_kr,
         layout.block_req, layout.block_row0, req[0], req[1], req[2], req[3],
         heads, scale * LOG2E, q.stride(1), ckv.stride(0),
-        kr.stride(0), rows, *_pool_bounds(layout, ckv, kr), RANK=rank, ROPE=rope,
-        ROPE_P2=rope_p2, SPLIT=layout.splits > 1, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision,
-        **_lines(ckv), PREFETCH=tiles.prefetch, **pdl_args(q.device),
+        kr.stride(0), rows, RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
+        SPLIT=layout.splits > 1, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         out = merge_splits(out, lse, q.dtype)
@@ -525,26 +466,14 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
     _mla_pieces_kernel[(room,)](
         q, ckv, kr, out, part, part_lse, layout.kv_ckv, layout.kv_kr, *tables, layout.schedule,
         blocks, heads, scale * LOG2E, q.stride(1), ckv.stride(0), kr.stride(0),
-        *_pool_bounds(layout, ckv, kr), RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, PRECISION=precision, **_lines(ckv),
-        PREFETCH=tiles.prefetch, **pdl_args(q.device), num_warps=tiles.num_warps,
+        RANK=rank, ROPE=rope, ROPE_P2=rope_p2, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        PRECISION=precision, **pdl_args(q.device), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     block_d = min(32, rank)
     _merge_pieces_kernel[(blocks, rank // block_d)](
         part, part_lse, out, layout.schedule, *tables[:4], heads, room, RANK=rank,
         BLOCK_M=block_m, BLOCK_D=block_d, GROUP=8, **pdl_args(q.device), num_warps=4)
     return out.view(tokens, heads, rank)
-
-
-def _pool_bounds(layout: PagedLayout, ckv: torch.Tensor, kr: torch.Tensor) -> tuple[int, int]:
-    """Entries of the key index lists and rows of the smaller pool: the prefetch's clamps."""
-    return layout.kv_ckv.numel(), min(ckv.shape[0], kr.shape[0])
-
-
-def _lines(ckv: torch.Tensor) -> dict[str, int]:
-    """A c_KV row as L2 lines: how many, and the elements between their starts."""
-    line = max(1, 128 // ckv.element_size())
-    return {"C_LINES": triton.next_power_of_2(-(-ckv.shape[1] // line)), "LINE": line}
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,

@@ -125,15 +125,6 @@ class MLAttention(nn.Module):
                 return None
         return self._joint
 
-    def first_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weights its first launches read (the joint projection's, else the query's first
-        projection and kv_a's): what a launch before it may fetch into L2
-        (:func:`~irminsul.kernels.launch.weight_prefetch`)."""
-        joint = self._joined()
-        if joint is not None:
-            return (joint["weight"],)
-        return self._first().weight, self.kv_a_proj_with_mqa.weight
-
     def _joint_projection(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> torch.Tensor:
         """x through the joint weight: [T, N_q + rank + rope]."""
         if "weight_scale_inv" not in joint:
@@ -257,8 +248,7 @@ class MLAttention(nn.Module):
         store_latent(latent_in, norm.weight, norm.eps, cis,
                      self.rotary.interleaved, kv.ckv[self.layer], kv.kr[self.layer], kv.new_ckv,
                      kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:],
-                     q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank],
-                     prefetch=(self.o_proj.weight, self.kv_b_proj.weight))
+                     q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank])
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale)
         out = x.new_empty(tokens, self.heads, self.v_dim)

@@ -55,10 +55,8 @@ class DecoderLayer(nn.Module):
         each residual add runs with the norm after it (one launch with kernels on). With kernels
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
         (:meth:`settle` sums them elsewhere)."""
-        # Each add + norm launch also fetches into L2 the weights the launches after it read
-        # first (at decode sizes; kernels on): memory is idle during these short launches.
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
-            self.input_layernorm, x, pending, prefetch=self.self_attn.first_weights())
+            self.input_layernorm, x, pending)
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
         if self.kernels and self.reduce is None and isinstance(self.mlp, MoE):
             # The norm's launch also writes its output widened to float32, which the router
@@ -66,11 +64,9 @@ class DecoderLayer(nn.Module):
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
             # 1 on an H200).
             widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened,
-                                  prefetch=self.mlp.first_weights())
+            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
             return x, self.mlp(h, terms=True, widened=widened)
-        h, x = self._add_norm(self.post_attention_layernorm, x, attended,
-                              prefetch=self.mlp.first_weights())
+        h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 
     @staticmethod
@@ -79,17 +75,14 @@ class DecoderLayer(nn.Module):
         return pending.sum(1) if pending.dim() == 3 else pending
 
     def _add_norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor,
-                  widened: torch.Tensor | None = None, prefetch: Sequence[torch.Tensor] = ()
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  widened: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta), the sum rounded to x's dtype before the norm reads it;
         ``delta`` [T, D], or [T, J, D] terms summed first; ``widened``: a float32 [T, D] that
-        also receives the normed output as float32; ``prefetch``: weights the launch fetches
-        into L2 for the launches after it (kernels on)."""
+        also receives the normed output as float32."""
         if self.kernels:
             from ..kernels import add_rms_norm  # needs triton: only with kernels
 
-            return add_rms_norm(delta, x, norm.weight, norm.eps, normed_float=widened,
-                                prefetch=prefetch)
+            return add_rms_norm(delta, x, norm.weight, norm.eps, normed_float=widened)
         x = x + self.settle(delta)
         h = norm(x)
         if widened is not None:

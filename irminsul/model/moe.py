@@ -37,11 +37,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def first_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weights its first launch reads (gate and up): what a launch before it may fetch
-        into L2 (:func:`~irminsul.kernels.launch.weight_prefetch`)."""
-        return self.gate_proj.weight, self.up_proj.weight
-
 
 class Router(nn.Module):
     """Top-k expert choice, in float32.
@@ -249,11 +244,6 @@ class MoE(nn.Module):
         out = grouped_experts(x, *self.dense_experts(x.dtype), weights, ids,
                               first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
-
-    def first_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weights known before routing that its first launch reads: the shared MLP's
-        gate and up (the routed experts' depend on the router's choice)."""
-        return () if self.shared_experts is None else self.shared_experts.first_weights()
 
     def _shared_as_experts(self) -> SharedExperts | None:
         """The shared MLP as extra experts of the fused kernel (read in place), where it is a
