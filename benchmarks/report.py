@@ -557,7 +557,8 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
 def moe(r: dict[str, Any], name: str) -> list[str]:
     """The routed experts alone: grouped GEMMs against the fused kernel, by token count."""
     shape = r["shape"]
-    lines = _bandwidth_header("GPU routed experts: grouped GEMM vs the fused MoE kernel", r, name,
+    lines = _bandwidth_header("GPU routed experts: grouped GEMM vs the fused MoE kernel"
+                              + _variant(name, "gpu-moe"), r, name,
                               "python benchmarks/gpu/moe.py --out F.json") + [
              f"One MoE layer's routed experts (hidden {shape['hidden']}, {shape['experts']} "
              f"experts, top-{shape['topk']}, intermediate {shape['inter']}, bf16), T tokens "
@@ -710,6 +711,13 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
                           f"{ratio['ttft_p50_speedup']:.2f}×",
                           f"{ratio['live_ttft_p99_over_off_ttft_p50']:.2f}"]])
     return lines
+
+
+def _variant(name: str, stem: str) -> str:
+    """A heading's suffix for a variant file of a benchmark (``STEM-WHAT.json``): " (what)", or
+    "" for the benchmark's own file, so each section's heading and anchor stays its own."""
+    what = name.removeprefix(stem).removesuffix(".json").strip("-").replace("-", " ")
+    return f" ({what})" if what else ""
 
 
 def _bandwidth_header(title: str, r: dict[str, Any], name: str, command: str) -> list[str]:
@@ -1035,7 +1043,7 @@ def heal(r: dict[str, Any], name: str) -> list[str]:
 def repair_ttft(r: dict[str, Any], name: str) -> list[str]:
     """The TTFT each repair setting costs on agent_meta prompts whose header changed."""
     meta = r["meta"]
-    lines = ["## GPU: the TTFT each repair setting costs", "",
+    lines = ["## GPU: the TTFT each repair setting costs" + _variant(name, "gpu-repair-ttft"), "",
              f"`docs/results/{name}`. " + _run_line(meta, about=meta.get("about", "")), "",
              "```bash", meta["command"], "```", "",
              f"{r['model']}; agent_meta prompts of {r['tokens']:,} tokens (H {r['header']}) whose "
@@ -1109,6 +1117,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
+        ("gpu-moe-*.json", lambda p: moe(_load(p), p.name)),  # its sweeps after it
         ("gpu-fp8.json", lambda p: fp8(_load(p), p.name)),
         ("gpu-break-even.json", lambda p: break_even(_load(p), p.name)),
         ("gpu-chunked-prefill.json", lambda p: chunked_prefill(_load(p), p.name)),
@@ -1124,6 +1133,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-repair-healed.json", lambda p: repair(_load(p), p.name)),
         ("gpu-heal.json", lambda p: heal(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
+        ("gpu-repair-ttft-*.json", lambda p: repair_ttft(_load(p), p.name)),
         ("cpu-kl-anatomy-*.json", lambda p: kl_anatomy(_load(p), p.name)),
         ("cpu-replicas.json", lambda p: replicas(_load(p), p.name)),
         ("cpu-tp-messages.json", lambda p: tp_messages(_load(p), p.name)),

@@ -7,7 +7,8 @@ time per call (``common.per_call``, median of repeats) of
     grouped    MoE's torch path: sort, gathered rows, two torch._grouped_mm, index_add
     fused      irminsul.kernels.fused_moe at its default tiles (block sort included), and the
                block sort alone
-    sweep      (``--sweep``) the fused kernel at a few other tile shapes
+    sweep      (``--sweep``) the fused kernel at a few other tile shapes (``--sweep decode``:
+               16-row blocks only, the decode shapes)
 
 each scored against the floor: the distinct touched experts' weight bytes (w13 and w2 rows)
 over the measured copy bandwidth, so "of copy bw" = floor / time. The per-step figure is the
@@ -45,6 +46,11 @@ from irminsul.model.moe import grouped_experts  # noqa: E402
 MOE_LAYERS = 26  # V2-Lite: 27 layers, the first dense
 SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 8, 3),
          (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3)]
+# Decode shapes (16-row blocks): narrower and wider columns, K steps, warps, stages.
+SWEEP_DECODE = [(16, 16, 128, 4, 4), (16, 16, 256, 4, 4), (16, 16, 256, 2, 4), (16, 16, 512, 4, 3),
+                (16, 32, 128, 4, 6), (16, 32, 256, 4, 3), (16, 32, 256, 4, 4), (16, 32, 64, 4, 6),
+                (16, 32, 128, 2, 4), (16, 32, 256, 8, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 4),
+                (16, 32, 128, 8, 4)]
 
 
 def problem(raw: dict[str, Any], tokens: int, device: str, dtype: torch.dtype,
@@ -59,7 +65,7 @@ def problem(raw: dict[str, Any], tokens: int, device: str, dtype: torch.dtype,
 
 
 def cell(raw: dict[str, Any], tokens: int, w13: torch.Tensor, w2: torch.Tensor, device: str,
-         copy_gbps: float, repeats: int, calls: int, sweep: bool) -> dict[str, Any]:
+         copy_gbps: float, repeats: int, calls: int, sweep: str | None) -> dict[str, Any]:
     p = problem(raw, tokens, device, w13.dtype, seed=tokens)
     x, weights, ids = p["x"], p["weights"], p["ids"]
     touched = int(torch.unique(ids).numel())
@@ -84,7 +90,8 @@ def cell(raw: dict[str, Any], tokens: int, w13: torch.Tensor, w2: torch.Tensor, 
     timing("grouped", lambda: grouped_experts(x, w13, w2, weights, ids))
     timing("fused", lambda: fused_moe.fused_experts(x, w13, w2, weights, ids))
     timing("align", lambda: fused_moe.align_blocks(ids, w13.shape[0], tiles.block_m))
-    for shape in SWEEP if sweep else ():
+    shapes = (SWEEP_DECODE if sweep == "decode" else SWEEP) if sweep else ()
+    for shape in shapes:
         t = fused_moe.MoETiles(*shape)
         timing("fused m{} n{} k{} w{} s{}".format(*shape),
                lambda t=t: fused_moe.fused_experts(x, w13, w2, weights, ids, t))
@@ -101,7 +108,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timing")
-    parser.add_argument("--sweep", action="store_true", help="also a few other tile shapes")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode"],
+                        help="also a few other tile shapes (decode: 16-row blocks only)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     raw = TINY if args.tiny else V2_LITE
