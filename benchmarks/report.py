@@ -511,7 +511,7 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
     """The decode steps at batch × context against their floor, one run per change."""
     runs = r["runs"]
     latest = runs[-1]["result"]
-    lines = ["## GPU decode steps against their floor", "",
+    lines = ["## GPU decode steps against their floor" + _variant(name, "gpu-decode"), "",
              f"`docs/results/{name}`. " + _run_line(latest["meta"], **{
                  "Copy bandwidth": f"{latest['copy_gbps'] / 1e3:.2f} TB/s"}), "",
              r.get("about", "") + ". Runs: " + "; ".join(
@@ -717,6 +717,7 @@ def _variant(name: str, stem: str) -> str:
     """A heading's suffix for a variant file of a benchmark (``STEM-WHAT.json``): " (what)", or
     "" for the benchmark's own file, so each section's heading and anchor stays its own."""
     what = name.removeprefix(stem).removesuffix(".json").strip("-").replace("-", " ")
+    what = what.upper() if what in ("h100", "h200") else what
     return f" ({what})" if what else ""
 
 
@@ -731,7 +732,8 @@ def _bandwidth_header(title: str, r: dict[str, Any], name: str, command: str) ->
 def decode_attention(r: dict[str, Any], name: str) -> list[str]:
     """The attention kernel alone on decode batches: the engine's launch against the split one
     it replaced and the floor, uniform and ragged lengths."""
-    lines = _bandwidth_header("GPU decode attention: launch sweep", r, name,
+    lines = _bandwidth_header("GPU decode attention: launch sweep"
+                              + _variant(name, "gpu-decode-attention-sweep"), r, name,
                               "python benchmarks/gpu/decode_attention.py --out F.json") + [
              "One layer, B requests × 1 token over C keys each (ragged: lengths drawn "
              "log-uniformly between 256 and C); floor = every key's c_KV and k_r row and its two "
@@ -1114,6 +1116,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-suite.json", lambda p: gpu_suite(_load(p), p.name)),
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
+        ("gpu-decode-h100.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
