@@ -851,6 +851,27 @@ def analyze_throughput(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def planner_quality(r: dict[str, Any], name: str) -> list[str]:
+    """Live PIC's consistency per planner option: what each way of finding reuse costs."""
+    meta = r["meta"]
+    lines = ["## CPU: what each planner option's reuse costs in output quality", "",
+             f"`docs/results/{name}`. Measured {meta['date']} on {meta['threads']} threads "
+             f"({meta['machine']}), {meta['model']}.", "",
+             "```bash", meta["command"], "```", "",
+             f"`irminsul consistency`'s measurement over the first {r['requests']} requests of "
+             f"each workload, {r['tokens']} teacher-forced tokens: KL(full ‖ PIC) and greedy "
+             "argmax match over the requests with registry hits, and the share of prompt tokens "
+             "PIC served. Options: " + "; ".join(
+                 f"*{option}*: " + (", ".join(f"`{k}={v}`" for k, v in change.items())
+                                    or "the default planner")
+                 for option, change in r["options"].items()) + ".", ""]
+    rows = [[row["workload"], row["option"], f"{row['kl_pic']:.5f}", f"{row['argmax_pic']:.3f}",
+             f"{row['kl_naive']:.3f}", f"{row['pic_token_fraction']:.1%}"]
+            for row in sorted(r["rows"], key=lambda row: row["workload"])]
+    return lines + _table(("workload", "option", "KL PIC", "argmax PIC", "KL naive",
+                           "prompt tokens served by PIC"), rows)
+
+
 def planner_options(r: dict[str, Any], name: str) -> list[str]:
     """Recall of the shifted share and planner host time per prompt, per planner option."""
     lines = ["## CPU: planner options, recall against host time", "",
@@ -1130,6 +1151,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-decode-host-time.json", lambda p: decode_host_time(_load(p), p.name)),
         ("cpu-analyze-throughput.json", lambda p: analyze_throughput(_load(p), p.name)),
         ("cpu-planner-options.json", lambda p: planner_options(_load(p), p.name)),
+        ("cpu-planner-quality.json", lambda p: planner_quality(_load(p), p.name)),
         ("cpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),

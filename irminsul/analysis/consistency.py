@@ -17,6 +17,7 @@ to float noise, so the metrics are reported over the requests with hits and over
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -128,7 +129,7 @@ def _means(rows: list[dict], suffix: str = "") -> dict:
 
 def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Request], *,
                 tokens: int = 16, num_slots: int | None = None, heal: bool = False,
-                progress: bool = False) -> dict:
+                cache: CacheConfig | None = None, progress: bool = False) -> dict:
     """Run the study over ``requests`` in order; returns the JSON report.
 
     Top-level metrics (``kl_pic``, ``argmax_naive``, ``first_divergence_pic``, ...) are over the
@@ -137,7 +138,9 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
     the whole workload (capped at MAX_SLOTS), so nothing is evicted. ``heal``: after each
     request each engine heals what it reused (:meth:`~irminsul.engine.Engine.heal`), as a
     server with ``CacheConfig.heal`` does in the idle time between an agent's turns; without
-    it (the default, as the server's), later requests build on reused rows.
+    it (the default, as the server's), later requests build on reused rows. ``cache``: the
+    planner config both live engines serve with (default :class:`CacheConfig`'s), ``heal``
+    set on it.
     """
     if tokens < 1:
         raise ValueError(f"need at least one continuation token, got {tokens}")
@@ -154,7 +157,8 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         total = sum(p.size + 2 * tokens for _, p in prompts)
         largest = max((2 * p.size + 2 * tokens for _, p in prompts), default=1)
         num_slots = max(min(total, MAX_SLOTS), largest)
-    config = EngineConfig(slots=num_slots, mode="live", cache=CacheConfig(heal=heal))
+    config = EngineConfig(slots=num_slots, mode="live",
+                          cache=dataclasses.replace(cache or CacheConfig(), heal=heal))
     engines = {"pic": Engine(model, config),
                "naive": Engine(model, config, runner=NaiveReuseRunner)}
     rows = []

@@ -185,6 +185,19 @@ def test_repair_runs(tmp_path: Path) -> None:
     assert 0 <= workload["floor_kl"] < 1e-6
 
 
+def test_planner_quality_runs(tmp_path: Path) -> None:
+    """Each planner option's consistency on a workload with reuse: PIC serves tokens, its KL
+    is below naive reuse's, and turning the sub-windows off serves no more than the default."""
+    result = _run_benchmark("planner_quality", "--options", "default", "no_s1", "--workloads",
+                            "rerank", "--requests", "3", "--tokens", "2", tmp_path=tmp_path)
+    rows = {row["option"]: row for row in result["rows"]}
+    assert list(rows) == ["default", "no_s1"] and result["options"]["no_s1"] == {"s1": False}
+    for row in rows.values():
+        assert row["requests_with_hits"] > 0 and 0 <= row["argmax_pic"] <= 1
+        assert 0 <= row["kl_pic"] < row["kl_naive"]
+    assert 0 < rows["no_s1"]["pic_token_fraction"] <= rows["default"]["pic_token_fraction"]
+
+
 def test_repair_oracles_run(tmp_path: Path) -> None:
     """Both oracle rankings recompute the share they are given; at r = 1 they recompute every
     reused token and serve what full recomputation computes."""
