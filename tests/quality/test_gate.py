@@ -232,9 +232,9 @@ def test_cli_gate_takes_no_tokenizer(capsys: pytest.CaptureFixture) -> None:
 def test_cli_gate_measures_with_the_repair_it_is_given(monkeypatch: pytest.MonkeyPatch,
                                                        default_result: GateResult,
                                                        gate_config: GateConfig) -> None:
-    """--recompute-head / --recompute-share / --recompute-rule / --recompute-check-layer reach
-    the engine the gate measures (and so its cache key), as they reach the served engine; a bad
-    value is refused before anything runs."""
+    """--recompute-head / --recompute-share / --recompute-rule / --recompute-check-layer /
+    --no-sub-windows reach the engine the gate measures (and so its cache key), as they reach
+    the served engine; a bad value is refused before anything runs."""
     seen: list[EngineConfig] = []
 
     def fake_run_gate(model, renderer, checkpoint, config, *, engine, fresh):  # noqa: ANN001
@@ -244,10 +244,11 @@ def test_cli_gate_measures_with_the_repair_it_is_given(monkeypatch: pytest.Monke
     monkeypatch.setattr("irminsul.quality.run_gate", fake_run_gate)
     assert main(["gate", "--cache-dir", gate_config.cache_dir, "--recompute-head", "32",
                  "--recompute-share", "0.1", "--recompute-rule", "signed",
-                 "--recompute-check-layer", "3"]) == 0
+                 "--recompute-check-layer", "3", "--no-sub-windows"]) == 0
     cache = seen[-1].cache
     assert (cache.recompute_head, cache.recompute_share) == (32, 0.1)
     assert (cache.recompute_rule, cache.recompute_check_layer) == ("signed", 3)
+    assert cache.s1 is False and EngineConfig().cache.s1 is True
     assert main(["gate", "--cache-dir", gate_config.cache_dir]) == 0
     assert seen[-1].cache == EngineConfig().cache  # no flags: the default engine, as before
     assert main(["gate", "--recompute-share", "1.5"]) == 2
