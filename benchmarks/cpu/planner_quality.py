@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import sys
 import time
 from typing import Any
 
@@ -62,7 +63,8 @@ def main() -> None:
     out: dict[str, Any] = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
                  "threads": args.threads, "model": "embedded default, float32",
-                 "command": "python benchmarks/cpu/planner_quality.py --out F.json"},
+                 "command": " ".join(["python benchmarks/cpu/planner_quality.py",
+                                      *sys.argv[1:]])},
         "options": {name: OPTIONS[name] for name in args.options},
         "requests": args.requests, "tokens": args.tokens, "rows": []}
     for name in args.options:

@@ -87,7 +87,7 @@ def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> No
 
 def repair_options(parser: argparse.ArgumentParser) -> None:
     """--recompute-head, --recompute-share and how its tokens are picked (CacheConfig's repair
-    knobs), for serve and gate."""
+    knobs), and --no-sub-windows (which reuse the planner finds), for serve and gate."""
     parser.add_argument("--recompute-head", type=int, default=ENGINE.cache.recompute_head,
                         metavar="K", help="live mode, repair: compute the first K tokens of "
                         "every reused run instead of reusing them (EPIC-style; docs/quality.md "
@@ -109,7 +109,7 @@ def repair_options(parser: argparse.ArgumentParser) -> None:
                         help="live mode: reuse whole chunks and regions only, not the 32-token "
                         "sub-windows of a missed chunk (repeats inside otherwise new messages, "
                         "whose rows carry the most context error: on re-ranked documents ~4x "
-                        "lower KL for ~45%% fewer PIC tokens; docs/quality.md)")
+                        "lower KL for ~44%% fewer PIC tokens; docs/quality.md)")
 
 
 def write_json(path: str | None, reports: list[dict]) -> None:
@@ -141,7 +141,7 @@ def model_renderer(args: argparse.Namespace) -> ChatRenderer:
 
 
 def repair_cache(args: argparse.Namespace) -> CacheConfig:
-    """The default planner config with the repair knobs of :func:`repair_options`."""
+    """The default planner config with the knobs of :func:`repair_options`."""
     return dataclasses.replace(ENGINE.cache, recompute_head=args.recompute_head,
                                recompute_share=args.recompute_share,
                                recompute_rule=args.recompute_rule,
