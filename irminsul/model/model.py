@@ -58,7 +58,8 @@ class DecoderLayer(nn.Module):
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
-        if self.kernels and self.reduce is None and isinstance(self.mlp, MoE):
+        if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
+                and self.mlp.dispatch is None):
             # The norm's launch also writes its output widened to float32, which the router
             # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
@@ -122,8 +123,11 @@ class MLAModel(nn.Module):
         self.rotary = Rotary(config)
         self.model = Body(config, self.rotary)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # (rank, world) once irminsul.parallel has kept one rank's share of the weights.
+        # (rank, world) once irminsul.parallel has kept one rank's share of the weights, and
+        # how attention is split: "tensor" (each rank its heads, every request) or "data"
+        # (each rank every head, its own requests).
         self.shard: tuple[int, int] | None = None
+        self.attention_mode: str = "tensor"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -178,6 +182,21 @@ class MLAModel(nn.Module):
             # rest (for a 16K prompt on a 100K vocabulary, 7 TFLOP and 6.7 GB of logits).
             return list(self.lm_head(self.model.norm(x[last])).float()[:, None])
         return list(self.lm_head(self.model.norm(x)).float().split(lengths))
+
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """Under data-parallel attention, the forward of a rank with no tokens in a step its
+        peers run: every MoE layer's exchange, joined with no rows (each rank's exchange waits
+        for every other's). Nothing else runs; a no-op on one process."""
+        embed = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            moe = layer.mlp
+            if isinstance(moe, MoE) and moe.dispatch is not None:
+                k = moe.gate.k
+                moe.dispatch(embed.new_empty((0, embed.shape[1])),
+                             torch.empty(0, k, dtype=torch.float32, device=embed.device),
+                             torch.empty(0, k, dtype=torch.int64, device=embed.device),
+                             moe.local_experts)
 
     def fuse_experts(self) -> None:
         """Stack every MoE layer's experts for grouped GEMM (after the weights are loaded)."""

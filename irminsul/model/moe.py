@@ -5,6 +5,7 @@ or experts, no host synchronisation) — in torch, or with kernels on in the fus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -160,6 +161,12 @@ class MoE(nn.Module):
         # Expert parallel (irminsul.parallel.shard): w13 / w2 hold the experts from this model-wide
         # id on, and the other ranks the rest; None: every expert is here.
         self.expert_first: int | None = None
+        # Data-parallel attention (irminsul.parallel.dispatch): this rank's tokens only, so each
+        # assignment's row travels to the rank holding its expert. Called with (x, weights, ids,
+        # local_experts); returns the routed output [T, D]. None: every token is here.
+        self.dispatch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
+                                 Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+                                torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """Stack the per-expert weights for grouped GEMM and drop the per-expert copies (FP8
@@ -217,6 +224,10 @@ class MoE(nn.Module):
         routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
+        if self.dispatch is not None:
+            weights, ids = self.gate(routed_input)
+            out = self.dispatch(x, weights, ids, self.local_experts)
+            return out + self.shared_experts(x) if self.shared_experts is not None else out
         # FP8 experts take the kernel at every size: the torch path would dequantize every
         # expert of the layer for each forward (V3 at 8 ranks: 32 experts, ~5.6 GB in float32).
         if self.kernels and (x.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
@@ -244,6 +255,21 @@ class MoE(nn.Module):
         out = grouped_experts(x, *self.dense_experts(x.dtype), weights, ids,
                               first=self.expert_first)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+    def local_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row of ``rows`` [R, D] through its expert ``ids`` [R] (the model's numbering;
+        experts this module holds), unweighted: [R, D] in rows' dtype. What a rank computes
+        for the rows :mod:`irminsul.parallel.dispatch` brings it."""
+        if rows.shape[0] == 0:
+            return rows.new_zeros(rows.shape)
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        if self.kernels and (rows.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
+            from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
+
+            return fused_experts(rows, self.w13, self.w2, ones, ids[:, None],
+                                 scales=self.expert_scales(), first=self.expert_first)
+        return grouped_experts(rows, *self.dense_experts(rows.dtype), ones, ids[:, None],
+                               first=self.expert_first)
 
     def _shared_as_experts(self) -> SharedExperts | None:
         """The shared MLP as extra experts of the fused kernel (read in place), where it is a

@@ -1,7 +1,8 @@
 """Split a loaded :class:`MLAModel` across ranks in place: attention heads and dense MLPs tensor
 parallel, routed experts expert parallel; embeddings, norms, routers and the LM head replicated.
+Or, with ``attention="data"``, only the routed experts split (:mod:`.dispatch`).
 
-What each rank keeps of a layer (W ranks, rank r):
+What each rank keeps of a layer (W ranks, rank r), under tensor-parallel attention (the default):
 
 * attention: heads ``r·H/W ..`` — their rows of ``q_proj`` / ``q_b_proj`` (Q is head-major,
   ``[H·(P+R), ·]``) and of ``kv_b_proj`` (``[H·(P+V), L]``: each head's W_UK and W_UV), and the
@@ -21,11 +22,20 @@ So each layer's output is the single-process sum regrouped into W partial sums: 
 up to float rounding. The fused Triton MoE kernel runs a rank's experts (``fused_experts``'
 ``first``). FP8 linears kept as float8 (``keep_fp8``) are split with their scale grids, which the
 split must cut on its blocks (:func:`block_share`).
+
+Under data-parallel attention each rank serves its own requests with every head: attention,
+dense MLPs and shared experts stay whole (so does the rank's latent pool, which holds only its
+own requests' rows), and only the routed experts split, ``r·E/W ..`` as above. A MoE layer sends
+each of the rank's token–expert assignments to the expert's rank and gets its output back
+(:func:`.dispatch.dispatch`); no all-reduce runs. The logits of each rank's tokens are one
+process's on the same tokens, up to float rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Literal
 
 import torch
 from torch import nn
@@ -34,17 +44,26 @@ from ..model import MLAConfig, MLAModel
 from ..model.fp8 import FP8Linear
 from ..model.mla import MLAttention
 from ..model.moe import MLP, MoE
+from .dispatch import dispatch
 from .group import ParallelGroup, all_reduce
 
+AttentionMode = Literal["tensor", "data"]
 
-def shard_model(model: MLAModel, group: ParallelGroup) -> MLAModel:
-    """Keep ``group.rank``'s share of ``model``'s weights and sum every layer's partial outputs
-    over ``group``; returns the model. Call it on every rank, after :func:`load_model` (the
-    experts must be fused)."""
-    shard_weights(model, group.rank, group.world_size)
+
+def shard_model(model: MLAModel, group: ParallelGroup,
+                attention: AttentionMode = "tensor") -> MLAModel:
+    """Keep ``group.rank``'s share of ``model``'s weights and join the layers over ``group``:
+    under tensor-parallel ``attention`` every layer's partial outputs summed, under
+    data-parallel ``attention`` every MoE layer's assignments sent to their experts' ranks.
+    Returns the model. Call it on every rank, after :func:`load_model` (the experts must be
+    fused)."""
+    shard_weights(model, group.rank, group.world_size, attention)
     if group.world_size > 1:
         for layer in model.model.layers:
-            layer.reduce = lambda partial: all_reduce(group, partial)
+            if attention == "tensor":
+                layer.reduce = lambda partial: all_reduce(group, partial)
+            elif isinstance(layer.mlp, MoE):
+                layer.mlp.dispatch = functools.partial(dispatch, group, layer.mlp.gate.experts)
     return model
 
 
@@ -53,25 +72,38 @@ def check_sharded(model: MLAModel, group: ParallelGroup) -> None:
     group (:func:`shard_model`): a share that is not summed computes wrong logits silently."""
     if group.world_size == 1:
         return
-    if model.shard != (group.rank, group.world_size) or any(
-            layer.reduce is None for layer in model.model.layers):
+    joined = (all(layer.reduce is not None for layer in model.model.layers)
+              if model.attention_mode == "tensor" else
+              all(layer.mlp.dispatch is not None for layer in model.model.layers
+                  if isinstance(layer.mlp, MoE)))
+    if model.shard != (group.rank, group.world_size) or not joined:
         raise ValueError(f"the model is not rank {group.rank} of {group.world_size}'s share "
                          f"summed over the group (its share: {model.shard}): call "
                          f"shard_model(model, group) first")
 
 
-def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
+def shard_weights(model: MLAModel, rank: int, world: int,
+                  attention: AttentionMode = "tensor") -> MLAModel:
     """Drop every weight but rank ``rank`` of ``world``'s share (the module docstring lists the
-    shares), in place. ``model.config.num_attention_heads`` becomes the heads this rank computes:
-    the model runner sizes its attention kernel's layout from it."""
+    shares), in place. Under tensor-parallel ``attention``, ``model.config.num_attention_heads``
+    becomes the heads this rank computes: the model runner sizes its attention kernel's layout
+    from it."""
     config = model.config
     if model.shard is not None:  # split already (load_shard reads a rank's share directly)
-        if model.shard != (rank, world):
-            raise ValueError(f"the model is rank {model.shard[0]} of {model.shard[1]}'s share, "
-                             f"not rank {rank} of {world}'s")
+        if model.shard != (rank, world) or model.attention_mode != attention:
+            raise ValueError(f"the model is rank {model.shard[0]} of {model.shard[1]}'s share "
+                             f"under {model.attention_mode}-parallel attention, not rank "
+                             f"{rank} of {world}'s under {attention}-parallel attention")
         return model
-    check_divisible(config, world)
+    check_divisible(config, world, attention)
     if world == 1:
+        return model
+    model.attention_mode = attention
+    if attention == "data":
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                _keep_experts(layer.mlp, rank, world)
+        model.shard = (rank, world)
         return model
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, rank, world)
@@ -85,17 +117,23 @@ def shard_weights(model: MLAModel, rank: int, world: int) -> MLAModel:
     return model
 
 
-def check_divisible(config: MLAConfig, world: int) -> None:
+def check_divisible(config: MLAConfig, world: int, attention: AttentionMode = "tensor") -> None:
     """Every split must be even: refuse (ValueError), naming the field, rather than drop a
     remainder. A server checks a checkpoint's config with it before starting any rank."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    widths = {"num_attention_heads": config.num_attention_heads}
-    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+    if attention not in ("tensor", "data"):
+        raise ValueError(f"attention must be split by 'tensor' or 'data', got {attention!r}")
+    if attention == "data" and world > 1 and config.n_routed_experts is None:
+        raise ValueError("data-parallel attention splits only the routed experts, and this "
+                         "model has none: every rank would hold the whole model")
+    widths = {} if attention == "data" else {"num_attention_heads": config.num_attention_heads}
+    if attention == "tensor" and any(not config.is_moe_layer(i)
+                                     for i in range(config.num_hidden_layers)):
         widths["intermediate_size"] = config.intermediate_size
     if config.n_routed_experts is not None:
         widths["n_routed_experts"] = config.n_routed_experts
-        if config.n_shared_experts:
+        if config.n_shared_experts and attention == "tensor":
             widths["moe_intermediate_size × n_shared_experts"] = (
                 config.moe_intermediate_size * config.n_shared_experts)
     for name, value in widths.items():
@@ -204,6 +242,13 @@ def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
 
 
 def _shard_moe(moe: MoE, rank: int, world: int) -> None:
+    _keep_experts(moe, rank, world)
+    if moe.shared_experts is not None:
+        _shard_mlp(moe.shared_experts, rank, world)
+
+
+def _keep_experts(moe: MoE, rank: int, world: int) -> None:
+    """The routed experts ``r·E/W ..`` (FP8: with their scales)."""
     if moe.w13 is None or moe.w2 is None:
         raise ValueError("shard the model after its experts are fused (load_model fuses them)")
     experts = share_of(moe.w13.shape[0], rank, world)
@@ -212,5 +257,3 @@ def _shard_moe(moe: MoE, rank: int, world: int) -> None:
         if stacked is not None:
             setattr(moe, name, nn.Parameter(stacked.data[experts].clone(), requires_grad=False))
     moe.expert_first = experts.start
-    if moe.shared_experts is not None:
-        _shard_mlp(moe.shared_experts, rank, world)

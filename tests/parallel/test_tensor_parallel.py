@@ -8,25 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from parallel_ranks import run_ranks, values
-from tiny_parallel import paged_logits, tiny_model
+from tiny_parallel import MODELS, TOKENS, paged_logits, tiny_model
 
 from irminsul.model.moe import MoE, grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
-
-CASES = {
-    "v2": ("v2_lite_like", {}),  # q_proj, YaRN, greedy routing
-    "v3": ("v3_like", {}),  # q_lora, YaRN, noaux_tc grouped routing
-    # o_proj bias, group-limited routing (its scaling factor of 16 would put fp32 rounding itself
-    # at 2e-5 on these logits: naive and absorbed forms of one process differ that much)
-    "v2_bias": ("v2_qlora_group", {"attention_bias": True, "routed_scaling_factor": 1.0}),
-}
-TOKENS = 24
 
 
 def compare(group: ParallelGroup, device: str = "cpu") -> dict:
     """Each case's largest differences from the unsharded model on this rank."""
     out = {}
-    for name, (case, overrides) in CASES.items():
+    for name, (case, overrides) in MODELS.items():
         model = tiny_model(case, seed=1, **overrides).to(device)
         ids = torch.randint(0, 97, (TOKENS,), generator=torch.Generator().manual_seed(2)).to(device)
         full = model.logits(ids)
@@ -60,7 +51,7 @@ def test_sharded_ranks_match_one_process(world: int, device: str) -> None:
     """On CUDA, two GPUs over NCCL, each rank against one process on its GPU (the torch path in
     fp32, TF32 off); NCCL's all-reduce gives every rank the same sum, as gloo's does."""
     ranks = values(run_ranks(compare, world, device, timeout_s=300, device=device))
-    for name in CASES:
+    for name in MODELS:
         for rank, result in enumerate(ranks):
             r = result[name]
             assert r["spread"] > 0.5, (name, r["spread"])  # 1e-5 is a meaningful bound

@@ -11,6 +11,15 @@ from irminsul.model import MLAModel, parse_config
 from irminsul.model.paged import PagedKV
 
 MODEL_TYPE = {"DeepseekV2": "deepseek_v2", "DeepseekV3": "deepseek_v3"}
+# The parallel tests' models: (tests/fixtures/tiny_models.py case, config overrides).
+MODELS = {
+    "v2": ("v2_lite_like", {}),  # q_proj, YaRN, greedy routing
+    "v3": ("v3_like", {}),  # q_lora, YaRN, noaux_tc grouped routing
+    # o_proj bias, group-limited routing (its scaling factor of 16 would put fp32 rounding itself
+    # at 2e-5 on these logits: naive and absorbed forms of one process differ that much)
+    "v2_bias": ("v2_qlora_group", {"attention_bias": True, "routed_scaling_factor": 1.0}),
+}
+TOKENS = 24
 
 
 def tiny_model(case: str, *, layers: int = 3, seed: int = 0, **overrides) -> MLAModel:

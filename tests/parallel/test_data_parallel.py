@@ -1,0 +1,167 @@
+"""Data-parallel attention with all-to-all expert dispatch on 2 and 4 gloo ranks: each rank runs
+its own tokens (of its own length; one rank of four none at all) with every attention head, the
+routed experts split over the ranks; each rank's logits equal one process's on its tokens
+(1e-5, fp32), through the full forward and through the paged forward the engine drives, for
+tiny DeepSeek-V2 and V3 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_ranks import run_ranks, values
+from tiny_parallel import MODELS, TOKENS, paged_logits, tiny_model
+
+from irminsul.model.moe import MoE, grouped_experts
+from irminsul.parallel import ParallelGroup, shard_model, shard_weights
+from irminsul.parallel.dispatch import dispatch
+
+
+def own_tokens(group: ParallelGroup, seed: int) -> torch.Tensor:
+    """This rank's tokens: 24, 19, 14 on ranks 0-2; none on rank 3."""
+    n = 0 if group.rank == 3 else TOKENS - 5 * group.rank
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed + group.rank))
+
+
+def compare(group: ParallelGroup) -> dict:
+    out = {}
+    for name, (case, overrides) in MODELS.items():
+        model = tiny_model(case, seed=1, **overrides)
+        ids = own_tokens(group, 10)
+        # The paged steps are one forward each: every rank the same number of them.
+        paged_ids = torch.randint(0, 97, (TOKENS,),
+                                  generator=torch.Generator().manual_seed(20 + group.rank))
+        full = model.logits(ids) if len(ids) else None
+        paged, ckv, kr = paged_logits(model, paged_ids, prefill=12, span=6)
+        shard_model(model, group, attention="data")
+        dp_full = model.logits(ids) if len(ids) else model.idle()
+        dp_paged, dp_ckv, dp_kr = paged_logits(model, paged_ids, prefill=12, span=6)
+        # The same shares without the exchange (each rank its own experts' share of its own
+        # tokens): the control that shows a missing dispatch shows.
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        for moe in moes:
+            moe.dispatch = None
+        local = model.logits(ids) if len(ids) else None
+        out[name] = dict(
+            tokens=len(ids),
+            full=None if full is None else float((dp_full - full).abs().max()),
+            paged=float((dp_paged - paged).abs().max()),
+            pool=float(max((dp_ckv - ckv).abs().max(), (dp_kr - kr).abs().max())),
+            local=None if local is None else float((local - full).abs().max()),
+            spread=float(paged.std()),
+            heads=model.config.num_attention_heads,
+            experts=[m.w13.shape[0] for m in moes],
+            first=[m.expert_first for m in moes])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_ranks_match_one_process(world: int) -> None:
+    ranks = values(run_ranks(compare, world, timeout_s=300))
+    for name in MODELS:
+        for rank, result in enumerate(ranks):
+            r = result[name]
+            assert r["spread"] > 0.5, (name, r["spread"])  # 1e-5 is a meaningful bound
+            assert r["heads"] == 4  # every head on every rank
+            assert r["experts"] == [8 // world] * 2 and r["first"] == [rank * 8 // world] * 2
+            assert r["paged"] <= 1e-5, (name, rank, r)
+            assert r["pool"] <= 1e-5, (name, rank, r)
+            if rank == 3:
+                assert r["tokens"] == 0 and r["full"] is None
+                continue
+            assert r["tokens"] == 24 - 5 * rank
+            assert r["full"] <= 1e-5, (name, rank, r)
+            assert r["local"] > 1e-2, (name, rank, r)
+
+
+def exchange(group: ParallelGroup) -> dict:
+    """Random rows routed over 8 experts, whose weights every rank knows: the dispatched
+    output against the whole grouped GEMM on this rank's rows."""
+    generator = torch.Generator().manual_seed(5)
+    w13 = torch.randn(8, 24, 16, generator=generator)
+    w2 = torch.randn(8, 16, 12, generator=generator)
+    mine = torch.Generator().manual_seed(50 + group.rank)
+    tokens = 0 if group.rank == 1 else 7 + 11 * group.rank
+    x = torch.randn(tokens, 16, generator=mine)
+    ids = torch.rand(tokens, 8, generator=mine).argsort(-1)[:, :3]  # 3 distinct experts each
+    weights = torch.rand(tokens, 3, generator=mine)
+    part = 8 // group.world_size
+    first = group.rank * part
+    seen: list[torch.Tensor] = []
+
+    def compute(rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        seen.append(expert.clone())
+        return grouped_experts(rows, w13[first:first + part], w2[first:first + part],
+                               torch.ones(len(rows), 1), expert[:, None], first=first)
+
+    out = dispatch(group, 8, x, weights, ids, compute)
+    whole = grouped_experts(x, w13, w2, weights, ids)
+    return dict(error=float((out - whole).abs().max()) if tokens else 0.0,
+                shape=tuple(out.shape), scale=float(whole.abs().max()) if tokens else 0.0,
+                received=seen[0].tolist())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_sends_each_assignment_to_its_experts_rank(world: int) -> None:
+    """Each rank's output is every expert's weighted output on its rows, rank 1 sending none;
+    each rank computed only its own experts' rows."""
+    for rank, r in enumerate(values(run_ranks(exchange, world))):
+        tokens = 0 if rank == 1 else 7 + 11 * rank
+        assert r["shape"] == (tokens, 16)
+        assert r["error"] <= 1e-4 * max(1.0, r["scale"]), (rank, r)
+        part = 8 // world
+        assert all(rank * part <= e < (rank + 1) * part for e in r["received"]), (rank, r)
+        assert len(r["received"]) > 0
+
+
+def test_data_parallel_split_keeps_attention_and_dense_layers_whole() -> None:
+    """Rank 1 of 2 keeps every head, the whole dense MLP and shared expert, and experts 4-7."""
+    whole = tiny_model("v3_like", layers=2)
+    model = shard_weights(tiny_model("v3_like", layers=2), 1, 2, attention="data")
+    assert model.shard == (1, 2) and model.attention_mode == "data"
+    assert model.config.num_attention_heads == 4
+    for (name, p), (_, q) in zip(model.named_parameters(), whole.named_parameters()):
+        if name.endswith((".w13", ".w2")):
+            assert torch.equal(p, q[4:]), name
+        else:
+            assert torch.equal(p, q), name
+    assert model.model.layers[1].mlp.expert_first == 4
+
+
+def test_data_parallel_split_refusals() -> None:
+    model = tiny_model("v3_like", layers=2)
+    # Heads need not split under data parallel; experts must.
+    shard_weights(tiny_model("v3_like", layers=2), 0, 8, attention="data")
+    with pytest.raises(ValueError, match="n_routed_experts \\(8\\) does not split evenly over 3"):
+        shard_weights(model, 0, 3, attention="data")
+    with pytest.raises(ValueError, match="split by 'tensor' or 'data'"):
+        shard_weights(model, 0, 2, attention="pipeline")  # type: ignore[arg-type]
+    shard_weights(model, 0, 2, attention="data")
+    with pytest.raises(ValueError, match="under data-parallel attention, not rank 0 of 2's "
+                                         "under tensor-parallel"):
+        shard_weights(model, 0, 2)
+
+
+def kernel_logits(group: ParallelGroup) -> dict:
+    """A tiny V3 under data-parallel attention with each rank's experts run in the fused Triton
+    kernel over the rows dispatched to it, against one process on the torch path."""
+    model = tiny_model("v3_like", seed=3)
+    ids = own_tokens(group, 30)
+    full = model.logits(ids) if len(ids) else None
+    shard_model(model, group, attention="data")
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            moe.kernels = True
+    dp = model.logits(ids) if len(ids) else model.idle()
+    return dict(error=None if full is None else float((dp - full).abs().max()),
+                spread=None if full is None else float(full.std()))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatched_rows_run_the_fused_kernel_as_one_process(world: int) -> None:
+    for rank, r in enumerate(values(run_ranks(kernel_logits, world, timeout_s=300))):
+        if rank == 3:
+            assert r["error"] is None
+            continue
+        assert r["spread"] > 0.5
+        assert r["error"] <= 1e-4, (rank, r)
