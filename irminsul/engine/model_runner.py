@@ -27,7 +27,7 @@ from ..model.model import use_kernels
 from ..model.paged import MaskedSpans, PagedKV
 from .batch import ForwardBatch, Reuse
 from .kv_pool import unpack
-from .repair import Deviation, LatentCheck, SignedCheck
+from .repair import LatentCheck, SignedCheck
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs, Staged
@@ -96,7 +96,7 @@ class ModelRunner:
         (:meth:`check_latent`), None without that repair; ``check_rule``: how it scores
         reused tokens (``CacheConfig.recompute_rule``)."""
         self.model, self.ckv, self.kr, self.kernels = model, ckv, kr, kernels
-        self._latent_check: Deviation | None = None
+        self._latent_check: LatentCheck | SignedCheck | None = None
         if check_layer is not None:
             check = SignedCheck if check_rule == "signed" else LatentCheck
             self._latent_check = check(model, ckv, check_layer)
@@ -158,6 +158,12 @@ class ModelRunner:
         if self._latent_check is None:
             raise ValueError("this runner was built without a check layer (no recompute_share)")
         return self._latent_check(prompt, positions, ckv_slots)
+
+    @property
+    def check_depth(self) -> int:
+        """The layers :meth:`check_latent`'s forward runs whole (0 .. depth − 1); 0 without a
+        check."""
+        return 0 if self._latent_check is None else self._latent_check.depth
 
     def _replays_whole(self, batch: ForwardBatch, item_spans: list[tuple[np.ndarray, ...]]
                        ) -> bool:

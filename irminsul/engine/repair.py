@@ -168,6 +168,7 @@ class LatentCheck:
         layer (1 is the first whose c_KV depends on context)."""
         _check_layer_fits(model, layer)
         self.model, self.ckv, self.layer = model, ckv, layer
+        self.depth = layer  # the layers its forward runs whole: 0 .. layer − 1
 
     @torch.inference_mode()
     def __call__(self, prompt: np.ndarray, positions: np.ndarray,
@@ -196,6 +197,7 @@ class SignedCheck:
         most this many, all after the last reused one where the prompt has them)."""
         _check_layer_fits(model, layers)
         self.model, self.ckv, self.layers, self.tail = model, ckv, layers, tail
+        self.depth = layers  # the layers its forward runs whole: 0 .. layers − 1
 
     def __call__(self, prompt: np.ndarray, positions: np.ndarray,
                  ckv_slots: np.ndarray) -> np.ndarray:

@@ -184,12 +184,13 @@ class MLAModel(nn.Module):
         return list(self.lm_head(self.model.norm(x)).float().split(lengths))
 
     @torch.inference_mode()
-    def idle(self) -> None:
+    def idle(self, start: int = 0, stop: int | None = None) -> None:
         """Under data-parallel attention, the forward of a rank with no tokens in a step its
-        peers run: every MoE layer's exchange, joined with no rows (each rank's exchange waits
-        for every other's). Nothing else runs; a no-op on one process."""
+        peers run: the MoE exchanges of layers ``start`` .. ``stop`` − 1 (default: all),
+        joined with no rows (each rank's exchange waits for every other's). Nothing else runs;
+        a no-op on one process."""
         embed = self.model.embed_tokens.weight
-        for layer in self.model.layers:
+        for layer in self.model.layers[start:stop]:
             moe = layer.mlp
             if isinstance(moe, MoE) and moe.dispatch is not None:
                 k = moe.gate.k
