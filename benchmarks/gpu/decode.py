@@ -93,14 +93,28 @@ def touched_experts(scheduler: Scheduler) -> float:
     # counted with the always-read weights): not routed experts.
     # Under expert parallel (benchmarks/gpu/tp_decode.py) a rank reads its own experts only:
     # ids first .. first + local - 1.
+    # Under data-parallel attention a rank's router sees its own tokens only, and its experts
+    # run the rows every rank dispatches to them: counted where they run (local_experts).
     def hook(moe):
         first = moe.expert_first or 0
         local = moe.w13.shape[0]
         return lambda m, _inp, out: counts.append(int(
             out[1][(out[1] >= first) & (out[1] < first + local)].unique().numel()))
 
-    hooks = [layer.mlp.gate.register_forward_hook(hook(layer.mlp))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    def recording(moe):
+        run = moe.local_experts
+
+        def local_experts(rows, ids):
+            counts.append(int(ids.unique().numel()))
+            return run(rows, ids)
+        return local_experts
+
+    moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [moe.gate.register_forward_hook(hook(moe)) for moe in moes
+             if getattr(moe, "dispatch", None) is None]
+    for moe in moes:
+        if getattr(moe, "dispatch", None) is not None:
+            moe.local_experts = recording(moe)
     graphs, runner.graphs = runner.graphs, None
     try:
         # Two steps: the first may only land a step launched ahead (no forward of its own);
@@ -111,6 +125,8 @@ def touched_experts(scheduler: Scheduler) -> float:
         runner.graphs = graphs
         for hook in hooks:
             hook.remove()
+        for moe in moes:
+            moe.__dict__.pop("local_experts", None)
     return statistics.mean(counts) if counts else 0.0
 
 

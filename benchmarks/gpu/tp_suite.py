@@ -11,12 +11,22 @@ weight shares, the routed experts of its own that the batch touches, and every K
 holds the whole latent pool); the two all-reduces per layer are not in it, so step / floor shows
 what they and the launches cost. CUDA graphs are off under a leader (not built yet).
 
+``--attention data``: data-parallel attention instead (each rank every head and its own
+requests, the routed experts split and reached by all-to-all: irminsul.parallel.dispatch). Every
+rank then runs the same cells on its own lockstep engine (irminsul.parallel.lockstep) with its own
+copy of the cell's requests: a decode cell of batch B is B requests on each rank, W·B on the node
+(``node_tokens_per_s``), and a TTFT request is served while every other rank serves its own
+copy. The floor is still rank 0's bytes: its whole attention and dense weights, its experts that
+any rank's tokens touch, its own requests' KV rows.
+
 ttft: each cell is benchmarks/gpu/ttft.py's (``ttft_cell``: agent_meta requests, a changed
 header of H tokens before a shared body, at L tokens; no cache / exact prefix / PIC live /
 ideal), every mode's engine the leader's.
 
     python benchmarks/gpu/tp_suite.py --config DeepSeek-V3/config.json --world 8 --keep-fp8 \\
         --out F.json
+    python benchmarks/gpu/tp_suite.py --config DeepSeek-V3/config.json --world 8 --keep-fp8 \\
+        --attention data --out F.json
     python benchmarks/gpu/tp_suite.py --device cpu --tiny --world 2 --batches 1 2 \\
         --contexts 64 --lengths 256 --out F.json
 """
@@ -40,6 +50,7 @@ from irminsul.engine import Engine
 from irminsul.model import MLAModel, parse_config
 from irminsul.model.random_weights import random_model
 from irminsul.parallel import follow, init, leader_engine, release, shard_model, shutdown
+from irminsul.parallel.lockstep import lockstep_engine
 from irminsul.parallel.ranks import free_address
 from irminsul.parallel.shard import shard_weights
 
@@ -58,28 +69,35 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
         raw = dict(raw, num_hidden_layers=args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
+    data = args.attention == "data"
+
     def share(model: MLAModel) -> None:
-        shard_weights(model, rank, args.world)
+        shard_weights(model, rank, args.world, args.attention)
 
     model = random_model(parse_config(raw), device, dtype, keep_fp8=args.keep_fp8,
                          prepare=share)
-    shard_model(model, group)
-    if not group.leader:
+    shard_model(model, group, args.attention)
+    if not group.leader and not data:
         follow(model, group)
         shutdown()
         return
     out: dict[str, Any] = {"meta": run_metadata(device), "world": args.world,
+                           "attention": args.attention,
                            "keep_fp8": args.keep_fp8, "config": args.config or (
                                "tiny" if args.tiny else "DeepSeek-V2-Lite"),
                            "layers": raw["num_hidden_layers"],
                            "copy_gbps": roofline.copy_bandwidth(device), "cells": [],
                            "ttft": []}
+
     def lead(model: MLAModel, config: Any) -> Engine:  # every cell closes the engines it opens
+        if data:  # every rank its own engine, in lockstep with the others'
+            return lockstep_engine(model, config, group)
         return leader_engine(model, config, group)
 
     def save() -> None:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        if group.leader:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1)
 
     def ttft() -> None:
         text = AgentText(model.config.vocab_size)
@@ -93,10 +111,11 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
             cell = {"pattern": "agent_meta", "header_tokens": args.header,
                     **ttft_cell(model, requests, args.ttft_warmup, make_engine=lead)}
             out["ttft"].append(cell)
-            print(f"W {args.world}  agent_meta L={length:>6} H={args.header}: served "
-                  f"{100 * cell['served']['PIC live']:5.1f}%  "
-                  + "  ".join(f"{m} {cell[m]['p50_ms']:8.1f}" for m in MODES)
-                  + f"  live/ideal {cell['live_over_ideal']:.2f}x", flush=True)
+            if group.leader:
+                    print(f"W {args.world}  agent_meta L={length:>6} H={args.header}: served "
+                      f"{100 * cell['served']['PIC live']:5.1f}%  "
+                      + "  ".join(f"{m} {cell[m]['p50_ms']:8.1f}" for m in MODES)
+                      + f"  live/ideal {cell['live_over_ideal']:.2f}x", flush=True)
             save()
 
     def decode() -> None:
@@ -105,20 +124,25 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
                 profile = f"{batch}x{context}" if [batch, context] in args.profile else None
                 cell = decode_cell(model, batch, context, args.steps, args.warmup,
                                    out["copy_gbps"], profile, make_engine=lead)
+                cell["node_tokens_per_s"] = cell["tokens_per_s"] * (args.world if data else 1)
                 out["cells"].append(cell)
-                print(f"W {args.world}  context {context:>6}  batch {batch:>4}: step "
-                      f"{cell['step_ms']:8.2f} ms  {cell['tokens_per_s']:9.0f} tok/s  floor "
-                      f"{cell['floor_ms']:7.2f} ms  step/floor {cell['step_over_floor']:5.2f}",
-                      flush=True)
+                if group.leader:
+                    print(f"W {args.world}  context {context:>6}  batch {batch:>4}"
+                          f"{' a rank' if data else ''}: step {cell['step_ms']:8.2f} ms  "
+                          f"{cell['node_tokens_per_s']:9.0f} tok/s  floor "
+                          f"{cell['floor_ms']:7.2f} ms  step/floor "
+                          f"{cell['step_over_floor']:5.2f}", flush=True)
                 save()
 
     try:
         for section in args.sections:  # in the order given
             {"ttft": ttft, "decode": decode}[section]()
     except BaseException as err:
-        release(group, f"{type(err).__name__}: {err}")
+        if not data:
+            release(group, f"{type(err).__name__}: {err}")
         raise
-    release(group)
+    if not data:
+        release(group)
     shutdown()
     results.put(len(out["cells"]) + len(out["ttft"]))
 
@@ -129,6 +153,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (GPUs)")
     parser.add_argument("--config", help="a config.json (default: DeepSeek-V2-Lite's shapes)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU smoke)")
+    parser.add_argument("--attention", choices=("tensor", "data"), default="tensor",
+                        help="heads split over the ranks (tensor), or requests (data)")
     parser.add_argument("--keep-fp8", action="store_true",
                         help="float8 weights with block scales (the config's block, else 128)")
     parser.add_argument("--layers", type=int, help="the config's first N layers only")
@@ -160,7 +186,7 @@ def main() -> None:
         p.join()
     codes = [p.exitcode for p in ranks]
     if any(codes) or results.empty():
-        raise SystemExit(f"tensor-parallel suite failed: rank exit codes {codes}")
+        raise SystemExit(f"{args.attention}-parallel suite failed: rank exit codes {codes}")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,29 @@ def test_tensor_parallel_suite_runs_on_float8_shares(tmp_path: Path) -> None:
     assert 0 < cell["experts_touched_per_layer"] <= 4
 
 
+def test_data_parallel_suite_runs_on_float8_shares(tmp_path: Path) -> None:
+    """The same suite under data-parallel attention: each rank its own requests on its lockstep
+    engine, the experts split and reached by all-to-all; node throughput is both ranks'."""
+    from fixtures.fp8_config import small_fp8_config
+
+    config = small_fp8_config(tmp_path)
+    out = tmp_path / "dp.json"
+    subprocess.run([sys.executable, "tp_suite.py", "--device", "cpu", "--world", "2",
+                    "--attention", "data", "--config", str(config), "--layers", "2",
+                    "--keep-fp8", "--batches", "3", "--contexts", "32", "--steps", "2",
+                    "--warmup", "1", "--lengths", "256", "--requests", "2", "--ttft-warmup", "1",
+                    "--out", str(out)],
+                   check=True, cwd=ROOT / "benchmarks" / "gpu", timeout=300,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    result = json.loads(out.read_text())
+    assert (result["world"], result["attention"], result["layers"]) == (2, "data", 2)
+    [ttft] = result["ttft"]
+    assert ttft["served"]["PIC live via PIC"] > 0.3, ttft
+    [cell] = result["cells"]
+    assert cell["node_tokens_per_s"] == pytest.approx(2 * cell["tokens_per_s"])
+    assert 0 < cell["experts_touched_per_layer"] <= 4
+
+
 def test_repair_runs(tmp_path: Path) -> None:
     """k = 0 recomputes nothing; a k past every run recomputes every reused token and serves what
     full recomputation computes; r = 0.5 recomputes half (rounded down per prompt)."""
