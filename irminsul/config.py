@@ -176,14 +176,21 @@ class EngineConfig:
 
 
 ParallelBackend = Literal["nccl", "gloo"]
+# How attention splits over the ranks: "tensor", each rank its heads of every request (one cache,
+# replicated); "data", each rank every head of its own requests (a cache per rank).
+AttentionMode = Literal["tensor", "data"]
+ATTENTION_MODES: tuple[AttentionMode, ...] = ("tensor", "data")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One engine over several processes, one per GPU (:mod:`irminsul.parallel`): attention
-    heads and dense MLPs split across the ranks, routed experts divided among them."""
+    """Several processes, one per GPU (:mod:`irminsul.parallel`), routed experts divided among
+    them. Tensor-parallel attention: one engine, attention heads and dense MLPs split across the
+    ranks. Data-parallel attention: an engine per rank, each with its own requests, every head
+    and dense layer on every rank, their MoE layers in lockstep."""
 
     world_size: int = 1  # ranks (GPUs); 1: no process group at all
+    attention: AttentionMode = "tensor"
     backend: ParallelBackend | None = None  # None: nccl on CUDA, gloo elsewhere
     # A collective that waits longer than this for a peer fails with RankFailure: a rank that
     # died or hung stops the others with an error instead of a hang.
@@ -192,6 +199,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"unknown attention split {self.attention!r}; choose from "
+                             f"{', '.join(ATTENTION_MODES)}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ValueError(f"unknown backend {self.backend!r}; choose from nccl, gloo")
         if not self.timeout_s > 0:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..config import AttentionMode
 from ..model import MLAConfig, MLAModel
 from ..model.config import load_config
 from ..model.loader import (
@@ -50,15 +51,16 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down
 
 def load_shard(path: str | os.PathLike, rank: int, world: int, *,
                dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", keep_fp8: bool = False) -> MLAModel:
+               device: str | torch.device = "cpu", keep_fp8: bool = False,
+               attention: AttentionMode = "tensor") -> MLAModel:
     """Rank ``rank`` of ``world``'s share of the checkpoint at ``path``: what
-    ``shard_weights(load_model(path, dtype=dtype, keep_fp8=keep_fp8), rank, world)`` leaves,
-    read without loading the rest. Raises ValueError where the model does not split evenly over
+    ``shard_weights(load_model(path, dtype=dtype, keep_fp8=keep_fp8), rank, world, attention)``
+    leaves, read without loading the rest. Raises ValueError where the model does not split evenly over
     ``world`` ranks (with ``keep_fp8``: or a split does not fall on the scale blocks) and
     :class:`~irminsul.model.loader.CheckpointError` for a tensor missing, unexpected or of the
     wrong shape."""
     config = load_config(path)
-    check_divisible(config, world)
+    check_divisible(config, world, attention)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of {world} ranks")
     with torch.device("meta"):
@@ -66,11 +68,11 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
         kept = (keep_float8_linears(model, float8_names(path, config), config.quantization)
                 if keep_fp8 else set())
         model.fuse_experts()
-        shard_weights(model, rank, world)
+        shard_weights(model, rank, world, attention)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    slices = _Slices(config, rank, world)
+    slices = _Slices(config, rank, world, attention)
     # The stacked experts are filled row by row from per-expert tensors: each one this rank
     # keeps must be read, or its row would be left as whatever the allocation held.
     owed = {f"{stacked[:-len('.w13')]}.experts.{e}.{proj}_proj.weight"
@@ -108,8 +110,10 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
 class _Slices:
     """What rank ``rank`` keeps of each tensor: the same shares as :mod:`.shard`'s."""
 
-    def __init__(self, config: MLAConfig, rank: int, world: int) -> None:
+    def __init__(self, config: MLAConfig, rank: int, world: int,
+                 attention: AttentionMode) -> None:
         self.config, self.rank, self.world = config, rank, world
+        self.whole = attention == "data"  # only the routed experts split
         self.heads = share_of(config.num_attention_heads, rank, world)
         experts = share_of(config.n_routed_experts or 0, rank, world)
         self.experts = range(experts.start, experts.stop)
@@ -117,6 +121,8 @@ class _Slices:
     def index(self, name: str) -> tuple[slice, ...]:
         """The rank's rows, or columns, of tensor ``name`` (``()``: all of it)."""
         c, h = self.config, self.heads
+        if self.whole:
+            return ()
         if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
             return (slice(h.start * c.qk_head_dim, h.stop * c.qk_head_dim),)
         if name.endswith(".self_attn.kv_b_proj.weight"):
@@ -134,7 +140,7 @@ class _Slices:
 
     def of(self, name: str, read: _Read, index: tuple[slice, ...]) -> torch.Tensor:
         """The rank's part of tensor ``name``, read through ``read``."""
-        if name.endswith(".self_attn.o_proj.bias"):
+        if name.endswith(".self_attn.o_proj.bias") and not self.whole:
             # A row-parallel output is a partial sum: rank 0 alone adds the bias.
             bias = read(())
             return bias if self.rank == 0 else torch.zeros_like(bias)

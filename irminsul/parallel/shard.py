@@ -35,19 +35,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
 
 import torch
 from torch import nn
 
+from ..config import ATTENTION_MODES, AttentionMode
 from ..model import MLAConfig, MLAModel
 from ..model.fp8 import FP8Linear
 from ..model.mla import MLAttention
 from ..model.moe import MLP, MoE
 from .dispatch import dispatch
 from .group import ParallelGroup, all_reduce
-
-AttentionMode = Literal["tensor", "data"]
 
 
 def shard_model(model: MLAModel, group: ParallelGroup,
@@ -92,8 +90,8 @@ def shard_weights(model: MLAModel, rank: int, world: int,
     if model.shard is not None:  # split already (load_shard reads a rank's share directly)
         if model.shard != (rank, world) or model.attention_mode != attention:
             raise ValueError(f"the model is rank {model.shard[0]} of {model.shard[1]}'s share "
-                             f"under {model.attention_mode}-parallel attention, not rank "
-                             f"{rank} of {world}'s under {attention}-parallel attention")
+                             f"({model.attention_mode}-parallel attention), not rank {rank} of "
+                             f"{world}'s ({attention}-parallel attention)")
         return model
     check_divisible(config, world, attention)
     if world == 1:
@@ -122,7 +120,7 @@ def check_divisible(config: MLAConfig, world: int, attention: AttentionMode = "t
     remainder. A server checks a checkpoint's config with it before starting any rank."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    if attention not in ("tensor", "data"):
+    if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be split by 'tensor' or 'data', got {attention!r}")
     if attention == "data" and world > 1 and config.n_routed_experts is None:
         raise ValueError("data-parallel attention splits only the routed experts, and this "

@@ -71,10 +71,13 @@ def fp8_aligned(tmp_path_factory):
 
 
 def assert_same_shard(path, rank: int, world: int, dtype: torch.dtype, *,
-                      keep_fp8: bool = False) -> None:
-    want = shard_weights(load_model(path, dtype=dtype, keep_fp8=keep_fp8), rank, world)
-    got = load_shard(path, rank, world, dtype=dtype, keep_fp8=keep_fp8)
+                      keep_fp8: bool = False, attention: str = "tensor") -> None:
+    want = shard_weights(load_model(path, dtype=dtype, keep_fp8=keep_fp8), rank, world,
+                         attention)
+    got = load_shard(path, rank, world, dtype=dtype, keep_fp8=keep_fp8, attention=attention)
     assert got.config == want.config
+    assert got.shard == want.shard == (rank, world)
+    assert got.attention_mode == want.attention_mode == attention
     want_state, got_state = want.state_dict(), got.state_dict()
     assert want_state.keys() == got_state.keys()
     for name, tensor in want_state.items():
@@ -94,6 +97,22 @@ def test_shard_read_equals_load_then_shard(checkpoints, name: str, world: int) -
     for rank in range(world):
         assert_same_shard(checkpoints[name], rank, world, torch.float32)
     assert_same_shard(checkpoints[name], world - 1, world, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["v2", "v3_bias"])
+def test_data_parallel_share_read_equals_load_then_shard(checkpoints, fp8_aligned,
+                                                         name: str) -> None:
+    """Under data-parallel attention a rank reads every weight whole (its o_proj bias too) but
+    the routed experts of other ranks; float8 kept too."""
+    for rank in range(4):
+        assert_same_shard(checkpoints[name], rank, 4, torch.float32, attention="data")
+    assert_same_shard(fp8_aligned, 1, 2, torch.float32, keep_fp8=True, attention="data")
+    whole = load_model(checkpoints[name])
+    share = load_shard(checkpoints[name], 1, 4, attention="data")
+    attn, whole_attn = share.model.layers[0].self_attn, whole.model.layers[0].self_attn
+    assert torch.equal(attn.o_proj.weight, whole_attn.o_proj.weight)
+    if whole_attn.o_proj.bias is not None:
+        assert torch.equal(attn.o_proj.bias, whole_attn.o_proj.bias)
 
 
 @pytest.mark.parametrize("name", ["v2_bias", "v3_bias"])
@@ -257,7 +276,8 @@ def test_a_loaded_share_is_not_split_again(checkpoints) -> None:
     before = {n: t.clone() for n, t in share.state_dict().items()}
     shard_weights(share, 1, 2)
     assert all(torch.equal(t, before[n]) for n, t in share.state_dict().items())
-    with pytest.raises(ValueError, match="rank 1 of 2's share, not rank 0 of 2's"):
+    with pytest.raises(ValueError,
+                       match="rank 1 of 2's share \\(tensor-parallel attention\\), not rank 0 of 2's"):
         shard_weights(share, 0, 2)
 
 

@@ -136,8 +136,8 @@ def test_data_parallel_split_refusals() -> None:
     with pytest.raises(ValueError, match="split by 'tensor' or 'data'"):
         shard_weights(model, 0, 2, attention="pipeline")  # type: ignore[arg-type]
     shard_weights(model, 0, 2, attention="data")
-    with pytest.raises(ValueError, match="under data-parallel attention, not rank 0 of 2's "
-                                         "under tensor-parallel"):
+    with pytest.raises(ValueError, match="\\(data-parallel attention\\), not rank 0 of 2's "
+                                         "\\(tensor-parallel"):
         shard_weights(model, 0, 2)
 
 
