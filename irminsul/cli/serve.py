@@ -58,13 +58,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           store=StoreConfig(url=args.store,
                                             prefill_tokens_per_second=args.store_prefill_rate,
                                             model_id=args.store_model_id))
-    parallel = ParallelConfig(world_size=args.tensor_parallel,
+    if args.tensor_parallel > 1 and args.data_parallel > 1:
+        raise ValueError("--tensor-parallel and --data-parallel split attention two ways; "
+                         "give one of them (tensor-parallel groups under data-parallel "
+                         "attention are not built)")
+    data = args.data_parallel > 1
+    parallel = ParallelConfig(world_size=args.data_parallel if data else args.tensor_parallel,
+                              attention="data" if data else "tensor",
                               timeout_s=args.collective_timeout)
     return serve(model_dir_of(args), server, parallel=parallel, **random_weights)
 
 
 def _ranks(text: str) -> int:
-    """--tensor-parallel: a whole number of ranks, at least 1."""
+    """--tensor-parallel, --data-parallel: a whole number of ranks, at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -152,10 +158,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                             "GPU (cuda:0 .. N-1 from --device's index; on a CPU, gloo), each "
                             "keeping 1/N of the attention heads, MLP widths and routed experts "
                             "(docs/multi-gpu.md); a rank that fails stops the server")
+    serve.add_argument("--data-parallel", type=_ranks, default=1, metavar="N",
+                       help="ranks with data-parallel attention: N servers, one per GPU (as "
+                            "--tensor-parallel places them), each with every attention head, "
+                            "its own requests and KV cache and 1/N of the routed experts, their "
+                            "MoE layers exchanging tokens in lockstep; this process routes each "
+                            "request to the rank whose cache holds most of it (the router's "
+                            "content policy; docs/multi-gpu.md); a rank that fails stops the "
+                            "server")
     serve.add_argument("--collective-timeout", type=float, default=PARALLEL.timeout_s,
-                       metavar="S", help="--tensor-parallel: a collective (an all-reduce, the "
-                       "leader's message) that waits longer than this for a peer rank fails, "
-                       "and the server stops with an error naming the rank, instead of hanging")
+                       metavar="S", help="--tensor-parallel, --data-parallel: a collective "
+                       "(an all-reduce, an exchange, the leader's message) that waits longer "
+                       "than this for a peer rank fails, and the server stops with an error "
+                       "naming the rank, instead of hanging")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default=SERVER.dtype,
                        help="weights and KV (auto: bfloat16 on CUDA, else float32)")

@@ -19,7 +19,7 @@ from ..config import EngineConfig, default_slots
 from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
-from .model_runner import ModelRunner, StagedForward, resolve_backend
+from .model_runner import ModelRunner, Peers, StagedForward, resolve_backend
 from .sequence import Prefill, Sequence
 
 Work = list[tuple[Sequence, np.ndarray, np.ndarray]]  # (sequence, tokens, positions) items
@@ -243,6 +243,13 @@ class Engine:
     def check(self) -> None:
         """Verify the slot accounting (:meth:`CacheManager.check`)."""
         self.cache.check()
+
+    @property
+    def peers(self) -> Peers | None:
+        """The ranks this engine's model calls run in lockstep with (data-parallel attention),
+        through its runner; None for an engine on its own (one process, or tensor parallel's
+        leader, whose followers need no turns)."""
+        return self.runner if self.runner.lockstep else None  # type: ignore[return-value]
 
     def close(self) -> None:
         """End the engine's use: what its runner holds elsewhere (under tensor parallel, the

@@ -15,7 +15,7 @@ and everything off the GPU run in plain torch over context gathered from the poo
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -83,8 +83,25 @@ class StagedForward(NamedTuple):
     lengths: list[int]
 
 
+class Peers(Protocol):
+    """The other ranks whose engines run their model calls in lockstep with this one's
+    (data-parallel attention: :class:`~irminsul.parallel.lockstep.LockstepRunner`). An engine
+    with peers takes a turn whenever it has nothing to run, so that their steps can run."""
+
+    @property
+    def stopped(self) -> bool:
+        """A rank announced its stop: no further step runs on any rank."""
+
+    def idle(self, stop: bool = False) -> bool:
+        """This rank's turn with nothing to run (``stop``: and announce this rank's stop);
+        whether any rank ran a step in it."""
+
+
 class ModelRunner:
     """Runs forwards and rotations over one pool's rows ``ckv`` / ``kr`` [layers, slots, ·]."""
+
+    # Whether its model calls run in lockstep with other ranks' engines (it is then a Peers).
+    lockstep = False
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *, kernels: bool,
                  graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None,

@@ -105,11 +105,13 @@ class Follower:
 
             return random_model(spec.random_weights, vocab=spec.vocab, device=device,
                                 dtype=dtype, never=spec.never, keep_fp8=spec.config.keep_fp8,
-                                share=(spec.rank, spec.parallel.world_size))
+                                share=(spec.rank, spec.parallel.world_size),
+                                attention=spec.parallel.attention)
         from .load import load_shard  # this rank's share only: no rank holds the whole model
 
         return load_shard(spec.model_dir, spec.rank, spec.parallel.world_size, dtype=dtype,
-                          device=device, keep_fp8=spec.config.keep_fp8)
+                          device=device, keep_fp8=spec.config.keep_fp8,
+                          attention=spec.parallel.attention)
 
     def fail(self, err: BaseException) -> None:
         """Report ``err`` (log and report file) and end the process (``parallel.abort``)."""

@@ -18,8 +18,16 @@ peers' steps: its loop calls :meth:`LockstepRunner.idle` whenever its scheduler 
 (:func:`run_in_lockstep`). A rotation or a write of fetched rows touches only the rank's own
 pool and runs without the others.
 
+A stop is agreed the same way: a rank that stops announces it in its last turn
+(``idle(stop=True)``), every rank learns it in that same turn (:attr:`LockstepRunner.stopped`),
+and from then on no rank starts another step (a call raises :class:`RanksStopped` without
+touching the group), so none is left waiting in a collective for a rank that has gone.
+
 Rank failure is the group's (:mod:`.group`): a peer that dies fails the next all-reduce or
-exchange at once, one that hangs after the collective timeout, with :class:`RankFailure`.
+exchange at once, one that hangs after the collective timeout, with :class:`RankFailure`. A call
+that raises after its step began (the ranks may be out of step) is kept as the runner's
+:attr:`~LockstepRunner.failure`: ``on_failure`` is told, and every later call raises
+:class:`RankFailure` at once.
 
 Not built yet: CUDA graphs (the exchange reads its counts back to the host), the server
 (``irminsul serve`` with a rank per GPU behind the content router, docs/multi-gpu.md).
@@ -41,26 +49,43 @@ from ..engine.batch import ForwardBatch
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import StepOutput
 from ..model import MLAModel
-from .group import ParallelGroup, guarded
+from .group import ParallelGroup, RankFailure, guarded
 from .shard import check_sharded
 
 T = TypeVar("T")
 
 
+class RanksStopped(RuntimeError):
+    """A rank announced its stop: no step runs on any rank any more."""
+
+
 class LockstepRunner(ModelRunner):
     """A rank's model runner under data-parallel attention: every model call is a step of all
-    the ranks (module docstring). Graphs off."""
+    the ranks (module docstring). Graphs off. ``on_failure``: told (on the engine's thread) what
+    failed, once, when a step fails on this rank."""
+
+    lockstep = True
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, graphs: bool, **kwargs: Any) -> None:
+                 group: ParallelGroup, graphs: bool,
+                 on_failure: Callable[[str, BaseException], None] | None = None,
+                 **kwargs: Any) -> None:
         if graphs:
             raise ValueError("CUDA graphs under data-parallel attention are not built yet; run "
                              "with graphs off")
         super().__init__(model, ckv, kr, graphs=False, **kwargs)
         self.group = group
+        self.on_failure = on_failure
+        self.failure: BaseException | None = None
         self.steps = 0  # steps of the ranks this runner took part in
         self.joined = 0  # of them, steps where it ran fewer layers than a peer
         self._last = 0  # the layers of the latest step, the most any rank ran
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """A rank announced its stop (this one included): no step runs any more."""
+        return self._stopped
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
         return self._step(self._layers,
@@ -74,43 +99,66 @@ class LockstepRunner(ModelRunner):
         return self._step(self.check_depth, lambda: super(LockstepRunner, self).check_latent(
             prompt, positions, ckv_slots))
 
-    def idle(self) -> bool:
+    def idle(self, stop: bool = False) -> bool:
         """This rank's turn when it has nothing to run: join whatever step its peers take, with
-        no rows. Whether any rank ran something (False: every rank was idle this turn)."""
-        self._step(0, lambda: None)
+        no rows; ``stop``: announce this rank's stop too. Whether any rank ran something (False:
+        every rank was idle this turn)."""
+        self._step(0, lambda: None, stop)
         return self._last > 0
 
     @property
     def _layers(self) -> int:
         return len(self.model.model.layers)
 
-    def _step(self, layers: int, run: Callable[[], T]) -> T:
-        most = torch.tensor([layers], dtype=torch.int64, device=self.ckv.device)
-        with guarded(self.group, "agreeing on a step's layers"):
-            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group.device_group)
-        self._last = int(most)
-        if self._last == 0:
-            return run()
-        self.steps += 1
-        out = run()
-        if layers < self._last:
-            self.joined += 1
-            self.model.idle(layers, self._last)
-        return out
+    def _step(self, layers: int, run: Callable[[], T], stop: bool = False) -> T:
+        if self.failure is not None:
+            raise RankFailure(f"rank {self.group.rank} of {self.group.world_size}: a step failed "
+                              f"earlier ({self.failure}); no more run on these ranks")
+        if self._stopped:
+            raise RanksStopped(f"rank {self.group.rank}: the ranks are stopping")
+        try:
+            # [layers, stop], their maxima over the ranks: one all-reduce a step.
+            agreed = torch.tensor([layers, int(stop)], dtype=torch.int64, device=self.ckv.device)
+            with guarded(self.group, "agreeing on a step"):
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group.device_group)
+            self._last, self._stopped = int(agreed[0]), bool(agreed[1])
+            if self._last == 0:
+                return run()
+            self.steps += 1
+            out = run()
+            if layers < self._last:
+                self.joined += 1
+                self.model.idle(layers, self._last)
+            return out
+        except BaseException as err:
+            self.failure = err
+            if self.on_failure is not None:
+                self.on_failure("a step", err)
+            raise
 
 
-def lockstep_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup) -> Engine:
+def lockstep_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,
+                    runner: type[ModelRunner] = ModelRunner,
+                    on_failure: Callable[[str, BaseException], None] | None = None) -> Engine:
     """This rank's engine over its data-parallel share ``model`` (:func:`~.shard.shard_model`
-    with ``attention="data"``), its runner a :class:`LockstepRunner`; the config runs with
-    graphs off. Every rank builds its own."""
+    with ``attention="data"``), its runner a :class:`LockstepRunner` over ``runner``'s
+    rotation and forward (the PIC gate's naive-reuse runner, say; ``on_failure``: its); the
+    config runs with graphs off. Every rank builds its own. Its signature is
+    :class:`~irminsul.engine.Engine`'s after ``group``, so it can stand where an engine is
+    built (the gate, the server)."""
     if model.attention_mode != "data" and group.world_size > 1:
         raise ValueError("lockstep engines run a data-parallel share: shard_model(model, group, "
                          "attention='data')")
     check_sharded(model, group)
     config = dataclasses.replace(config, graphs=False)
 
+    if issubclass(runner, LockstepRunner):
+        raise ValueError(f"{runner.__name__} already runs in lockstep: pass the runner to wrap")
+    stepping = LockstepRunner if runner is ModelRunner else type(
+        f"Lockstep{runner.__name__}", (LockstepRunner, runner), {})
+
     def make(*args: Any, **kwargs: Any) -> LockstepRunner:
-        return LockstepRunner(*args, group=group, **kwargs)
+        return stepping(*args, group=group, on_failure=on_failure, **kwargs)
 
     return Engine(model, config, runner=make)
 

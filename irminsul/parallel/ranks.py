@@ -57,9 +57,11 @@ class Exited:
 
 
 class Followers:
-    """The leader's follower processes, by rank."""
+    """The leader's follower processes, by rank: ``python -m MODULE`` each (the tensor-parallel
+    follower; under data-parallel attention, every rank's server, :mod:`.rank_server`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str = "irminsul.parallel.follower") -> None:
+        self.module = module
         self.directory = Path(tempfile.mkdtemp(prefix="irminsul-ranks-"))
         self.processes: dict[int, subprocess.Popen] = {}
 
@@ -71,12 +73,12 @@ class Followers:
         """Start the follower of ``spec`` and hand it its spec; it runs until stopped."""
         env = os.environ | {"RANK": str(spec.rank), "LOCAL_RANK": str(spec.rank),
                             "WORLD_SIZE": str(spec.parallel.world_size)}
-        process = subprocess.Popen([sys.executable, "-m", "irminsul.parallel.follower"],
+        process = subprocess.Popen([sys.executable, "-m", self.module],
                                    stdin=subprocess.PIPE, env=env)
         self.processes[spec.rank] = process
         write_spec(process.stdin, spec)
-        log.info("tensor parallel: rank %d of %d started (pid %d, %s)", spec.rank,
-                 spec.parallel.world_size, process.pid, spec.config.device)
+        log.info("%s parallel: rank %d of %d started (pid %d, %s)", spec.parallel.attention,
+                 spec.rank, spec.parallel.world_size, process.pid, spec.config.device)
 
     def exited(self) -> list[Exited]:
         """The followers whose process has ended, by rank."""

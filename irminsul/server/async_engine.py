@@ -135,6 +135,12 @@ class _Call:
 
 
 _STOP = object()
+# Under data-parallel attention, an idle engine's wait for a command between its turns while no
+# rank runs anything: what a new request on another rank may wait for this one's turn. It
+# doubles with each turn in which no rank ran anything, from the first to the second figure: an
+# idle server takes ~50 turns a second, not 500 (on two CPU cores, a rank's turns at 2 ms cost
+# ~30% of a core), and a busy one answers its peers at once.
+PEER_PAUSE_S = (0.002, 0.02)
 
 
 class AsyncEngine:
@@ -149,6 +155,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._steps = self._errors = 0
+        # Data-parallel attention: the ranks whose steps this engine must take turns in when it
+        # has nothing to run; whether one ran a step in the last turn.
+        self._peers = scheduler.engine.peers
+        self._peers_busy = False
+        self._peer_pause = PEER_PAUSE_S[0]
         self._publish()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -229,12 +240,22 @@ class AsyncEngine:
         try:
             while True:
                 if not self._take_commands():
+                    if self._peers is not None and not self._peers.stopped:
+                        self._peers.idle(stop=True)  # every rank stops after this turn
                     break
                 if self.scheduler.has_work():
                     self._step()
                 else:  # idle: an audit recomputation or a heal's forward, if any
                     self.scheduler.run_idle()
+                    if self._peers is not None and not self._peers.stopped:
+                        self._peers_busy = self._peers.idle()
+                        self._peer_pause = (PEER_PAUSE_S[0] if self._peers_busy else
+                                            min(2 * self._peer_pause, PEER_PAUSE_S[1]))
                 self._publish()
+                if self._peers is not None and self._peers.stopped:
+                    log.info("another rank stopped: this rank's engine stops too")
+                    self._closed = True
+                    break
         except BaseException as err:  # a bug in this loop itself: fail everyone, stop serving
             log.exception("engine thread crashed")
             self._closed = True
@@ -247,6 +268,9 @@ class AsyncEngine:
         """Apply queued commands; block for one only when idle. False once told to stop."""
         commands: list[Any] = []
         idle = self.scheduler.idle_wait()  # None with work, or nothing idle to do
+        if self._peers is not None:  # never wait long: the peers' steps need this rank's turns
+            idle = 0.0 if self._peers_busy else min(
+                idle if idle is not None else self._peer_pause, self._peer_pause)
         if not self.scheduler.has_work() and idle != 0.0:
             try:  # nothing to do, or idle work not due yet: wait for a command that long
                 commands.append(self._commands.get(timeout=idle))

@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI
 
 from .. import __version__
-from ..config import EngineConfig, ParallelConfig, ServerConfig
+from ..config import AttentionMode, EngineConfig, ParallelConfig, ServerConfig
 from ..engine import Engine, Scheduler
 from ..engine.kv_pool import free_device_memory, slots_for_memory
 from ..engine.warmup import warm_up
@@ -50,15 +50,16 @@ def resolve_device(config: ServerConfig) -> tuple[str, torch.dtype]:
 
 def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
                  dtype: torch.dtype, never: Sequence[int] = (), keep_fp8: bool = False,
-                 share: tuple[int, int] | None = None) -> MLAModel:
+                 share: tuple[int, int] | None = None,
+                 attention: AttentionMode = "tensor") -> MLAModel:
     """Benchmark-only: the shapes of ``config_json`` with random weights made on the device
     (normal, std 0.02; norms 1; routers float32, as the loader keeps them). The output-embedding
     rows of the ids ``never`` (the stop tokens) and of those past the tokenizer's ``vocab`` are
     zero, so greedy decoding never picks them (a score of 0 against the max of thousands of
     random ones): it generates text the tokenizer decodes, and exactly ``max_tokens`` of it.
     ``keep_fp8``: float8 weights with block scales, as an FP8 checkpoint kept so; ``share``:
-    (rank, ranks), only that tensor-parallel rank's share is made (replicated weights are the
-    same on every rank). ValueError if the tokenizer has more ids than the config's
+    (rank, ranks), only that rank's share is made (under ``attention``'s split; replicated
+    weights are the same on every rank). ValueError if the tokenizer has more ids than the config's
     vocabulary."""
     config = load_config(config_json)
     if vocab > config.vocab_size:
@@ -69,7 +70,7 @@ def random_model(config_json: str | os.PathLike, *, vocab: int, device: str,
         from ..parallel.shard import shard_weights
 
         def prepare(model: MLAModel) -> None:
-            shard_weights(model, *share)
+            shard_weights(model, *share, attention)
 
     model = random_weights_model(config, device, dtype, keep_fp8=keep_fp8, prepare=prepare)
     with torch.no_grad():
@@ -82,7 +83,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
                  random_weights: str | os.PathLike | None = None,
                  make_engine: Callable[..., Engine] = Engine,
                  load: Callable[..., MLAModel] | None = None,
-                 random_share: tuple[int, int] | None = None
+                 random_share: tuple[int, int] | None = None,
+                 attention: AttentionMode = "tensor"
                  ) -> tuple[FastAPI, AsyncEngine]:
     """Load the model and its tokenizer/chat template from ``model_dir``; return the app and
     its engine (started and stopped by the app's lifespan). With ``random_weights`` (a
@@ -92,7 +94,8 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     (``Engine``'s signature): tensor parallel's leader opens them on every rank's shard
     (:mod:`irminsul.parallel.serving`). ``load`` reads the checkpoint (path, dtype=, device=)
     instead of ``load_model``: tensor parallel's leader reads only its share; ``random_share``:
-    (rank, ranks) of random weights, its share alone made (:func:`random_model`)."""
+    (rank, ranks) of random weights, its share alone made (:func:`random_model`), under
+    ``attention``'s split."""
     config = config or ServerConfig()
     path = Path(model_dir)
     # fails fast without tokenizer.json / a template
@@ -107,7 +110,7 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
         source = Path(random_weights)
         model = random_model(source, vocab=renderer.tokenizer.get_vocab_size(True),
                              device=device, dtype=dtype, never=stops, keep_fp8=config.keep_fp8,
-                             share=random_share)
+                             share=random_share, attention=attention)
         # "config.json" says nothing: name the model after its directory
         label = source.resolve().parent.name if source.name == "config.json" else source.stem
         name = config.model_name or f"random-{label}"
@@ -220,11 +223,17 @@ def serve(model_dir: str | os.PathLike, config: ServerConfig | None = None, *,
           parallel: ParallelConfig | None = None) -> int:
     """Build the server (see :func:`build_server`) and run it until interrupted; returns the
     exit status. ``parallel`` with more than one rank: this process is rank 0 of a
-    tensor-parallel server (:func:`irminsul.parallel.serving.serve_tensor_parallel`)."""
+    tensor-parallel server (:func:`irminsul.parallel.serving.serve_tensor_parallel`), or, under
+    data-parallel attention, the router in front of a server per rank
+    (:func:`irminsul.parallel.data_serving.serve_data_parallel`)."""
     import uvicorn
 
     config = config or ServerConfig()
     logging.getLogger("irminsul").setLevel(logging.INFO)  # the startup line, at least
+    if parallel is not None and parallel.world_size > 1 and parallel.attention == "data":
+        from ..parallel.data_serving import serve_data_parallel
+
+        return serve_data_parallel(model_dir, config, parallel, random_weights=random_weights)
     if parallel is not None and parallel.world_size > 1:
         from ..parallel.serving import serve_tensor_parallel
 
