@@ -92,6 +92,10 @@ class Peers(Protocol):
     def stopped(self) -> bool:
         """A rank announced its stop: no further step runs on any rank."""
 
+    @property
+    def turns(self) -> int:
+        """The turns this rank has taken (steps it ran or joined, idle turns)."""
+
     def idle(self, stop: bool = False) -> bool:
         """This rank's turn with nothing to run (``stop``: and announce this rank's stop);
         whether any rank ran a step in it."""

@@ -41,7 +41,7 @@ def dispatch(group: ParallelGroup, experts: int, x: torch.Tensor, weights: torch
     world = group.world_size
     per_rank = experts // world
     tokens, k = ids.shape
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()  # the router kernel's ids are int32
     owner = flat // per_rank
     order = owner.argsort(stable=True)  # assignments grouped by the rank that runs them
     sent = torch.zeros(world, dtype=torch.int64, device=x.device)

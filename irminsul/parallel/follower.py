@@ -19,11 +19,14 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from ..config import ParallelConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from .group import ParallelGroup
 
 log = logging.getLogger("irminsul.parallel.follower")
 
@@ -75,14 +78,10 @@ class Follower:
 
     def run(self) -> int:
         """Join, load, shard, follow; returns the forwards run. Raises what failed."""
-        from . import follow, init, shard_model
+        from . import follow, shard_model
 
         spec = self.spec
-        device = spec.config.device or "cpu"
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(torch.device(device))
-        self.doing = "joining the process group"
-        group = init(spec.rank, spec.parallel, spec.address, device=device)
+        group, device = self._join()
         self.doing = "loading the checkpoint"
         model = self._load(device)
         self.doing = "sharding the model"
@@ -94,6 +93,16 @@ class Follower:
         forwards = follow(model, group)
         self.stopping = True
         return forwards
+
+    def _join(self) -> tuple[ParallelGroup, str]:
+        """Take this rank's device and join the group: (the group, the device)."""
+        from .group import init
+
+        device = self.spec.config.device or "cpu"
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        self.doing = "joining the process group"
+        return init(self.spec.rank, self.spec.parallel, self.spec.address, device=device), device
 
     def _load(self, device: str) -> torch.nn.Module:
         spec = self.spec

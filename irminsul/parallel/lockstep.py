@@ -81,11 +81,17 @@ class LockstepRunner(ModelRunner):
         self.joined = 0  # of them, steps where it ran fewer layers than a peer
         self._last = 0  # the layers of the latest step, the most any rank ran
         self._stopped = False
+        self._turns = 0
 
     @property
     def stopped(self) -> bool:
         """A rank announced its stop (this one included): no step runs any more."""
         return self._stopped
+
+    @property
+    def turns(self) -> int:
+        """The turns this rank has taken: each all-reduce of a step's layers."""
+        return self._turns
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
         return self._step(self._layers,
@@ -121,6 +127,7 @@ class LockstepRunner(ModelRunner):
             agreed = torch.tensor([layers, int(stop)], dtype=torch.int64, device=self.ckv.device)
             with guarded(self.group, "agreeing on a step"):
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group.device_group)
+            self._turns += 1
             self._last, self._stopped = int(agreed[0]), bool(agreed[1])
             if self._last == 0:
                 return run()

@@ -42,15 +42,11 @@ class RankServer(Follower):
         import uvicorn
 
         from ..server.launch import build_server
-        from . import init, shard_model
+        from . import shard_model
         from .lockstep import lockstep_engine
 
         spec = self.spec
-        device = spec.config.device or "cpu"
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(torch.device(device))
-        self.doing = "joining the process group"
-        group = init(spec.rank, spec.parallel, spec.address, device=device)
+        group, device = self._join()
         self.doing = "loading the checkpoint"
 
         def load(path: Path, *, dtype: torch.dtype, device: str) -> MLAModel:

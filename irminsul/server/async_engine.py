@@ -244,7 +244,13 @@ class AsyncEngine:
                         self._peers.idle(stop=True)  # every rank stops after this turn
                     break
                 if self.scheduler.has_work():
+                    turns = self._peers.turns if self._peers is not None else 0
                     self._step()
+                    if (self._peers is not None and self._peers.turns == turns
+                            and not self._peers.stopped):
+                        # A step without a model call (admission blocked, a request awaiting
+                        # content): the peers still need this rank's turn.
+                        self._peers_busy = self._peers.idle()
                 else:  # idle: an audit recomputation or a heal's forward, if any
                     self.scheduler.run_idle()
                     if self._peers is not None and not self._peers.stopped:
@@ -271,11 +277,12 @@ class AsyncEngine:
         if self._peers is not None:  # never wait long: the peers' steps need this rank's turns
             idle = 0.0 if self._peers_busy else min(
                 idle if idle is not None else self._peer_pause, self._peer_pause)
-        if not self.scheduler.has_work() and idle != 0.0:
-            try:  # nothing to do, or idle work not due yet: wait for a command that long
-                commands.append(self._commands.get(timeout=idle))
-            except queue.Empty:
-                pass
+        if not self.scheduler.has_work():
+            if idle != 0.0:
+                try:  # nothing to do, or idle work not due yet: wait for a command that long
+                    commands.append(self._commands.get(timeout=idle))
+                except queue.Empty:
+                    pass
         elif not self.scheduler.running:
             # Work is waiting but nothing runs (admission is blocked): don't spin on step().
             try:

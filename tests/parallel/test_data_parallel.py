@@ -11,7 +11,7 @@ import torch
 from parallel_ranks import run_ranks, values
 from tiny_parallel import MODELS, TOKENS, paged_logits, tiny_model
 
-from irminsul.model.moe import MoE, grouped_experts
+from irminsul.model.moe import MoE, Router, grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
 from irminsul.parallel.dispatch import dispatch
 
@@ -142,15 +142,16 @@ def test_data_parallel_split_refusals() -> None:
 
 
 def kernel_logits(group: ParallelGroup) -> dict:
-    """A tiny V3 under data-parallel attention with each rank's experts run in the fused Triton
-    kernel over the rows dispatched to it, against one process on the torch path."""
+    """A tiny V3 under data-parallel attention with its routers and each rank's experts (over
+    the rows dispatched to it) run in the Triton kernels, against one process on the torch
+    path."""
     model = tiny_model("v3_like", seed=3)
     ids = own_tokens(group, 30)
     full = model.logits(ids) if len(ids) else None
     shard_model(model, group, attention="data")
-    for moe in model.modules():
-        if isinstance(moe, MoE):
-            moe.kernels = True
+    for module in model.modules():
+        if isinstance(module, (MoE, Router)):
+            module.kernels = True
     dp = model.logits(ids) if len(ids) else model.idle()
     return dict(error=None if full is None else float((dp - full).abs().max()),
                 spread=None if full is None else float(full.std()))

@@ -6,6 +6,9 @@ same pool rows (1e-5, fp32)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 from parallel_ranks import run_ranks, values
@@ -14,8 +17,10 @@ from tiny_parallel import tiny_model
 
 from irminsul.config import CacheConfig, EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
+from irminsul.engine.model_runner import ModelRunner
 from irminsul.parallel import ParallelGroup, shard_model
 from irminsul.parallel.lockstep import LockstepRunner, lockstep_engine, run_in_lockstep
+from irminsul.server.async_engine import AsyncEngine
 
 CONFIG = EngineConfig(mode="live", slots=2400, cache=CacheConfig(recompute_share=0.3))
 
@@ -79,3 +84,74 @@ def test_each_rank_serves_its_requests_as_one_process(world: int, case: str) -> 
     assert ranks[0]["joined"] > 0  # rank 1 has more to run
     if world == 4:
         assert ranks[3]["joined"] == ranks[3]["steps"] > 0  # rank 3 only ever joins
+
+
+class CountedTurns(ModelRunner):
+    """A runner with peers that are not there: records the turns the server's engine loop takes
+    (``idle``'s calls and their ``stop``), answers ``busy`` for whether a peer ran a step."""
+
+    lockstep = True
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[float, bool]] = []
+        self.busy, self.stopping, self.forwards = False, False, 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopping
+
+    @property
+    def turns(self) -> int:
+        return len(self.calls) + self.forwards
+
+    def idle(self, stop: bool = False) -> bool:
+        self.calls.append((time.monotonic(), stop))
+        self.stopping |= stop
+        return self.busy
+
+    def forward(self, batch, *, all_logits: bool = False):  # noqa: ANN001, ANN201
+        self.forwards += 1
+        return super().forward(batch, all_logits=all_logits)
+
+
+def test_the_server_loop_takes_turns_backs_off_and_agrees_on_stops() -> None:
+    """An idle engine with peers takes a turn every 2 ms at first, backing off to 20 ms while no
+    peer runs anything, and at once while one does; a request is served between turns; its stop
+    is announced in its last turn; a peer's stop ends the engine by itself."""
+    model = tiny_model("v3_like", layers=2, seed=4)
+    engine = Engine(model, EngineConfig(mode="live", slots=600), runner=CountedTurns)
+    runner = engine.runner
+    assert isinstance(runner, CountedTurns) and engine.peers is runner
+    served = AsyncEngine(Scheduler(engine))
+    served.start()
+    time.sleep(0.6)
+    idle = len(runner.calls)
+    gaps = np.diff([t for t, _ in runner.calls])
+    assert 10 <= idle <= 100, idle  # not 300 turns of 2 ms
+    assert gaps[:2].max() < 0.012 and np.median(gaps[-10:]) > 0.015, gaps  # 4, 8, 16, 20 ms
+    runner.busy = True
+    time.sleep(0.2)
+    assert len(runner.calls) - idle > 100  # turns back to back while a peer works
+    runner.busy = False
+
+    async def ask() -> list[int]:
+        return [t async for out in served.generate(np.arange(40) % 97,
+                                                   SamplingParams(max_tokens=3))
+                for t in out.new_tokens]
+
+    assert len(asyncio.run(ask())) == 3 and runner.forwards >= 3
+    served.shutdown()
+    assert runner.calls[-1][1] is True  # the last turn announced the stop
+    assert sum(stop for _, stop in runner.calls) == 1
+
+    other = Engine(model, EngineConfig(mode="live", slots=600), runner=CountedTurns)
+    served = AsyncEngine(Scheduler(other))
+    served.start()
+    time.sleep(0.1)
+    other.runner.stopping = True  # another rank stopped
+    deadline = time.monotonic() + 2
+    while served.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not served.alive
+    assert not any(stop for _, stop in other.runner.calls)  # it announced nothing itself

@@ -61,10 +61,10 @@ class Server:
                                                self.text())]
 
 
-def follower_alive(pid: int) -> bool:
-    """Whether ``pid`` is still a running (not zombie) follower process."""
+def follower_alive(pid: int, module: str = "irminsul.parallel.follower") -> bool:
+    """Whether ``pid`` is still a running (not zombie) process of ``module``'s (a follower)."""
     try:
-        if b"irminsul.parallel.follower" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if module.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
@@ -82,11 +82,15 @@ def wait_until(condition, timeout: float, what: str) -> float:
 
 @contextlib.contextmanager
 def tensor_parallel(model_dir: Path | None, log: Path, world: int = 2, *,
-                    gate_cache: Path | None = None, extra: Sequence[str] = ()) -> Iterator[Server]:
+                    gate_cache: Path | None = None, extra: Sequence[str] = (),
+                    split: str = "--tensor-parallel", ranks: int | None = None,
+                    module: str = "irminsul.parallel.follower",
+                    start_s: float = START_S) -> Iterator[Server]:
     """``irminsul serve --tensor-parallel world`` on a free port until the block ends; then the
     server and its followers (by the pids it logged) are killed if still running. With
     ``gate_cache`` the PIC gate runs (its results cached there), else ``--no-gate``; ``extra``:
-    more flags (without ``model_dir``, no ``--model``)."""
+    more flags (without ``model_dir``, no ``--model``). ``split``, ``ranks``, ``module``: another
+    split's flag, the rank processes it starts (default ``world`` − 1) and their module."""
     port = free_port()
     flags = SERVE if gate_cache is None else [f for f in SERVE if f != "--no-gate"]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -96,7 +100,7 @@ def tensor_parallel(model_dir: Path | None, log: Path, world: int = 2, *,
         process = subprocess.Popen(
             [sys.executable, "-m", "irminsul.cli", "serve",
              *(["--model", str(model_dir)] if model_dir is not None else []), *flags, *extra,
-             "--tensor-parallel", str(world), "--host", "127.0.0.1", "--port", str(port)],
+             split, str(world), "--host", "127.0.0.1", "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log)
     try:
@@ -107,8 +111,8 @@ def tensor_parallel(model_dir: Path | None, log: Path, world: int = 2, *,
             return False
 
         # The gate's three engines run on both ranks first: ~20 s of one CPU thread each.
-        wait_until(ready, START_S * (1 if gate_cache is None else 3), "the server's /health")
-        assert len(server.followers()) == world - 1, server.text()
+        wait_until(ready, start_s * (1 if gate_cache is None else 3), "the server's /health")
+        assert len(server.followers()) == (world - 1 if ranks is None else ranks), server.text()
         yield server
     finally:
         followers = server.followers()
@@ -116,7 +120,7 @@ def tensor_parallel(model_dir: Path | None, log: Path, world: int = 2, *,
             process.kill()
             process.wait(10)
         for pid in followers:
-            if follower_alive(pid):
+            if follower_alive(pid, module):
                 os.kill(pid, signal.SIGKILL)
 
 
