@@ -1,21 +1,25 @@
-"""All-to-all expert dispatch: each token's rows travel to the ranks that hold its experts.
+"""All-to-all expert dispatch: each token's row travels once to each rank that holds one of its experts.
 
 Under data-parallel attention (:func:`~.shard.shard_model` with ``attention="data"``) every rank
 runs its own requests: its hidden states are its own tokens, not a replica of everyone's, so
 the tensor-parallel MoE (every rank routes every token, computes its own experts' share, one
-all-reduce) has nothing to all-reduce. Instead each rank routes its tokens and sends each
-token–expert assignment's row to the rank holding that expert; each rank runs its experts over
-the rows it received, from every rank, as one batch, and sends each output back to the rank
-that owns the token, which sums its assignments' outputs with their routing weights.
+all-reduce) has nothing to all-reduce. Instead each rank routes its tokens and sends each token's
+row once to every rank that holds one of its experts, with the (expert, weight) of each of its
+assignments there; each rank runs its experts over the rows it received, from every rank, as one
+batch, sums each row's weighted expert outputs, and sends that one row back to the token's rank,
+which adds up its rows from the ranks. (As DeepEP does: under DeepSeek-V3's group-limited routing
+at 8 ranks, its 8 groups one a rank, a token's 8 assignments reach at most 4 ranks, so at most
+half the rows an assignment each would move.)
 
-Three exchanges a layer over the device group: the assignment counts (W integers per rank,
-read back to the host to size the next two: not capturable in a CUDA graph), the rows out
-(with their experts' ids), the outputs back. A rank with no tokens takes part with empty
-tensors, since its peers' exchanges wait for it (:meth:`~irminsul.model.MLAModel.idle`).
+Four exchanges a layer over the device group: the counts (rows and assignments per rank pair,
+read back to the host to size the next ones: not capturable in a CUDA graph), the rows out, the
+assignments out (row, expert id, weight: one int64 tensor), the summed outputs back. A rank with
+no tokens takes part with empty tensors, since its peers' exchanges wait for it
+(:meth:`~irminsul.model.MLAModel.idle`).
 
-Rounding: each expert's output is rounded to the activations' dtype once before it travels
-back (a one-process MoE rounds only the weighted sum); in float32 the logits equal one
-process's to float rounding, which the tests bound at 1e-5.
+Rounding: each rank's weighted sum over a token's experts there is rounded to the activations'
+dtype once before it travels back (a one-process MoE rounds only the whole sum); in float32 the
+logits equal one process's to float rounding, which the tests bound at 1e-5.
 """
 
 from __future__ import annotations
@@ -37,30 +41,46 @@ def dispatch(group: ParallelGroup, experts: int, x: torch.Tensor, weights: torch
     """The routed experts' output [T, D] (x's dtype) for this rank's tokens ``x`` [T, D], routed
     to ``ids`` [T, k] with ``weights`` [T, k] (float32), ``experts`` routed experts in all,
     rank r holding experts ``r·E/W .. (r+1)·E/W − 1`` and running them with ``compute``. Every
-    rank of ``group`` must call it for the same layer, T may differ between them (0 too)."""
-    world = group.world_size
-    per_rank = experts // world
+    rank of ``group`` must call it for the same layer; T may differ between them (0 too)."""
+    world, device = group.world_size, x.device
     tokens, k = ids.shape
     flat = ids.reshape(-1).long()  # the router kernel's ids are int32
-    owner = flat // per_rank
-    order = owner.argsort(stable=True)  # assignments grouped by the rank that runs them
-    sent = torch.zeros(world, dtype=torch.int64, device=x.device)
-    sent.scatter_add_(0, owner, torch.ones_like(owner))
+    token = torch.arange(tokens, device=device).repeat_interleave(k)
+    owner = flat // (experts // world)
+    # The (rank, token) pairs: one row each, grouped by rank; ``pair`` maps each assignment
+    # to its pair.
+    pairs, pair = torch.unique(owner * tokens + token, return_inverse=True)
+    pair_owner, pair_token = pairs // max(tokens, 1), pairs % max(tokens, 1)
+    order = owner.argsort(stable=True)  # the assignments, grouped by rank
+    sent = torch.zeros(world, 2, dtype=torch.int64, device=device)  # [rows, assignments]
+    sent[:, 0].scatter_add_(0, pair_owner, torch.ones_like(pair_owner))
+    sent[:, 1].scatter_add_(0, owner, torch.ones_like(owner))
+    starts = sent[:, 0].cumsum(0) - sent[:, 0]  # each rank's first pair
+    # Each assignment: its row among those sent to its rank, its expert, its weight's bits.
+    meta = torch.stack([pair[order] - starts[owner[order]], flat[order],
+                        weights.reshape(-1)[order].view(torch.int32).long()], 1)
     received = torch.empty_like(sent)
     with guarded(group, "an expert dispatch"):
         dist.all_to_all_single(received, sent, group=group.device_group)
-        send_splits, recv_splits = sent.tolist(), received.tolist()
-        rows = x[order // k]
-        in_rows = x.new_empty((sum(recv_splits), x.shape[1]))
-        dist.all_to_all_single(in_rows, rows, recv_splits, send_splits,
+        rows_out, rows_in = sent[:, 0].tolist(), received[:, 0].tolist()
+        meta_out, meta_in = sent[:, 1].tolist(), received[:, 1].tolist()
+        in_rows = x.new_empty((sum(rows_in), x.shape[1]))
+        dist.all_to_all_single(in_rows, x[pair_token], rows_in, rows_out,
                                group=group.device_group)
-        in_ids = flat.new_empty(sum(recv_splits))
-        dist.all_to_all_single(in_ids, flat[order].contiguous(), recv_splits, send_splits,
+        in_meta = meta.new_empty((sum(meta_in), 3))
+        dist.all_to_all_single(in_meta, meta.contiguous(), meta_in, meta_out,
                                group=group.device_group)
-        out_rows = compute(in_rows, in_ids).to(x.dtype).contiguous()
-        back = x.new_empty((tokens * k, x.shape[1]))
-        dist.all_to_all_single(back, out_rows, send_splits, recv_splits,
-                               group=group.device_group)
-    y = back.float() * weights.reshape(-1)[order, None]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, order // k, y).to(x.dtype)
+        # Each received assignment's row: its sender's first row here plus its row there.
+        first = torch.tensor(rows_in, dtype=torch.int64, device=device).cumsum(0) - torch.tensor(
+            rows_in, dtype=torch.int64, device=device)
+        sender = torch.repeat_interleave(torch.arange(world, device=device),
+                                         torch.tensor(meta_in, device=device))
+        row = first[sender] + in_meta[:, 0]
+        weight = in_meta[:, 2].to(torch.int32).view(torch.float32)
+        outputs = compute(in_rows[row], in_meta[:, 1]).float() * weight[:, None]
+        summed = torch.zeros((len(in_rows), x.shape[1]), dtype=torch.float32, device=device)
+        summed = summed.index_add_(0, row, outputs).to(x.dtype)
+        back = x.new_empty((len(pairs), x.shape[1]))
+        dist.all_to_all_single(back, summed, rows_out, rows_in, group=group.device_group)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=device)
+    return out.index_add_(0, pair_token, back.float()).to(x.dtype)

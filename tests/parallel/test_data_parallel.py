@@ -13,6 +13,7 @@ from tiny_parallel import MODELS, TOKENS, paged_logits, tiny_model
 
 from irminsul.model.moe import MoE, Router, grouped_experts
 from irminsul.parallel import ParallelGroup, shard_model, shard_weights
+from irminsul.parallel import dispatch as dispatch_module
 from irminsul.parallel.dispatch import dispatch
 
 
@@ -73,18 +74,36 @@ def test_data_parallel_ranks_match_one_process(world: int) -> None:
             assert r["local"] > 1e-2, (name, rank, r)
 
 
+def routed(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows, expert ids (3 distinct of 8 each) and weights; none on rank 1."""
+    mine = torch.Generator().manual_seed(50 + rank)
+    tokens = 0 if rank == 1 else 7 + 11 * rank
+    x = torch.randn(tokens, 16, generator=mine)
+    ids = torch.rand(tokens, 8, generator=mine).argsort(-1)[:, :3]
+    return x, ids, torch.rand(tokens, 3, generator=mine)
+
+
 def exchange(group: ParallelGroup) -> dict:
     """Random rows routed over 8 experts, whose weights every rank knows: the dispatched
-    output against the whole grouped GEMM on this rank's rows."""
+    output against the whole grouped GEMM on this rank's rows; the rows this rank received,
+    against one for each other rank's token with an expert here."""
     generator = torch.Generator().manual_seed(5)
     w13 = torch.randn(8, 24, 16, generator=generator)
     w2 = torch.randn(8, 16, 12, generator=generator)
-    mine = torch.Generator().manual_seed(50 + group.rank)
-    tokens = 0 if group.rank == 1 else 7 + 11 * group.rank
-    x = torch.randn(tokens, 16, generator=mine)
-    ids = torch.rand(tokens, 8, generator=mine).argsort(-1)[:, :3]  # 3 distinct experts each
-    weights = torch.rand(tokens, 3, generator=mine)
+    x, ids, weights = routed(group.rank)
+    tokens = len(x)
     part = 8 // group.world_size
+    mine = range(group.rank * part, (group.rank + 1) * part)
+    expected_rows = sum(int(sum(any(int(e) in mine for e in row) for row in routed(r)[1]))
+                        for r in range(group.world_size))
+    sizes: list[int] = []
+    real = dispatch_module.dist.all_to_all_single
+
+    def counted(output, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        sizes.append(output.shape[0])
+        return real(output, *args, **kwargs)
+
+    dispatch_module.dist.all_to_all_single = counted
     first = group.rank * part
     seen: list[torch.Tensor] = []
 
@@ -94,19 +113,22 @@ def exchange(group: ParallelGroup) -> dict:
                                torch.ones(len(rows), 1), expert[:, None], first=first)
 
     out = dispatch(group, 8, x, weights, ids, compute)
+    dispatch_module.dist.all_to_all_single = real
     whole = grouped_experts(x, w13, w2, weights, ids)
     return dict(error=float((out - whole).abs().max()) if tokens else 0.0,
                 shape=tuple(out.shape), scale=float(whole.abs().max()) if tokens else 0.0,
-                received=seen[0].tolist())
+                received=seen[0].tolist(), rows=sizes[1], expected_rows=expected_rows)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_sends_each_assignment_to_its_experts_rank(world: int) -> None:
     """Each rank's output is every expert's weighted output on its rows, rank 1 sending none;
-    each rank computed only its own experts' rows."""
+    each rank computed only its own experts' rows, and received each token's row once however
+    many of its experts it holds."""
     for rank, r in enumerate(values(run_ranks(exchange, world))):
         tokens = 0 if rank == 1 else 7 + 11 * rank
         assert r["shape"] == (tokens, 16)
+        assert r["rows"] == r["expected_rows"] < len(r["received"]), r
         assert r["error"] <= 1e-4 * max(1.0, r["scale"]), (rank, r)
         part = 8 // world
         assert all(rank * part <= e < (rank + 1) * part for e in r["received"]), (rank, r)
