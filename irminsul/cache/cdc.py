@@ -21,6 +21,7 @@ per chunk, never per token.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from collections.abc import Iterable
 
@@ -63,10 +64,14 @@ class _GearTable:
     def __init__(self) -> None:
         self._tables: dict[np.dtype, np.ndarray] = {}
         self._size = 0
+        # Threads chunk at once (the router's and the server's render workers): growing the
+        # tables is one thread's at a time; reading them takes no lock (a dict swapped whole).
+        self._lock = threading.Lock()
 
     def lookup(self, tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """gear(id) of each of ``tokens`` (validated ids: non-negative) as ``dtype``."""
-        table = self._tables.get(np.dtype(dtype))
+        dtype = np.dtype(dtype)
+        table = self._tables.get(dtype)
         if table is not None:
             try:  # an id past the table raises: no pass over the ids to find the largest first
                 return table[tokens]
@@ -75,14 +80,16 @@ class _GearTable:
         needed = int(tokens.max()) + 1 if tokens.size else 1
         if needed > self.LIMIT:
             return splitmix64(tokens.astype(np.uint64)).astype(dtype)
-        if needed > self._size:
-            self._size = 1 << max(17, (needed - 1).bit_length())
-            full = splitmix64(np.arange(self._size, dtype=np.uint64))
-            self._tables = {np.dtype(np.uint64): full}
-        dtype = np.dtype(dtype)
-        if dtype not in self._tables:
-            self._tables[dtype] = self._tables[np.dtype(np.uint64)].astype(dtype)
-        return self._tables[dtype][tokens]
+        with self._lock:
+            tables = self._tables
+            if needed > self._size:
+                self._size = 1 << max(17, (needed - 1).bit_length())
+                tables = {np.dtype(np.uint64): splitmix64(np.arange(self._size,
+                                                                    dtype=np.uint64))}
+            if dtype not in tables:
+                tables = {**tables, dtype: tables[np.dtype(np.uint64)].astype(dtype)}
+            self._tables = tables
+        return tables[dtype][tokens]
 
 
 _GEAR = _GearTable()

@@ -191,6 +191,30 @@ def test_gear_values_hand_computed():
     assert gear_values(ids).tolist() == [ref.gear(t) for t in ids.tolist()]
 
 
+def test_gear_table_grows_under_concurrent_first_lookups():
+    """Threads chunking at once (the router's workers) on a table that has not grown yet: each
+    gets the reference's gear values, none a KeyError (a thread once saw the size grown before
+    the tables were, through the router: HTTP 500 on the first concurrent requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    from irminsul.cache.cdc import _GearTable
+
+    for attempt in range(5):
+        table, barrier = _GearTable(), Barrier(8)
+        ids = np.arange(0, 150_000, 997, dtype=np.int64)
+
+        def first(i: int, table=table, barrier=barrier, ids=ids) -> list[int]:  # noqa: ANN001
+            barrier.wait()
+            return table.lookup(ids, np.uint32 if i % 2 else np.uint64).tolist()
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(first, range(8)))
+        want = [ref.gear(t) for t in ids.tolist()]
+        assert results[0] == want, attempt
+        assert results[1] == [g & 0xFFFFFFFF for g in want], attempt
+
+
 def test_window_fingerprint_hand_computed():
     """A 2-token window is splitmix64((gear(a) * P + gear(b)) mod 2**64 xor seed), P the documented
     multiplier."""
