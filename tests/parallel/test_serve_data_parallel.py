@@ -7,6 +7,7 @@ Every wait has a deadline: a hang fails the test."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.fp8_config import small_fp8_config
 from fixtures.served_app import served
 from test_serve_tensor_parallel import chats, follower_alive, tensor_parallel, wait_until
 
@@ -100,3 +102,22 @@ def test_bad_splits_are_refused_before_any_rank_starts(flags: list[str], message
                                                        capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", "--device", "cpu", "--no-gate", *flags]) == 2
     assert re.search(message, capsys.readouterr().err), message
+
+
+def test_the_serving_benchmark_drives_a_data_parallel_fp8_server(tmp_path: Path) -> None:
+    """The multi-GPU benchmark's command, CPU-sized: ``irminsul bench serve`` starts ``serve
+    --data-parallel 2 --keep-fp8`` on random float8 shares behind the router, PIC off then
+    live; every call is answered (the first concurrent ones through the router included) and
+    live serves prompt tokens from cache."""
+    path = small_fp8_config(tmp_path)
+    out = tmp_path / "bench.json"
+    assert main(["-q", "bench", "serve", "--random-weights", str(path), "--device", "cpu",
+                 "--server-args", "--data-parallel 2 --keep-fp8 --dtype float32",
+                 "--sessions", "2", "--calls", "2", "--max-reply-tokens", "4", "--warmup", "0",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for mode in ("off", "live"):
+        run = report["modes"][mode]
+        assert (run["summary"]["calls"], run["summary"]["failed_calls"]) == (4, 0), run["calls"]
+        assert f"PIC {mode}" in run["server"]["startup_line"]
+    assert report["modes"]["live"]["summary"]["pic_cached_tokens"] > 0
