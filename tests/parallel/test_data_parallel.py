@@ -23,14 +23,15 @@ def own_tokens(group: ParallelGroup, seed: int) -> torch.Tensor:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed + group.rank))
 
 
-def compare(group: ParallelGroup) -> dict:
+def compare(group: ParallelGroup, device: str = "cpu") -> dict:
     out = {}
     for name, (case, overrides) in MODELS.items():
-        model = tiny_model(case, seed=1, **overrides)
-        ids = own_tokens(group, 10)
+        model = tiny_model(case, seed=1, **overrides).to(device)
+        ids = own_tokens(group, 10).to(device)
         # The paged steps are one forward each: every rank the same number of them.
         paged_ids = torch.randint(0, 97, (TOKENS,),
-                                  generator=torch.Generator().manual_seed(20 + group.rank))
+                                  generator=torch.Generator().manual_seed(20 + group.rank)
+                                  ).to(device)
         full = model.logits(ids) if len(ids) else None
         paged, ckv, kr = paged_logits(model, paged_ids, prefill=12, span=6)
         shard_model(model, group, attention="data")
@@ -55,9 +56,13 @@ def compare(group: ParallelGroup) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_ranks_match_one_process(world: int) -> None:
-    ranks = values(run_ranks(compare, world, timeout_s=300))
+@pytest.mark.parametrize("world, device", [(2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")])])
+def test_data_parallel_ranks_match_one_process(world: int, device: str) -> None:
+    """On CUDA, two GPUs over NCCL (the torch path in fp32, TF32 off as in the tensor-parallel
+    test), each rank against one process on its GPU."""
+    ranks = values(run_ranks(compare, world, device, timeout_s=300, device=device))
     for name in MODELS:
         for rank, result in enumerate(ranks):
             r = result[name]
