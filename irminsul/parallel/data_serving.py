@@ -116,13 +116,19 @@ def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
                         random_weights: str | os.PathLike | None = None) -> int:
     """Serve ``model_dir`` on ``parallel.world_size`` rank servers behind the router until
     interrupted (module docstring); 0 after a normal stop, 1 after a failure. ValueError, before
-    any rank starts, where the routed experts do not split evenly over the ranks."""
+    any rank starts, where the routed experts do not split evenly over the ranks, or a shared
+    store is given without its model id."""
     import uvicorn
 
     from ..router.app import build_router
     from ..server.launch import resolve_device
 
     world = parallel.world_size
+    if config.store.url is not None and config.store.model_id is None:
+        # The identity samples the weights, and each rank holds other experts.
+        raise ValueError("--store under --data-parallel needs --store-model-id: each rank holds "
+                         "other experts, so the model identity the store keys carry cannot be "
+                         "computed from a rank's weights")
     path = Path(model_dir)
     checkpoint = random_weights if random_weights is not None else path
     try:

@@ -38,6 +38,11 @@ def model_identity(model: MLAModel, kv_dtype: torch.dtype) -> int:
     rank 0 holds whatever the split. So engines serving one checkpoint at different sizes
     share the store."""
     world = model.shard[1] if model.shard is not None else 1
+    if world > 1 and model.attention_mode != "tensor":
+        # Each data-parallel rank holds other experts: their samples would differ by rank.
+        raise ValueError("the store's model identity is computed from the whole model or a "
+                         "tensor-parallel share, not a data-parallel one: give "
+                         "StoreConfig.model_id")
     if world > LARGEST_WORLD:
         raise ValueError(f"the store's model identity covers tensor-parallel sizes up to "
                          f"{LARGEST_WORLD}, not {world}: give StoreConfig.model_id")

@@ -97,6 +97,8 @@ def test_a_killed_rank_stops_the_server(tmp_path: Path) -> None:
     (["--data-parallel", "3"], "--data-parallel 3 does not fit .*: n_routed_experts \\(8\\) "
                                "does not split evenly over 3 ranks"),
     (["--data-parallel", "2", "--tensor-parallel", "2"], "give one of them"),
+    (["--data-parallel", "2", "--store", "redis://127.0.0.1:1"],
+     "--store under --data-parallel needs --store-model-id"),
 ])
 def test_bad_splits_are_refused_before_any_rank_starts(flags: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:

@@ -53,3 +53,9 @@ def test_a_larger_world_is_refused() -> None:
                        n_routed_experts=16, moe_intermediate_size=32)
     with pytest.raises(ValueError, match="up to 8, not 16"):
         model_identity(shard_weights(model, 0, 16), torch.bfloat16)
+
+
+def test_a_data_parallel_share_is_refused() -> None:
+    """Each data-parallel rank holds other experts: its sample would name another model."""
+    with pytest.raises(ValueError, match="not a data-parallel one: give StoreConfig.model_id"):
+        model_identity(shard_weights(tiny_model("v3_like"), 1, 2, "data"), torch.bfloat16)
