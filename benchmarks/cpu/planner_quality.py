@@ -38,6 +38,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "no_s1": {"s1": False},
     "no_s1_head": {"s1": False, "head_probe": False},
     "no_regions": {"regions": False},
+    "heal": {"heal": True},
+    "no_s1_heal": {"s1": False, "heal": True},
 }
 FIGURES = ("kl_pic", "argmax_pic", "kl_naive", "argmax_naive", "pic_token_fraction",
            "requests_with_hits")
@@ -72,7 +74,7 @@ def main() -> None:
         for pattern in args.workloads:
             started = time.perf_counter()
             report = consistency(model, renderer, workload_requests(pattern, pool, settings),
-                                 tokens=args.tokens, cache=cache)
+                                 tokens=args.tokens, cache=cache, heal=cache.heal)
             row = {"option": name, "workload": pattern, **{k: report[k] for k in FIGURES},
                    "seconds": time.perf_counter() - started}
             out["rows"].append(row)
