@@ -168,9 +168,9 @@ def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
     threading.Thread(target=stop_on_failure, name="irminsul-stop", daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # as under tensor parallel
-    log.info("data parallel: %d rank servers over %s (%s) behind the router on %s:%d", world,
-             parallel.backend or ("nccl" if devices[0].startswith("cuda") else "gloo"),
-             ", ".join(devices), config.host, config.port)
+    log.info("data parallel: %d rank servers over %s (%s: %s) behind the router on %s:%d",
+             world, parallel.backend or ("nccl" if devices[0].startswith("cuda") else "gloo"),
+             ", ".join(devices), ", ".join(ranks.urls), config.host, config.port)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on: a normal stop
