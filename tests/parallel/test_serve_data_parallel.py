@@ -7,10 +7,12 @@ Every wait has a deadline: a hang fails the test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -27,11 +29,11 @@ from irminsul.server import build_server
 RANK = "irminsul.parallel.rank_server"
 
 
-def data_parallel(log: Path, gate_cache: Path | None):  # noqa: ANN201
+def data_parallel(log: Path, gate_cache: Path | None, extra: tuple[str, ...] = ()):  # noqa: ANN201
     """``irminsul serve --data-parallel 2`` on the embedded model until the block ends (then
     killed, with its ranks, if still running)."""
     return tensor_parallel(None, log, 2, gate_cache=gate_cache, split="--data-parallel",
-                           ranks=2, module=RANK, start_s=90.0)
+                           ranks=2, module=RANK, start_s=90.0, extra=extra)
 
 
 def conversation(url: str) -> list[dict]:
@@ -91,6 +93,28 @@ def test_a_killed_rank_stops_the_server(tmp_path: Path) -> None:
     assert len(errors) == 1, server.text()[-3000:]
     assert f"rank 1 (pid {victim}) was killed by SIGKILL" in errors[0]
     assert "Stopping the server" in errors[0]
+
+
+def test_a_hung_rank_stops_the_server_after_the_collective_timeout(tmp_path: Path) -> None:
+    """A rank stopped (SIGSTOP: alive, answering nothing) while the server is idle: the other
+    rank's next turn waits ``--collective-timeout`` (3 s) and fails; that rank ends, and the
+    server exits with status 1, naming it."""
+    with data_parallel(tmp_path / "serve.log", gate_cache=None,
+                       extra=("--collective-timeout", "3")) as server:
+        hung = server.followers()[1]
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert server.process.wait(60) == 1, server.text()[-3000:]
+            elapsed = time.monotonic() - started
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the server killed it
+                os.kill(hung, signal.SIGCONT)
+    errors = [line for line in server.text().splitlines()
+              if line.startswith("ERROR irminsul.parallel.data_serving")]
+    assert len(errors) == 1, server.text()[-3000:]
+    assert "rank 0" in errors[0] and "did not answer within 3 s" in errors[0], errors[0]
+    assert 3 <= elapsed < 30, elapsed
 
 
 @pytest.mark.parametrize("flags, message", [
