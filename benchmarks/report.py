@@ -854,7 +854,8 @@ def analyze_throughput(r: dict[str, Any], name: str) -> list[str]:
 def planner_quality(r: dict[str, Any], name: str) -> list[str]:
     """Live PIC's consistency per planner option: what each way of finding reuse costs."""
     meta = r["meta"]
-    lines = ["## CPU: what each planner option's reuse costs in output quality", "",
+    lines = ["## CPU: what each planner option's reuse costs in output quality"
+             + _variant(name, "cpu-planner-quality"), "",
              f"`docs/results/{name}`. Measured {meta['date']} on {meta['threads']} threads "
              f"({meta['machine']}), {meta['model']}.", "",
              "```bash", meta["command"], "```", "",
@@ -870,6 +871,28 @@ def planner_quality(r: dict[str, Any], name: str) -> list[str]:
             for row in sorted(r["rows"], key=lambda row: row["workload"])]
     return lines + _table(("workload", "option", "KL PIC", "argmax PIC", "KL naive",
                            "prompt tokens served by PIC"), rows)
+
+
+def argmax_margins(r: dict[str, Any], name: str) -> list[str]:
+    """Live PIC's greedy flips against the reference's own margin at each."""
+    meta = r["meta"]
+    lines = ["## CPU: where PIC's greedy token flips, and how near the reference tied", "",
+             f"`docs/results/{name}`. Measured {meta['date']} on {meta['threads']} threads "
+             f"({meta['machine']}), {meta['model']}.", "",
+             "```bash", meta["command"], "```", "",
+             f"`irminsul consistency`'s measurement over the first {r['requests']} requests of "
+             f"{r['workload']}, {r['tokens']} teacher-forced tokens, over the requests with "
+             "registry hits. A *near tie*: full recomputation's top two tokens within "
+             f"{r['near_tie']} nats. Options as in the planner-quality section.", ""]
+    rows = [[row["option"], f"{row['kl_pic']:.5f}", f"{row['argmax_pic']:.3f}",
+             f"{row['flips']} / {row['steps']}",
+             f"{row['flips_at_near_ties']} / {row['near_tie_steps']}",
+             "—" if row["argmax_beyond_near_ties"] is None
+             else f"{row['argmax_beyond_near_ties']:.3f}",
+             ", ".join(f"{m:.3f}" for m in row["flip_margins"])] for row in r["rows"]]
+    return lines + _table(("option", "KL PIC", "argmax PIC", "flips / steps",
+                           "flips at near ties / near ties", "argmax beyond near ties",
+                           "reference margin at each flip (nats)"), rows)
 
 
 def planner_options(r: dict[str, Any], name: str) -> list[str]:
@@ -1152,6 +1175,8 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-analyze-throughput.json", lambda p: analyze_throughput(_load(p), p.name)),
         ("cpu-planner-options.json", lambda p: planner_options(_load(p), p.name)),
         ("cpu-planner-quality.json", lambda p: planner_quality(_load(p), p.name)),
+        ("cpu-planner-quality-*.json", lambda p: planner_quality(_load(p), p.name)),
+        ("cpu-argmax-margins.json", lambda p: argmax_margins(_load(p), p.name)),
         ("cpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),

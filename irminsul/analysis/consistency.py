@@ -99,8 +99,15 @@ def serve(engine: Engine, prompt: Prompt, continuation: list[int],
         engine.finish(twin)
     stats = seq.stats
     matches = logits.argmax(-1).cpu() == torch.tensor(continuation)
+    # How far full recomputation's own choice led its runner-up, at each step where this
+    # path's argmax differs: a flip at a near-tie says little about the cache.
+    top2 = full_logits.float().cpu().log_softmax(-1).topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
     return {"kl": float(kl_per_step(full_logits, logits).mean()),
             "argmax": float(matches.double().mean()),
+            "flips": [[step, margins[step]] for step in range(len(continuation))
+                      if not bool(matches[step])],
+            "reference_margins": margins,
             "first_divergence": divergence,
             "pic_tokens": stats.pic_tokens, "prefix_tokens": stats.prefix_tokens,
             "derived_prefix_tokens": stats.derived_prefix_tokens,

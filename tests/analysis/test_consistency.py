@@ -61,6 +61,15 @@ def test_one_layer_pic_is_exact_and_naive_is_not(one_layer: Path, log: Path) -> 
         if not (row["pic"]["pic_tokens"] or row["naive"]["pic_tokens"]):
             assert row["naive"]["kl"] <= 1e-9
     assert "naive reuse" in render_consistency(report)
+    # Flips: the steps whose argmax differs, with the reference's lead at each, against the
+    # per-request argmax match (exact PIC: none; naive reuse: as many as it missed).
+    for row in report["per_request"]:
+        assert row["pic"]["flips"] == []
+        naive = row["naive"]
+        assert len(naive["reference_margins"]) == N and min(naive["reference_margins"]) >= 0
+        assert len(naive["flips"]) == round((1 - naive["argmax"]) * N)
+        for step, margin in naive["flips"]:
+            assert margin == naive["reference_margins"][step]
 
 
 def test_two_layers_is_finite(tmp_path: Path, log: Path) -> None:

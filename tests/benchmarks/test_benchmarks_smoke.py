@@ -208,6 +208,18 @@ def test_repair_runs(tmp_path: Path) -> None:
     assert 0 <= workload["floor_kl"] < 1e-6
 
 
+def test_argmax_margins_runs(tmp_path: Path) -> None:
+    """Every flipped step is one of the steps counted, its margin one of the reference's; the
+    study's own argmax match is one minus the flips' share."""
+    result = _run_benchmark("argmax_margins", "--options", "default", "--workload", "rerank",
+                            "--requests", "3", "--tokens", "4", tmp_path=tmp_path)
+    [row] = result["rows"]
+    assert row["steps"] > 0 and 0 <= row["flips_at_near_ties"] <= row["near_tie_steps"]
+    assert row["flips"] == len(row["flip_margins"]) <= row["steps"]
+    assert row["argmax_pic"] == pytest.approx(1 - row["flips"] / row["steps"])
+    assert all(m >= 0 for m in row["flip_margins"])
+
+
 def test_planner_quality_runs(tmp_path: Path) -> None:
     """Each planner option's consistency on a workload with reuse: PIC serves tokens, its KL
     is below naive reuse's, and turning the sub-windows off serves no more than the default."""
