@@ -12,19 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import sys
-import time
 from typing import Any
 
-import torch
-from planner_quality import OPTIONS
+from planner_quality import OPTIONS, embedded
 
 from irminsul.analysis.consistency import consistency
 from irminsul.config import CacheConfig
-from irminsul.model import default_model_dir, load_model
-from irminsul.studies.consistency import ConsistencySettings, sample_pool, workload_requests
-from irminsul.traffic.render import ChatRenderer
+from irminsul.studies.consistency import sample_pool, workload_requests
 from irminsul.traffic.workloads import PATTERNS
 
 NEAR_TIE = 0.05  # nats between the reference's top two tokens
@@ -56,18 +50,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model_dir = default_model_dir()
-    model = load_model(model_dir, dtype=torch.float32)
-    renderer = ChatRenderer.from_dir(model_dir)
-    settings = ConsistencySettings(requests=args.requests, tokens=args.tokens)
+    model, renderer, settings, meta = embedded(args, "argmax_margins")
     requests = workload_requests(args.workload, sample_pool(renderer), settings)
     out: dict[str, Any] = {
-        "meta": {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-                 "threads": args.threads, "model": "embedded default, float32",
-                 "command": " ".join(["python benchmarks/cpu/argmax_margins.py",
-                                      *sys.argv[1:]])},
-        "workload": args.workload, "requests": args.requests, "tokens": args.tokens,
+        "meta": meta, "workload": args.workload, "requests": args.requests, "tokens": args.tokens,
         "near_tie": NEAR_TIE, "options": {name: OPTIONS[name] for name in args.options},
         "rows": []}
     for name in args.options:

@@ -28,7 +28,7 @@ import torch
 
 from irminsul.analysis.consistency import consistency
 from irminsul.config import CacheConfig
-from irminsul.model import default_model_dir, load_model
+from irminsul.model import MLAModel, default_model_dir, load_model
 from irminsul.studies.consistency import ConsistencySettings, sample_pool, workload_requests
 from irminsul.traffic.render import ChatRenderer
 from irminsul.traffic.workloads import PATTERNS
@@ -45,6 +45,20 @@ FIGURES = ("kl_pic", "argmax_pic", "kl_naive", "argmax_naive", "pic_token_fracti
            "requests_with_hits")
 
 
+def embedded(args: argparse.Namespace, script: str
+             ) -> tuple[MLAModel, ChatRenderer, ConsistencySettings, dict[str, Any]]:
+    """The embedded model in float32 on ``args.threads`` threads, its renderer, the study's
+    settings for ``args.requests`` and ``args.tokens``, and a results file's meta (the command
+    as ``benchmarks/cpu/SCRIPT.py`` was run)."""
+    torch.set_num_threads(args.threads)
+    model_dir = default_model_dir()
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
+            "threads": args.threads, "model": "embedded default, float32",
+            "command": " ".join([f"python benchmarks/cpu/{script}.py", *sys.argv[1:]])}
+    return (load_model(model_dir, dtype=torch.float32), ChatRenderer.from_dir(model_dir),
+            ConsistencySettings(requests=args.requests, tokens=args.tokens), meta)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--options", nargs="+", choices=list(OPTIONS),
@@ -56,18 +70,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model_dir = default_model_dir()
-    model = load_model(model_dir, dtype=torch.float32)
-    renderer = ChatRenderer.from_dir(model_dir)
-    settings = ConsistencySettings(requests=args.requests, tokens=args.tokens)
+    model, renderer, settings, meta = embedded(args, "planner_quality")
     pool = sample_pool(renderer)
     out: dict[str, Any] = {
-        "meta": {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-                 "threads": args.threads, "model": "embedded default, float32",
-                 "command": " ".join(["python benchmarks/cpu/planner_quality.py",
-                                      *sys.argv[1:]])},
-        "options": {name: OPTIONS[name] for name in args.options},
+        "meta": meta, "options": {name: OPTIONS[name] for name in args.options},
         "requests": args.requests, "tokens": args.tokens, "rows": []}
     for name in args.options:
         cache = dataclasses.replace(CacheConfig(), **OPTIONS[name])

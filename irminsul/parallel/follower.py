@@ -19,7 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import torch
 
@@ -151,15 +151,25 @@ def _exit_with_the_leader(follower: Follower, pipe: BinaryIO) -> None:
         os._exit(1)
 
 
-def main() -> None:
-    """The process: read the spec from stdin, then run the follower until the leader stops."""
+F = TypeVar("F", bound=Follower)
+
+
+def started(kind: type[F]) -> F:
+    """A rank process's start: its spec read from stdin, logging and threads set, and a thread
+    that ends the process when the process that started it ends (its pipe closes)."""
     spec = read_spec(sys.stdin.buffer)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s irminsul rank {spec.rank}: %(message)s")
     torch.set_num_threads(spec.threads)
-    follower = Follower(spec)
-    threading.Thread(target=_exit_with_the_leader, args=(follower, sys.stdin.buffer),
+    rank = kind(spec)
+    threading.Thread(target=_exit_with_the_leader, args=(rank, sys.stdin.buffer),
                      name="irminsul-leader-pipe", daemon=True).start()
+    return rank
+
+
+def main() -> None:
+    """The process: read the spec from stdin, then run the follower until the leader stops."""
+    follower = started(Follower)
     try:
         forwards = follower.run()
     except BaseException as err:  # every failure is reported, then the process ends

@@ -27,7 +27,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..engine.model_runner import ModelRunner
 from ..model import MLAModel
-from .follower import Follower, _exit_with_the_leader, read_spec
+from .follower import Follower, started
 
 log = logging.getLogger("irminsul.parallel.rank_server")
 
@@ -88,13 +88,8 @@ class RankServer(Follower):
 
 def main() -> None:
     """The process: read the spec from stdin, then serve until stopped."""
-    spec = read_spec(sys.stdin.buffer)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(levelname)s irminsul rank {spec.rank}: %(message)s")
-    torch.set_num_threads(spec.threads)
-    rank = RankServer(spec)
-    threading.Thread(target=_exit_with_the_leader, args=(rank, sys.stdin.buffer),
-                     name="irminsul-parent-pipe", daemon=True).start()
+    rank = started(RankServer)
+    spec = rank.spec
     try:
         rank.run()
     except BaseException as err:  # every failure is reported, then the process ends
