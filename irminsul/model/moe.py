@@ -228,9 +228,7 @@ class MoE(nn.Module):
             weights, ids = self.gate(routed_input)
             out = self.dispatch(x, weights, ids, self.local_experts)
             return out + self.shared_experts(x) if self.shared_experts is not None else out
-        # FP8 experts take the kernel at every size: the torch path would dequantize every
-        # expert of the layer for each forward (V3 at 8 ranks: 32 experts, ~5.6 GB in float32).
-        if self.kernels and (x.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
+        if self._fused(x.shape[0]):
             from ..kernels.fused_moe import MoETiles, fused_experts  # needs triton
 
             # Under expert parallel the router's ids are the model's and the shared MLP is a
@@ -263,13 +261,19 @@ class MoE(nn.Module):
         if rows.shape[0] == 0:
             return rows.new_zeros(rows.shape)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        if self.kernels and (rows.shape[0] <= KERNEL_MAX_TOKENS or self.block is not None):
+        if self._fused(rows.shape[0]):
             from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
 
             return fused_experts(rows, self.w13, self.w2, ones, ids[:, None],
                                  scales=self.expert_scales(), first=self.expert_first)
         return grouped_experts(rows, *self.dense_experts(rows.dtype), ones, ids[:, None],
                                first=self.expert_first)
+
+    def _fused(self, tokens: int) -> bool:
+        """Whether ``tokens`` rows run the fused Triton kernel rather than torch. FP8 experts take
+        the kernel at every size: the torch path would dequantize every expert of the layer for
+        each forward (V3 at 8 ranks: 32 experts, ~5.6 GB in float32)."""
+        return self.kernels and (tokens <= KERNEL_MAX_TOKENS or self.block is not None)
 
     def _shared_as_experts(self) -> SharedExperts | None:
         """The shared MLP as extra experts of the fused kernel (read in place), where it is a

@@ -136,7 +136,7 @@ def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
     except ValueError as err:
         raise ValueError(f"--data-parallel {world} does not fit {checkpoint}: {err}") from None
     device, _ = resolve_device(config)
-    devices = rank_devices(device, world)
+    devices = rank_devices(device, world, "--data-parallel")
     vocab, never = _random_weights_ids(path) if random_weights is not None else (0, ())
     threads = max(1, (os.cpu_count() or 1) // world)
     address = free_address()

@@ -59,17 +59,18 @@ def leader_load(world: int, *, keep_fp8: bool = False) -> Callable[..., MLAModel
     return share
 
 
-def rank_devices(device: str, world: int) -> list[str]:
+def rank_devices(device: str, world: int, flag: str = "--tensor-parallel") -> list[str]:
     """Each rank's device: on CUDA one GPU per rank, from ``device``'s index on (``cuda``:
-    0 .. world-1, LOCAL_RANK-style); on the CPU, the CPU for all."""
+    0 .. world-1, LOCAL_RANK-style); on the CPU, the CPU for all. ``flag``: the option that
+    asked for the ranks, named in the errors."""
     where = torch.device(device)
     if where.type == "cpu":
         return ["cpu"] * world
     if where.type != "cuda":
-        raise ValueError(f"--tensor-parallel runs on cuda or cpu, not {device}")
+        raise ValueError(f"{flag} runs on cuda or cpu, not {device}")
     first, count = where.index or 0, torch.cuda.device_count()
     if first + world > count:
-        raise ValueError(f"--tensor-parallel {world} from {device} needs GPUs {first} .. "
+        raise ValueError(f"{flag} {world} from {device} needs GPUs {first} .. "
                          f"{first + world - 1}; {count} are visible")
     return [f"cuda:{first + rank}" for rank in range(world)]
 

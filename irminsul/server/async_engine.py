@@ -240,23 +240,18 @@ class AsyncEngine:
         try:
             while True:
                 if not self._take_commands():
-                    if self._peers is not None and not self._peers.stopped:
-                        self._peers.idle(stop=True)  # every rank stops after this turn
+                    self._peer_turn(stop=True)  # every rank stops after this turn
                     break
                 if self.scheduler.has_work():
                     turns = self._peers.turns if self._peers is not None else 0
                     self._step()
-                    if (self._peers is not None and self._peers.turns == turns
-                            and not self._peers.stopped):
+                    if self._peers is not None and self._peers.turns == turns:
                         # A step without a model call (admission blocked, a request awaiting
                         # content): the peers still need this rank's turn.
-                        self._peers_busy = self._peers.idle()
+                        self._peer_turn()
                 else:  # idle: an audit recomputation or a heal's forward, if any
                     self.scheduler.run_idle()
-                    if self._peers is not None and not self._peers.stopped:
-                        self._peers_busy = self._peers.idle()
-                        self._peer_pause = (PEER_PAUSE_S[0] if self._peers_busy else
-                                            min(2 * self._peer_pause, PEER_PAUSE_S[1]))
+                    self._peer_turn()
                 self._publish()
                 if self._peers is not None and self._peers.stopped:
                     log.info("another rank stopped: this rank's engine stops too")
@@ -269,6 +264,16 @@ class AsyncEngine:
             raise
         self._fail_all(EngineError("server is shutting down"))
         self._publish()
+
+    def _peer_turn(self, stop: bool = False) -> None:
+        """Under data-parallel attention, a turn in whatever step the peers take (``stop``: and
+        announce this rank's stop); the wait before the next one doubles while none of them
+        runs anything. Nothing without peers, or once a rank has stopped."""
+        if self._peers is None or self._peers.stopped:
+            return
+        self._peers_busy = self._peers.idle(stop=stop)
+        self._peer_pause = (PEER_PAUSE_S[0] if self._peers_busy else
+                            min(2 * self._peer_pause, PEER_PAUSE_S[1]))
 
     def _take_commands(self) -> bool:
         """Apply queued commands; block for one only when idle. False once told to stop."""
