@@ -524,6 +524,7 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
              "(targets: ≤ 1.5× at every cell, ≥ 5,000 tok/s at batch 64, 4K):", ""]
     by_run = [{(c["context"], c["batch"]): c for c in run["result"]["cells"]} for run in runs]
     launch = latest.get("launch_us")  # runs before it did not count kernels
+    chain = latest.get("chain_us")  # nor, before this one, time a chain of dependent ones
     rows = []
     for c in latest["cells"]:
         key = (c["context"], c["batch"])
@@ -534,6 +535,12 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
             with_launches = c["floor_ms"] + c["kernels_per_step"] * launch / 1e3
             counted = [f"{c['kernels_per_step']:.0f}", f"{with_launches:.2f}",
                        f"{c['step_ms'] / with_launches:.2f}"]
+        if chain is not None:
+            # The same with each kernel at a dependent kernel's least time: the launches of a
+            # step are a chain, each waiting for the one before.
+            with_chain = c["floor_ms"] + c["kernels_per_step"] * chain / 1e3
+            counted += [f"{with_chain:.2f}", f"{c['step_ms'] / with_chain:.2f}",
+                        f"{with_chain / c['floor_ms']:.2f}"]
         rows.append([_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
                      *[f"{cells[key]['tokens_per_s']:,.0f}" if key in cells else ""
                        for cells in by_run],
@@ -547,6 +554,15 @@ def decode(r: dict[str, Any], name: str) -> list[str]:
                   f"floor plus kernels × that: the step a launch-per-operation design could "
                   f"reach with every kernel at the copy bandwidth.", ""]
         counted_heads = ("kernels / step", "floor + launches (ms)", "step / (floor + launches)")
+    if chain is not None:
+        lines += [f"A kernel that waits for the one before (programmatic dependent launch, as "
+                  f"the engine launches its kernels) and then reads what it wrote, 132 programs "
+                  f"of 4 KB each, takes {chain:.2f} µs a kernel in a graph of such kernels: "
+                  f"*floor + chain* = the floor plus kernels × that, the least a step of this "
+                  f"many dependent launches could take; its ratio to the floor is the best a "
+                  f"design with this many kernels can reach.", ""]
+        counted_heads += ("floor + chain (ms)", "step / (floor + chain)",
+                          "(floor + chain) / floor")
     lines += _table(("context", "batch", "floor (ms)",
                      *[f"tok/s {run['label']}" for run in runs],
                      f"step {runs[-1]['label']} (ms)", "step / floor", *counted_heads,
@@ -1092,8 +1108,12 @@ def repair_ttft(r: dict[str, Any], name: str) -> list[str]:
     lines = ["## GPU: the TTFT each repair setting costs" + _variant(name, "gpu-repair-ttft"), "",
              f"`docs/results/{name}`. " + _run_line(meta, about=meta.get("about", "")), "",
              "```bash", meta["command"], "```", "",
-             f"{r['model']}; agent_meta prompts of {r['tokens']:,} tokens (H {r['header']}) whose "
-             "body sits at a shifted position, so only live PIC reuses it; median TTFT over "
+             f"{r['model']}; " + (
+                 f"agent_meta prompts of {r['tokens']:,} tokens (H {r['header']}) whose body "
+                 "sits at a shifted position, so only live PIC reuses it"
+                 if r.get("pattern", "agent_meta") == "agent_meta"
+                 else f"{r['pattern']} prompts of {r['tokens']:,} tokens whose documents come "
+                 "in a new order, so only live PIC reuses them") + "; median TTFT over "
              f"{r['requests']} requests after {r['warmup']} warm-ups, a fresh engine per setting. "
              "*Recomputed*: the tokens live PIC reused that the setting computed instead.", ""]
     live = next(s["ttft_ms"] for s in r["settings"] if s["setting"] == "live")

@@ -233,6 +233,44 @@ def launch_us(device: str, kernels: int = 256, replays: int = 20) -> float:
     return statistics.median(times)
 
 
+def chain_us(device: str, kernels: int = 256, programs: int = 132, replays: int = 20) -> float:
+    """Device µs per kernel of a CUDA graph of ``kernels`` *dependent* launches, each launched
+    as the engine launches its kernels (programmatic dependent launch where the device has it:
+    it waits for the previous grid, then reads what that grid wrote) over ``programs`` programs
+    that each read and write 4 KB: what a step's chain of dependent kernels costs per kernel
+    at least, even with bytes too few to matter (median of ``replays``)."""
+    import triton
+    import triton.language as tl
+
+    from irminsul.kernels.launch import pdl_args, wait_for_previous
+
+    @triton.jit
+    def _hop(SRC, DST, PDL: tl.constexpr):
+        wait_for_previous(PDL)
+        at = tl.program_id(0) * 2048 + tl.arange(0, 2048)
+        tl.store(DST + at, tl.load(SRC + at) + 1.0)
+
+    bufs = [torch.zeros(programs * 2048, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    launch = pdl_args(bufs[0].device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):  # compiled and run once before capture, as capture needs
+        _hop[(programs,)](bufs[0], bufs[1], **launch)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(kernels):
+            _hop[(programs,)](bufs[i % 2], bufs[1 - i % 2], **launch)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / kernels)
+    return statistics.median(times)
+
+
 def kernels_per_step(device: str, scheduler: Scheduler, steps: int = 3) -> float:
     """Device kernels one step runs (mean over ``steps``; copies and memsets not counted)."""
     from torch.profiler import ProfilerActivity, profile
@@ -283,6 +321,8 @@ def main() -> None:
     if args.device.startswith("cuda"):
         results["launch_us"] = launch_us(args.device)
         print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)
+        results["chain_us"] = chain_us(args.device)
+        print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
     for context in args.contexts:
         for batch in args.batches:
             profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)

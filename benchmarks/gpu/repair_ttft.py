@@ -62,10 +62,13 @@ WARMUP = 2  # the first request registers the body; the second is the first serv
 
 
 def settings(heads: list[int], shares: list[float], signed: list[float] = (),
-             check_layers: list[int] = (3,)) -> list[tuple[str, str, CacheConfig]]:
-    """(label, mode, cache config) of every setting: off, live without repair, then each k, each
-    r, and each signed r at each number of check layers."""
+             check_layers: list[int] = (3,), no_sub_windows: bool = False
+             ) -> list[tuple[str, str, CacheConfig]]:
+    """(label, mode, cache config) of every setting: off, live without repair, (live without the
+    registry's sub-windows,) then each k, each r, and each signed r at each number of check
+    layers."""
     return ([("off", "off", CacheConfig()), ("live", "live", CacheConfig())]
+            + ([("no sub-windows", "live", CacheConfig(s1=False))] if no_sub_windows else [])
             + [(f"head {k}", "live", CacheConfig(recompute_head=k)) for k in heads]
             + [(f"share {r:.0%}", "live", CacheConfig(recompute_share=r)) for r in shares]
             + [(f"signed {r:.0%} L{n}", "live",
@@ -101,7 +104,7 @@ def summary(label: str, mode: str, cache: CacheConfig, rows: dict[str, list[floa
     out: dict[str, Any] = {
         "setting": label, "mode": mode, "recompute_head": cache.recompute_head,
         "recompute_share": cache.recompute_share, "recompute_rule": cache.recompute_rule,
-        "recompute_check_layer": cache.recompute_check_layer,
+        "recompute_check_layer": cache.recompute_check_layer, "sub_windows": cache.s1,
         "ttft_ms": 1e3 * statistics.median(rows["ttft_s"]),
         "ttft_ms_all": [1e3 * s for s in rows["ttft_s"]],
         "pic_tokens": statistics.median(rows["pic_tokens"]),
@@ -118,7 +121,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny float32 model (CPU smoke)")
     parser.add_argument("--tokens", type=int, default=16384, help="prompt tokens")
-    parser.add_argument("--header", type=int, default=50, help="agent persona tokens (H)")
+    parser.add_argument("--pattern", choices=("agent_meta", "rerank"), default="agent_meta",
+                        help="the requests' shape, as the GPU suite's TTFT cells build it")
+    parser.add_argument("--header", type=int, default=50,
+                        help="agent persona tokens (H; agent_meta only)")
     parser.add_argument("--requests", type=int, default=8, help="timed requests per setting")
     parser.add_argument("--heads", type=int, nargs="*", default=[2, 4, 8, 16, 32],
                         help="values of recompute_head (k)")
@@ -128,6 +134,9 @@ def main() -> None:
                         help="recompute shares r under the signed rule (none by default)")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[3],
                         help="check layers n of the signed settings")
+    parser.add_argument("--no-sub-windows", action="store_true",
+                        help="also live PIC without the registry's sub-windows (CacheConfig.s1 "
+                        "off, serve --no-sub-windows)")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA graphs on in every engine (each start captures them, ~20 s)")
     parser.add_argument("--threads", type=int,
@@ -140,15 +149,18 @@ def main() -> None:
     started = time.perf_counter()
     model = build_model(args.device, tiny=args.tiny)
     text = AgentText(model.config.vocab_size)
-    # The suite's agent_meta requests, seeded by the length as its cells are.
-    requests = build_requests("agent_meta", text, args.tokens, args.requests + WARMUP,
-                              header=args.header, seed=args.tokens)
+    # The suite's requests, seeded by the length as its cells are (rerank: no persona).
+    header = args.header if args.pattern == "agent_meta" else 0
+    requests = build_requests(args.pattern, text, args.tokens, args.requests + WARMUP,
+                              header=header, seed=args.tokens)
     results: dict[str, Any] = {
         "meta": run_metadata(args.device),
         "model": "tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16",
-        "tokens": args.tokens, "header": args.header, "requests": args.requests,
+        "pattern": args.pattern, "tokens": args.tokens, "header": header,
+        "requests": args.requests,
         "warmup": WARMUP, "graphs": args.graphs, "settings": []}
-    configs = settings(args.heads, args.shares, args.signed, args.check_layers)
+    configs = settings(args.heads, args.shares, args.signed, args.check_layers,
+                       args.no_sub_windows)
     if default_kernels(model):
         # Every setting once untimed first: Triton compiles a kernel variant on the first call
         # of each new specialisation (span sizes differ by setting and request), taking seconds
