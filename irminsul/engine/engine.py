@@ -167,9 +167,9 @@ class Engine:
         slots allocated, inputs written — before its token ids are known: the host work of a
         step done while the device still computes the one before. The tokens in ``work`` are
         placeholders; :meth:`run_prepared` takes the real ones, :meth:`discard` gives the slots
-        back. None where the batch would not replay a graph. Nothing may run a forward between
-        this and :meth:`run_prepared`."""
-        if self.runner.graphs is None:
+        back. None where the batch would not replay a graph, or the runner does not stage
+        ahead. Nothing may run a forward between this and :meth:`run_prepared`."""
+        if self.runner.graphs is None or not self.runner.stages_ahead:
             return None
         batch, appended = self.cache.begin_batch(work)
         try:

@@ -106,6 +106,9 @@ class ModelRunner:
 
     # Whether its model calls run in lockstep with other ranks' engines (it is then a Peers).
     lockstep = False
+    # Whether a graphed batch may be staged ahead of its token ids and replayed later (stage,
+    # replay): not where each forward is one message to other ranks.
+    stages_ahead = True
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *, kernels: bool,
                  graphs: bool, rotation: bool, scratch: tuple[int, int] | None = None,

@@ -21,13 +21,17 @@ recomputation of a prompt from scratch and the repair's check forward (``recompu
 whose all-reduces the followers join, and the rows fetched from a shared store
 (:mod:`irminsul.store`), sent with the message so that every pool gets the same ones.
 
-Not built yet: CUDA graphs under a leader (staging a batch ahead of its token ids is a second
-message per step).
+CUDA graphs run on every rank: each rank's runner captures its buckets when the engine opens
+(the capture's warm-up forwards join their all-reduces in the same order everywhere, and NCCL's
+all-reduce is captured with the rest), and a forward the leader broadcasts replays the same
+bucket's graph on every rank, since whether a batch replays depends on the batch alone. What a
+leader does not do is launch a step ahead of its token ids (:meth:`ModelRunner.stage`): the
+followers would need a second message per step, after the leader's device has sampled, so a
+decode step under a leader stages and replays in one call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -66,14 +70,15 @@ class LeaderRunner(ModelRunner):
     from then on every step raises :class:`RankFailure` at once, without touching the group.
     :attr:`doing` names the step in progress (None between steps)."""
 
+    # A step's forward is one message: the followers cannot replay a batch staged ahead of its
+    # token ids (see the module's docstring).
+    stages_ahead = False
+
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, channel: int, graphs: bool,
+                 group: ParallelGroup, channel: int,
                  on_failure: Callable[[str, BaseException], None] | None = None,
                  **kwargs: Any) -> None:
-        if graphs:
-            raise ValueError("CUDA graphs under tensor parallel are not built yet; run with "
-                             "graphs off")
-        super().__init__(model, ckv, kr, graphs=False, **kwargs)
+        super().__init__(model, ckv, kr, **kwargs)
         self.group, self.channel = group, channel
         self.mirror = KeyMirror()  # the key handles the followers hold (.keys)
         self.on_failure = on_failure
@@ -164,7 +169,8 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
                   timeout_s: float | None = None) -> Engine:
     """An engine of the leader's over its shard ``model`` (:func:`~.shard.shard_model`'s),
     opened on every rank: each follower builds the same engine (``config``, ``runner``'s class)
-    and runs its steps. The config runs with graphs off. ``on_failure``: see
+    and runs its steps; with CUDA graphs where ``config`` has them (every rank captures its
+    own). ``on_failure``: see
     :class:`LeaderRunner`; ``timeout_s``: how long the followers may take to be ready (their
     first engine waits for their loads). Its signature is :class:`~irminsul.engine.Engine`'s
     after ``group``, so it can stand where an engine is built (the gate, the server)."""
@@ -172,7 +178,6 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
         raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
     check_sharded(model, group)
     check_repair(config.cache, group.world_size)
-    config = dataclasses.replace(config, graphs=False)
     channel = next(_channels)
     broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)
     leading = _leading(runner)

@@ -127,3 +127,27 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     # Same arithmetic in bf16, the attention split differently (block rows, key splits): a
     # near-tie among a random model's logits may go either way.
     assert_same(served[True], served[False], 2e-2, reference=engines[False])
+
+
+def test_cuda_graphs_of_a_model_kept_in_fp8(tmp_path) -> None:
+    """A model kept in FP8 (bfloat16 activations, random float8 weights in 16 × 16 blocks, the
+    embedded model's 16 heads): its forwards — the float8 linears, the joint projection, the
+    float8 experts — replayed from CUDA graphs give the eager path's logits and tokens, as
+    DeepSeek-V3 kept in FP8 would decode on each rank of a tensor-parallel host."""
+    from fixtures.fp8_config import small_fp8_config
+
+    from irminsul.engine import Engine
+    from irminsul.model import load_config
+    from irminsul.model.random_weights import random_model
+
+    model = random_model(load_config(small_fp8_config(tmp_path).parent), "cuda", keep_fp8=True)
+    served, engines = {}, {}
+    for graphs in (False, True):
+        engines[graphs] = Engine(model, EngineConfig(slots=3000, mode="live", graphs=graphs))
+        served[graphs] = serve_shifted(
+            engines[graphs], seed=3, headers=(40, 45), docs=(150, 120), question=9,
+            requests=lambda source, target, _: [source, target[:90]], batch_tokens=200,
+            chunk_tokens=64, max_tokens=4)
+    assert engines[True].runner.graphs.replays.total() >= 5
+    assert served[False].pic_tokens >= 200
+    assert_same(served[True], served[False], 2e-2, reference=engines[False])

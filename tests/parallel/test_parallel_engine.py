@@ -5,6 +5,8 @@ of full recomputation (1e-5), on 2 ranks as on one, and every rank's pool holds 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from irminsul.config import CacheConfig, EngineConfig
 from irminsul.engine import Engine, SamplingParams, Scheduler
 from irminsul.parallel import ParallelGroup, follow, leader_engine, shard_model
 from irminsul.parallel import leader as leader_module
+from irminsul.parallel.group import all_reduce
 
 CONFIG = EngineConfig(mode="live", slots=1200)
 
@@ -40,40 +43,60 @@ def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
     leader_module.Engine = Recorded
     forwards = follow(model, group)
     [engine] = opened
-    return dict(forwards=forwards,
+    return dict(forwards=forwards, replays=engine.runner.graph_replays,
                 pool=(engine.pool.ckv.cpu().numpy(), engine.pool.kr.cpu().numpy()))
 
 
-def serve(group: ParallelGroup, case: str, device: str = "cpu") -> dict:
-    model = tiny_model(case, layers=1, seed=4).to(device)
-    source, source_resets, target, target_resets = shifted_docs()
-    # The reference: the unsharded model recomputing the whole target, and greedy decoding by
-    # recomputation (the same on every rank: built from the same seed).
+def tiny(case: str, device: str, heads: int | None) -> torch.nn.Module:
+    overrides = {} if heads is None else {"num_attention_heads": heads,
+                                          "num_key_value_heads": heads}
+    return tiny_model(case, layers=1, seed=4, **overrides).to(device)
+
+
+def recomputed(model, device: str) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
+    """The reference: the unsharded model recomputing the whole target, and greedy decoding by
+    recomputation (the same on every rank: built from the same seed)."""
+    target = shifted_docs()[2]
     full = model.logits(torch.from_numpy(target).to(device))[-1]
     ids, greedy = [int(t) for t in target], []
     for _ in range(4):
         greedy.append(int(model.logits(torch.tensor(ids, device=device))[-1].argmax()))
         ids.append(greedy[-1])
+    return full, greedy
+
+
+def shifted_run(engine: Engine, full: torch.Tensor, greedy: list[int]) -> dict:
+    """The source, then the target served from it and decoded greedily: against the reference."""
+    source, source_resets, target, target_resets = shifted_docs()
+    engine.generate(source, 2, resets=source_resets)
+    seq, last = engine.prefill(target, target_resets)
+    out, logits = [], last
+    for _ in range(4):  # greedy decoding over the reused rows
+        out.append(int(logits.argmax()))
+        logits = engine.extend(seq, out[-1:])[-1]
+    engine.finish(seq)
+    engine.check()
+    return dict(error=float((last - full).abs().max()), spread=float(full.std()),
+                pic_tokens=seq.stats.pic_tokens, out=out, greedy=greedy,
+                replays=engine.runner.graph_replays,
+                pool=(engine.pool.ckv.cpu().numpy().copy(), engine.pool.kr.cpu().numpy().copy()))
+
+
+def serve(group: ParallelGroup, case: str, device: str = "cpu", config: EngineConfig = CONFIG,
+          heads: int | None = None) -> dict:
+    model = tiny(case, device, heads)
+    full, greedy = recomputed(model, device)
     shard_model(model, group)
     if not group.leader:
         return followed(model, group)
-    engine = leader_engine(model, CONFIG, group)
+    engine = leader_engine(model, config, group)
     try:
-        engine.generate(source, 2, resets=source_resets)
-        seq, last = engine.prefill(target, target_resets)
-        out, logits = [], last
-        for _ in range(4):  # greedy decoding over the reused rows
-            out.append(int(logits.argmax()))
-            logits = engine.extend(seq, out[-1:])[-1]
-        engine.finish(seq)
-        engine.check()
+        got = shifted_run(engine, full, greedy)
     except BaseException as err:
         engine.runner.stop(f"{type(err).__name__}: {err}")
         raise
     engine.runner.stop()
-    return dict(error=float((last - full).abs().max()), spread=float(full.std()),
-                pic_tokens=seq.stats.pic_tokens, out=out, greedy=greedy,
-                pool=(engine.pool.ckv.cpu().numpy().copy(), engine.pool.kr.cpu().numpy().copy()))
+    return got
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -93,6 +116,50 @@ def test_one_layer_live_pic_under_tensor_parallel_equals_recomputation(case: str
         # The same rows in the same slots on every rank: the replicated latent pool.
         assert np.array_equal(follower["pool"][0], leader["pool"][0])
         assert np.array_equal(follower["pool"][1], leader["pool"][1])
+
+
+GRAPHED = EngineConfig(mode="live", slots=1200, kernels=True, graphs=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")])])
+def test_graphs_replay_on_every_rank(device: str) -> None:
+    """CUDA graphs under a leader: each rank captures its buckets (32 heads, 16 a rank: the
+    graphs' 16-row blocks), and each forward the leader broadcasts replays the same bucket on
+    every rank — the decode steps and the PIC prefill alike. Off a GPU a replay is the bucket's
+    padded fixed-shape forward (Triton's interpreter), the path a graph captures. Live PIC over
+    the reordered documents still equals recomputation, and the pools stay identical."""
+    leader, follower = values(run_ranks(serve, 2, "v2_lite_like", device, GRAPHED, 32,
+                                        timeout_s=600, device=device))
+    assert leader["pic_tokens"] >= 300, leader["pic_tokens"]
+    assert leader["error"] <= (1e-4 if device == "cpu" else 1e-2) * leader["spread"], leader
+    assert leader["out"] == leader["greedy"]
+    # The decode steps at least (the prefills may run eagerly): the same replays on both ranks.
+    assert leader["replays"] >= 4 and follower["replays"] == leader["replays"], (leader, follower)
+    assert np.array_equal(follower["pool"][0], leader["pool"][0])
+    assert np.array_equal(follower["pool"][1], leader["pool"][1])
+
+
+def reduced_alone(group: ParallelGroup) -> dict:
+    """One NCCL rank whose layers all-reduce anyway (a sum over one rank): the engine's graphs
+    capture NCCL's all-reduce with the rest of the forward."""
+    model = tiny("v2_lite_like", "cuda", 32)
+    full, greedy = recomputed(model, "cuda")
+    for layer in model.model.layers:
+        layer.reduce = functools.partial(all_reduce, group)
+    return shifted_run(Engine(model, GRAPHED), full, greedy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
+def test_graphs_capture_the_all_reduce() -> None:
+    """What a one-GPU machine can check of graphs under tensor parallel: NCCL's all-reduce
+    captured in every bucket's graph, replayed with the rest (the Triton kernels' TF32 tiles
+    against the reference's torch path: 1e-2 of the logits' spread)."""
+    [got] = values(run_ranks(reduced_alone, 1, timeout_s=600, device="cuda"))
+    assert got["pic_tokens"] >= 300 and got["replays"] >= 4, got
+    assert got["error"] <= 1e-2 * got["spread"] and got["out"] == got["greedy"], got
 
 
 REPAIRED = EngineConfig(mode="live", slots=1200, pic_audit_rate=1.0,
