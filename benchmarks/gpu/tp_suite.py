@@ -9,7 +9,9 @@ contexts stubbed, steps back to back, median interval), with the leader's engine
 every rank runs on its share. The floor is rank 0's bytes over the measured copy bandwidth: its
 weight shares, the routed experts of its own that the batch touches, and every KV row (each rank
 holds the whole latent pool); the two all-reduces per layer are not in it, so step / floor shows
-what they and the launches cost. CUDA graphs are off under a leader (not built yet).
+what they and the launches cost. Eager forwards unless ``--graphs``: every rank then captures
+and replays CUDA graphs (bfloat16 or FP8-kept weights, 16 heads a rank or a multiple; under
+``--attention data`` the exchanges in fixed sizes), not yet run on several GPUs.
 
 ``--attention data``: data-parallel attention instead (each rank every head and its own
 requests, the routed experts split and reached by all-to-all: irminsul.parallel.dispatch). Every
@@ -34,6 +36,7 @@ ideal), every mode's engine the leader's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 from typing import Any
@@ -83,13 +86,16 @@ def _rank(rank: int, args: argparse.Namespace, address: str, results: mp.Queue) 
         return
     out: dict[str, Any] = {"meta": run_metadata(device), "world": args.world,
                            "attention": args.attention,
-                           "keep_fp8": args.keep_fp8, "config": args.config or (
+                           "keep_fp8": args.keep_fp8, "graphs": args.graphs,
+                           "config": args.config or (
                                "tiny" if args.tiny else "DeepSeek-V2-Lite"),
                            "layers": raw["num_hidden_layers"],
                            "copy_gbps": roofline.copy_bandwidth(device), "cells": [],
                            "ttft": []}
 
     def lead(model: MLAModel, config: Any) -> Engine:  # every cell closes the engines it opens
+        if args.graphs:
+            config = dataclasses.replace(config, graphs=True)
         if data:  # every rank its own engine, in lockstep with the others'
             return lockstep_engine(model, config, group)
         return leader_engine(model, config, group)
@@ -158,6 +164,8 @@ def main() -> None:
     parser.add_argument("--keep-fp8", action="store_true",
                         help="float8 weights with block scales (the config's block, else 128)")
     parser.add_argument("--layers", type=int, help="the config's first N layers only")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA graphs on every rank (default: eager forwards)")
     parser.add_argument("--sections", nargs="+", choices=("decode", "ttft"),
                         default=["decode", "ttft"], help="what to run, in this order")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536],

@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                           max_running=args.max_running, await_shared=args.await_shared,
                           pic_audit_rate=audit,
-                          graphs=False if args.no_graphs else ENGINE.graphs,
+                          graphs=args.graphs,
                           cache=dataclasses.replace(repair_cache(args), heal=args.heal))
     server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           dtype=args.dtype, device=args.device, keep_fp8=args.keep_fp8,
@@ -186,10 +186,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="before listening, run a few synthetic requests through the engine "
                             "(kernels compiled, attention planned for long prompts, PIC and "
                             "sampling), then empty its cache (None: on CUDA only)")
-    serve.add_argument("--no-graphs", action="store_true",
-                       help="run every forward eagerly (else on CUDA: replay CUDA graphs for "
-                            "decode steps, short spans and prefill chunks of up to 2K tokens, "
-                            "bfloat16 models)")
+    serve.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=ENGINE.graphs,
+                       help="replay CUDA graphs for decode steps, short spans and prefill "
+                            "chunks of up to 2K tokens (--no-graphs: every forward eagerly; "
+                            "default: on CUDA with a bfloat16 or FP8-kept model, on one GPU; "
+                            "under --tensor-parallel / --data-parallel only with --graphs, "
+                            "not yet run on several GPUs)")
     serve.add_argument("--max-request-bytes", type=int, default=SERVER.max_request_bytes,
                        metavar="N", help="refuse larger request bodies (413) before reading "
                                          "them whole (None: 1 MiB + 32 bytes per token of "

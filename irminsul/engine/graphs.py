@@ -151,15 +151,26 @@ class CudaGraphs:
         """Whether a batch of ``tokens`` new tokens with ``keys`` key slots in all fits."""
         return tokens <= self.buckets[-1] and keys + self.buckets[-1] <= self.max_keys
 
+    def bucket(self, tokens: int) -> int:
+        """The bucket a batch of ``tokens`` new tokens replays in: the least that holds it."""
+        return next(b for b in self.buckets if b >= tokens)
+
     def stage(self, positions: np.ndarray, new_ckv: np.ndarray, new_kr: np.ndarray,
-              spans: list[tuple[int, np.ndarray]], last: np.ndarray | None) -> Staged:
+              spans: list[tuple[int, np.ndarray]], last: np.ndarray | None,
+              bucket: int | None = None) -> Staged:
         """Write a batch's inputs but its token ids into the next host mirror, sending
         nothing: ``spans`` (new tokens, and the pool handles of every key, its own rows last)
         in batch order, as the kernel takes them; ``last`` the batch rows whose logits are
         wanted (None: all). The bulk of a replay's host work, which can run while the device
-        still computes the forward that samples those tokens. :meth:`replay` must come next."""
+        still computes the forward that samples those tokens. :meth:`replay` must come next.
+        ``bucket``: replay in this bucket, not the least that holds the batch (ranks whose
+        graphs exchange rows pad to the same one); a batch of no tokens is padding only."""
         n = len(positions)
-        bucket = next(b for b in self.buckets if b >= n)
+        least = self.bucket(n)
+        if bucket is None:
+            bucket = least
+        elif bucket not in self.buckets or bucket < least:
+            raise ValueError(f"a batch of {n} tokens does not replay in bucket {bucket}")
         decode = all(count == 1 for count, _ in spans)
         launch = (bucket, block_rows(bucket, decode))
         if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket

@@ -240,11 +240,11 @@ class ModelRunner:
         return (self.graphs is not None and not gathered and not merged
                 and self.graphs.fits(batch.tokens.size, sum(len(h) for _, _, h in kernel)))
 
-    def _stage(self, batch: ForwardBatch, kernel: list, last: np.ndarray | None
-               ) -> StagedForward:
+    def _stage(self, batch: ForwardBatch, kernel: list, last: np.ndarray | None,
+               bucket: int | None = None) -> StagedForward:
         new_ckv, new_kr = unpack(batch.new)
         graph = self.graphs.stage(np.concatenate(batch.positions), new_ckv, new_kr,
-                                  [(n, h) for _, n, h in kernel], last)
+                                  [(n, h) for _, n, h in kernel], last, bucket)
         return StagedForward(graph, batch.lengths)
 
     def _route(self, batch: ForwardBatch) -> tuple[list, list, list]:

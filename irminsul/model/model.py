@@ -196,8 +196,7 @@ class MLAModel(nn.Module):
                 k = moe.gate.k
                 moe.dispatch(embed.new_empty((0, embed.shape[1])),
                              torch.empty(0, k, dtype=torch.float32, device=embed.device),
-                             torch.empty(0, k, dtype=torch.int64, device=embed.device),
-                             moe.local_experts)
+                             torch.empty(0, k, dtype=torch.int64, device=embed.device), moe)
 
     def fuse_experts(self) -> None:
         """Stack every MoE layer's experts for grouped GEMM (after the weights are loaded)."""

@@ -163,9 +163,9 @@ class MoE(nn.Module):
         self.expert_first: int | None = None
         # Data-parallel attention (irminsul.parallel.dispatch): this rank's tokens only, so each
         # assignment's row travels to the rank holding its expert. Called with (x, weights, ids,
-        # local_experts); returns the routed output [T, D]. None: every token is here.
-        self.dispatch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
-                                 Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+        # this module: the experts held here); returns the routed output [T, D]. None: every
+        # token is here.
+        self.dispatch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MoE],
                                 torch.Tensor] | None = None
 
     def fuse(self) -> None:
@@ -226,7 +226,7 @@ class MoE(nn.Module):
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
         if self.dispatch is not None:
             weights, ids = self.gate(routed_input)
-            out = self.dispatch(x, weights, ids, self.local_experts)
+            out = self.dispatch(x, weights, ids, self)
             return out + self.shared_experts(x) if self.shared_experts is not None else out
         if self._fused(x.shape[0]):
             from ..kernels.fused_moe import MoETiles, fused_experts  # needs triton
@@ -267,6 +267,21 @@ class MoE(nn.Module):
             return fused_experts(rows, self.w13, self.w2, ones, ids[:, None],
                                  scales=self.expert_scales(), first=self.expert_first)
         return grouped_experts(rows, *self.dense_experts(rows.dtype), ones, ids[:, None],
+                               first=self.expert_first)
+
+    def local_weighted(self, rows: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """Each row of ``rows`` [R, D]'s weighted sum over its assignments ``ids`` / ``weights``
+        [R, k] (float32) to experts this module holds; an assignment to any other id (another
+        rank's expert, or −1: none) adds nothing. [R, D] in rows' dtype. What a rank computes
+        for the rows a fixed-capacity exchange brings it (every token's, from every rank)."""
+        if self._fused(rows.shape[0]):
+            from ..kernels.fused_moe import fused_experts  # needs triton: only with kernels
+
+            return fused_experts(rows, self.w13, self.w2, weights, ids,
+                                 scales=self.expert_scales(), first=self.expert_first,
+                                 routed=self.gate.experts)
+        return grouped_experts(rows, *self.dense_experts(rows.dtype), weights, ids,
                                first=self.expert_first)
 
     def _fused(self, tokens: int) -> bool:

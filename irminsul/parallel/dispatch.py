@@ -17,6 +17,15 @@ assignments out (row, expert id, weight: one int64 tensor), the summed outputs b
 no tokens takes part with empty tensors, since its peers' exchanges wait for it
 (:meth:`~irminsul.model.MLAModel.idle`).
 
+Inside :func:`fixed_capacity` (a forward replayed from a CUDA graph: every rank's batch padded
+to the same bucket of T tokens) the exchange has fixed sizes instead, as DeepEP's low-latency
+mode has: every token's row goes to every rank with its k assignments there (another rank's
+expert, or none: id −1, weight 0), three all-to-alls of equal splits ([W, T, D] rows, [W, T, 2k]
+assignments, [W, T, D] outputs back) and nothing read back to the host. It moves up to W / (the
+ranks a token reaches) times the rows the counted exchange does (≤ 2× at V3's 8 ranks, where a
+token reaches at most 4), for a step with no host synchronisation; the experts run only the
+assignments that are there.
+
 Rounding: each rank's weighted sum over a token's experts there is rounded to the activations'
 dtype once before it travels back (a one-process MoE rounds only the whole sum); in float32 the
 logits equal one process's to float rounding, which the tests bound at 1e-5.
@@ -24,24 +33,53 @@ logits equal one process's to float rounding, which the tests bound at 1e-5.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .group import ParallelGroup, guarded
 
-# compute(rows [R, D], expert ids [R] (the model's numbering, all of them this rank's)) ->
-# each row's output through its expert [R, D], unweighted.
-LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_fixed = contextvars.ContextVar("irminsul_fixed_capacity", default=False)
+
+
+class HeldExperts(Protocol):
+    """The routed experts this rank holds (:class:`~irminsul.model.MoE` under data-parallel
+    attention), run over rows other ranks sent."""
+
+    def local_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row [R, D] through its expert ``ids`` [R] (the model's numbering, all of them
+        held here), unweighted: [R, D]."""
+
+    def local_weighted(self, rows: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """Each row [R, D]'s weighted sum over its assignments ``ids`` / ``weights`` [R, k] to
+        experts held here (any other id, −1 included, adds nothing): [R, D]."""
+
+
+@contextmanager
+def fixed_capacity() -> Iterator[None]:
+    """Within it, :func:`dispatch` exchanges fixed sizes (the module's docstring): for forwards
+    every rank pads to the same tokens — a CUDA graph's capture and replays."""
+    token = _fixed.set(True)
+    try:
+        yield
+    finally:
+        _fixed.reset(token)
 
 
 def dispatch(group: ParallelGroup, experts: int, x: torch.Tensor, weights: torch.Tensor,
-             ids: torch.Tensor, compute: LocalExperts) -> torch.Tensor:
+             ids: torch.Tensor, held: HeldExperts) -> torch.Tensor:
     """The routed experts' output [T, D] (x's dtype) for this rank's tokens ``x`` [T, D], routed
     to ``ids`` [T, k] with ``weights`` [T, k] (float32), ``experts`` routed experts in all,
-    rank r holding experts ``r·E/W .. (r+1)·E/W − 1`` and running them with ``compute``. Every
-    rank of ``group`` must call it for the same layer; T may differ between them (0 too)."""
+    rank r holding experts ``r·E/W .. (r+1)·E/W − 1`` and running them with ``held``. Every
+    rank of ``group`` must call it for the same layer; T may differ between them (0 too), but
+    not within :func:`fixed_capacity`, whose exchanges all have T tokens on every rank."""
+    if _fixed.get():
+        return _fixed_dispatch(group, experts, x, weights, ids, held)
     world, device = group.world_size, x.device
     tokens, k = ids.shape
     flat = ids.reshape(-1).long()  # the router kernel's ids are int32
@@ -77,10 +115,32 @@ def dispatch(group: ParallelGroup, experts: int, x: torch.Tensor, weights: torch
                                          torch.tensor(meta_in, device=device))
         row = first[sender] + in_meta[:, 0]
         weight = in_meta[:, 2].to(torch.int32).view(torch.float32)
-        outputs = compute(in_rows[row], in_meta[:, 1]).float() * weight[:, None]
+        outputs = held.local_experts(in_rows[row], in_meta[:, 1]).float() * weight[:, None]
         summed = torch.zeros((len(in_rows), x.shape[1]), dtype=torch.float32, device=device)
         summed = summed.index_add_(0, row, outputs).to(x.dtype)
         back = x.new_empty((len(pairs), x.shape[1]))
         dist.all_to_all_single(back, summed, rows_out, rows_in, group=group.device_group)
     out = torch.zeros(x.shape, dtype=torch.float32, device=device)
     return out.index_add_(0, pair_token, back.float()).to(x.dtype)
+
+
+def _fixed_dispatch(group: ParallelGroup, experts: int, x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, held: HeldExperts) -> torch.Tensor:
+    """:func:`dispatch` in fixed sizes: every row to every rank, with its assignments there."""
+    world, (tokens, k), dim = group.world_size, ids.shape, x.shape[1]
+    ranks = torch.arange(world, device=x.device)[:, None, None]
+    there = ids[None].long() // (experts // world) == ranks  # [W, T, k]
+    meta = torch.cat([torch.where(there, ids[None].to(torch.int32), -1),
+                      torch.where(there, weights[None].float(), 0.0).view(torch.int32)], 2)
+    rows_in = x.new_empty((world, tokens, dim))
+    meta_in = torch.empty_like(meta)
+    with guarded(group, "an expert dispatch"):
+        dist.all_to_all_single(rows_in, x[None].expand(world, tokens, dim).contiguous(),
+                               group=group.device_group)
+        dist.all_to_all_single(meta_in, meta, group=group.device_group)
+        summed = held.local_weighted(rows_in.view(world * tokens, dim),
+                                     meta_in[..., k:].reshape(-1, k).view(torch.float32),
+                                     meta_in[..., :k].reshape(-1, k))
+        back = torch.empty_like(summed)
+        dist.all_to_all_single(back, summed.contiguous(), group=group.device_group)
+    return back.view(world, tokens, dim).float().sum(0).to(x.dtype)

@@ -32,6 +32,7 @@ decode step under a leader stages and replays in one call.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -43,7 +44,7 @@ import torch
 from ..config import CacheConfig, EngineConfig
 from ..engine import Engine
 from ..engine.batch import ForwardBatch, Reuse
-from ..engine.model_runner import ModelRunner
+from ..engine.model_runner import ModelRunner, resolve_backend
 from ..model import MLAModel
 from .group import ParallelGroup, RankFailure, broadcast
 from .keys import KeyMirror
@@ -163,14 +164,23 @@ def check_repair(cache: CacheConfig, world_size: int) -> None:
                          "by); use --recompute-rule deviation")
 
 
+def resolved(model: MLAModel, config: EngineConfig) -> EngineConfig:
+    """``config`` with its kernels and graphs decided here, once for every rank (each rank's
+    graphs hold collectives its peers' must meet): graphs only where asked for (True), since
+    over several GPUs they have not run yet (an earlier attempt under a leader did not finish
+    its test on two H200s, cause unknown: docs/multi-gpu.md)."""
+    kernels, graphs = resolve_backend(model, config.kernels, config.graphs or False)
+    return dataclasses.replace(config, kernels=kernels, graphs=graphs)
+
+
 def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,
                   runner: type[ModelRunner] = ModelRunner,
                   on_failure: Callable[[str, BaseException], None] | None = None,
                   timeout_s: float | None = None) -> Engine:
     """An engine of the leader's over its shard ``model`` (:func:`~.shard.shard_model`'s),
     opened on every rank: each follower builds the same engine (``config``, ``runner``'s class)
-    and runs its steps; with CUDA graphs where ``config`` has them (every rank captures its
-    own). ``on_failure``: see
+    and runs its steps; with CUDA graphs only where ``config`` asks for them (True; every rank
+    captures its own). ``on_failure``: see
     :class:`LeaderRunner`; ``timeout_s``: how long the followers may take to be ready (their
     first engine waits for their loads). Its signature is :class:`~irminsul.engine.Engine`'s
     after ``group``, so it can stand where an engine is built (the gate, the server)."""
@@ -178,6 +188,7 @@ def leader_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *
         raise ValueError(f"rank {group.rank} is a follower: it runs follow(), not a leader")
     check_sharded(model, group)
     check_repair(config.cache, group.world_size)
+    config = resolved(model, config)
     channel = next(_channels)
     broadcast(group, (OPEN, channel, config, runner), timeout_s=timeout_s)
     leading = _leading(runner)

@@ -29,13 +29,19 @@ that raises after its step began (the ranks may be out of step) is kept as the r
 :attr:`~LockstepRunner.failure`: ``on_failure`` is told, and every later call raises
 :class:`RankFailure` at once.
 
-Not built yet: CUDA graphs (the exchange reads its counts back to the host), the server
-(``irminsul serve`` with a rank per GPU behind the content router, docs/multi-gpu.md).
+CUDA graphs: a step replays graphs only if every rank's call is a forward that would replay one
+(or nothing); the step's one all-reduce also carries each rank's tokens and whether its call
+runs eagerly, so every rank knows before it runs whether the step is replayed and in which
+bucket — the least that holds the largest batch — and each pads its batch to that bucket (a rank
+with nothing to run replays the bucket's padding alone). The graphs' exchanges have fixed sizes
+(:func:`~.dispatch.fixed_capacity`: captured in them, no host read), so they line up across
+ranks only because the buckets do. Otherwise every rank runs eagerly with the counted exchange.
+A step is never launched ahead of its token ids (:attr:`stages_ahead`): the ranks agree on it
+first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -49,7 +55,9 @@ from ..engine.batch import ForwardBatch
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import StepOutput
 from ..model import MLAModel
+from .dispatch import fixed_capacity
 from .group import ParallelGroup, RankFailure, guarded
+from .leader import resolved
 from .shard import check_sharded
 
 T = TypeVar("T")
@@ -61,19 +69,20 @@ class RanksStopped(RuntimeError):
 
 class LockstepRunner(ModelRunner):
     """A rank's model runner under data-parallel attention: every model call is a step of all
-    the ranks (module docstring). Graphs off. ``on_failure``: told (on the engine's thread) what
-    failed, once, when a step fails on this rank."""
+    the ranks (module docstring). ``on_failure``: told (on the engine's thread) what failed,
+    once, when a step fails on this rank."""
 
     lockstep = True
+    stages_ahead = False  # the ranks agree on each step's bucket before it runs
 
     def __init__(self, model: MLAModel, ckv: torch.Tensor, kr: torch.Tensor, *,
-                 group: ParallelGroup, graphs: bool,
+                 group: ParallelGroup,
                  on_failure: Callable[[str, BaseException], None] | None = None,
                  **kwargs: Any) -> None:
-        if graphs:
-            raise ValueError("CUDA graphs under data-parallel attention are not built yet; run "
-                             "with graphs off")
-        super().__init__(model, ckv, kr, graphs=False, **kwargs)
+        # Graphs are captured here (on a GPU), each bucket's exchanges in fixed sizes; every
+        # rank builds its engine at once, so the captures' warm-up forwards meet.
+        with fixed_capacity():
+            super().__init__(model, ckv, kr, **kwargs)
         self.group = group
         self.on_failure = on_failure
         self.failure: BaseException | None = None
@@ -94,48 +103,78 @@ class LockstepRunner(ModelRunner):
         return self._turns
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
-        return self._step(self._layers,
-                          lambda: super(LockstepRunner, self).forward(batch, all_logits=all_logits))
+        kernel, gathered, merged = self._route(batch)
+        last = None if all_logits else np.cumsum(batch.lengths) - 1
+
+        def run(bucket: int) -> list[torch.Tensor]:
+            if not bucket:
+                return self._eager(batch, kernel, gathered, merged, last)
+            with fixed_capacity():
+                return self.replay(self._stage(batch, kernel, last, bucket), batch.tokens)
+
+        graphed = self._graphed(batch, kernel, gathered, merged)
+        return self._step(self._layers, run, tokens=batch.tokens.size if graphed else None)
 
     def recompute(self, prompt: np.ndarray) -> torch.Tensor:
-        return self._step(self._layers, lambda: super(LockstepRunner, self).recompute(prompt))
+        return self._step(self._layers, lambda _: super(LockstepRunner, self).recompute(prompt))
 
     def check_latent(self, prompt: np.ndarray, positions: np.ndarray,
                      ckv_slots: np.ndarray) -> np.ndarray:
-        return self._step(self.check_depth, lambda: super(LockstepRunner, self).check_latent(
+        return self._step(self.check_depth, lambda _: super(LockstepRunner, self).check_latent(
             prompt, positions, ckv_slots))
 
     def idle(self, stop: bool = False) -> bool:
         """This rank's turn when it has nothing to run: join whatever step its peers take, with
         no rows; ``stop``: announce this rank's stop too. Whether any rank ran something (False:
         every rank was idle this turn)."""
-        self._step(0, lambda: None, stop)
+        self._step(0, lambda _: None, stop)
         return self._last > 0
 
     @property
     def _layers(self) -> int:
         return len(self.model.model.layers)
 
-    def _step(self, layers: int, run: Callable[[], T], stop: bool = False) -> T:
+    def _pad(self, bucket: int) -> None:
+        """This rank's part in a replayed step it has nothing for: the bucket's graph over
+        padding alone (its exchanges are the others' counterparts)."""
+        empty = np.zeros(0, dtype=np.int64)
+        with fixed_capacity():
+            self.graphs.replay(self.graphs.stage(empty, empty, empty, [], empty, bucket), empty)
+
+    def _step(self, layers: int, run: Callable[[int], T], stop: bool = False,
+              tokens: int | None = None) -> T:
+        """One step of all the ranks: this rank's call runs ``layers`` layers (0: none),
+        ``run(bucket)`` runs it (bucket 0: eagerly); ``tokens``: it is a forward of that many
+        tokens that would replay a graph (None: it runs eagerly)."""
         if self.failure is not None:
             raise RankFailure(f"rank {self.group.rank} of {self.group.world_size}: a step failed "
                               f"earlier ({self.failure}); no more run on these ranks")
         if self._stopped:
             raise RanksStopped(f"rank {self.group.rank}: the ranks are stopping")
         try:
-            # [layers, stop], their maxima over the ranks: one all-reduce a step.
-            agreed = torch.tensor([layers, int(stop)], dtype=torch.int64, device=self.ckv.device)
+            # [layers, stop, graphed tokens, eager], their maxima over the ranks: one
+            # all-reduce a step.
+            eager = int(layers > 0 and tokens is None)
+            agreed = torch.tensor([layers, int(stop), tokens or 0, eager], dtype=torch.int64,
+                                  device=self.ckv.device)
             with guarded(self.group, "agreeing on a step"):
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group.device_group)
             self._turns += 1
-            self._last, self._stopped = int(agreed[0]), bool(agreed[1])
-            if self._last == 0:
-                return run()
+            most, self._stopped, widest, any_eager = (int(v) for v in agreed.tolist())
+            self._last = most
+            if most == 0:
+                return run(0)
             self.steps += 1
-            out = run()
-            if layers < self._last:
-                self.joined += 1
-                self.model.idle(layers, self._last)
+            self.joined += layers < most
+            if self.graphs is not None and not any_eager:  # every rank replays this bucket
+                bucket = self.graphs.bucket(widest)
+                if layers == 0:
+                    self._pad(bucket)
+                    return run(0)
+                return run(bucket)
+            out = run(0)
+            if layers < most:
+                self.model.idle(layers, most)
             return out
         except BaseException as err:
             self.failure = err
@@ -149,16 +188,16 @@ def lockstep_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup,
                     on_failure: Callable[[str, BaseException], None] | None = None) -> Engine:
     """This rank's engine over its data-parallel share ``model`` (:func:`~.shard.shard_model`
     with ``attention="data"``), its runner a :class:`LockstepRunner` over ``runner``'s
-    rotation and forward (the PIC gate's naive-reuse runner, say; ``on_failure``: its); the
-    config runs with graphs off. Every rank builds its own. Its signature is
+    rotation and forward (the PIC gate's naive-reuse runner, say; ``on_failure``: its), with
+    CUDA graphs only where ``config`` asks for them (True: :func:`~.leader.resolved`). Every
+    rank builds its own, at once. Its signature is
     :class:`~irminsul.engine.Engine`'s after ``group``, so it can stand where an engine is
     built (the gate, the server)."""
     if model.attention_mode != "data" and group.world_size > 1:
         raise ValueError("lockstep engines run a data-parallel share: shard_model(model, group, "
                          "attention='data')")
     check_sharded(model, group)
-    config = dataclasses.replace(config, graphs=False)
-
+    config = resolved(model, config)
     if issubclass(runner, LockstepRunner):
         raise ValueError(f"{runner.__name__} already runs in lockstep: pass the runner to wrap")
     stepping = LockstepRunner if runner is ModelRunner else type(

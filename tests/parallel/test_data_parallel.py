@@ -109,20 +109,81 @@ def exchange(group: ParallelGroup) -> dict:
         return real(output, *args, **kwargs)
 
     dispatch_module.dist.all_to_all_single = counted
-    first = group.rank * part
-    seen: list[torch.Tensor] = []
-
-    def compute(rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        seen.append(expert.clone())
-        return grouped_experts(rows, w13[first:first + part], w2[first:first + part],
-                               torch.ones(len(rows), 1), expert[:, None], first=first)
-
-    out = dispatch(group, 8, x, weights, ids, compute)
+    held = Held(w13, w2, group.rank * part, part)
+    out = dispatch(group, 8, x, weights, ids, held)
     dispatch_module.dist.all_to_all_single = real
     whole = grouped_experts(x, w13, w2, weights, ids)
     return dict(error=float((out - whole).abs().max()) if tokens else 0.0,
                 shape=tuple(out.shape), scale=float(whole.abs().max()) if tokens else 0.0,
-                received=seen[0].tolist(), rows=sizes[1], expected_rows=expected_rows)
+                received=held.seen[0].tolist(), rows=sizes[1], expected_rows=expected_rows)
+
+
+class Held:
+    """Experts ``first .. first + part − 1`` of 8 (the weights ``w13`` / ``w2`` of all): what
+    one rank holds, recording the expert ids each call is given."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, first: int, part: int) -> None:
+        self.w13, self.w2 = w13[first:first + part], w2[first:first + part]
+        self.first, self.seen = first, []
+
+    def local_experts(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        self.seen.append(expert.clone())
+        return grouped_experts(rows, self.w13, self.w2, torch.ones(len(rows), 1),
+                               expert[:, None], first=self.first)
+
+    def local_weighted(self, rows: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        self.seen.append(ids.clone())
+        return grouped_experts(rows, self.w13, self.w2, weights, ids, first=self.first)
+
+
+def fixed_exchange(group: ParallelGroup) -> dict:
+    """The same routing in fixed sizes (every rank 9 tokens, as a bucket pads them): the
+    output against the whole grouped GEMM, the exchanges' sizes, and the assignments this rank
+    ran against those of every rank's tokens to its experts."""
+    generator = torch.Generator().manual_seed(5)
+    w13 = torch.randn(8, 24, 16, generator=generator)
+    w2 = torch.randn(8, 16, 12, generator=generator)
+    world, part = group.world_size, 8 // group.world_size
+
+    def rows(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mine = torch.Generator().manual_seed(100 + rank)
+        return (torch.randn(9, 16, generator=mine),
+                torch.rand(9, 8, generator=mine).argsort(-1)[:, :3].to(torch.int32),
+                torch.rand(9, 3, generator=mine))
+
+    x, ids, weights = rows(group.rank)
+    mine = range(group.rank * part, (group.rank + 1) * part)
+    expected = sorted(int(e) for r in range(world) for e in rows(r)[1].reshape(-1)
+                      if int(e) in mine)
+    sizes: list[tuple[int, ...]] = []
+    real = dispatch_module.dist.all_to_all_single
+
+    def counted(output, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        sizes.append(tuple(output.shape))
+        return real(output, *args, **kwargs)
+
+    dispatch_module.dist.all_to_all_single = counted
+    held = Held(w13, w2, group.rank * part, part)
+    with dispatch_module.fixed_capacity():
+        out = dispatch(group, 8, x, weights, ids, held)
+    dispatch_module.dist.all_to_all_single = real
+    whole = grouped_experts(x, w13, w2, weights, ids)
+    [ran] = held.seen
+    return dict(error=float((out - whole).abs().max()), scale=float(whole.abs().max()),
+                sizes=sizes, ran=sorted(int(e) for e in ran.reshape(-1) if e >= 0),
+                expected=expected)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fixed_capacity_dispatch_equals_the_counted_one(world: int) -> None:
+    """Fixed sizes (what a CUDA graph replays): three all-to-alls of [W, T, ·], nothing counted;
+    each rank's output is still every expert's weighted output on its rows, and each rank ran
+    exactly the assignments of every rank's tokens to its own experts."""
+    for rank, r in enumerate(values(run_ranks(fixed_exchange, world))):
+        assert r["sizes"] == [(world, 9, 16), (world, 9, 6), (world * 9, 16)], r["sizes"]
+        assert r["error"] <= 1e-4 * r["scale"], (rank, r["error"])
+        assert r["ran"] == r["expected"] and r["ran"], (rank, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -7,6 +7,7 @@ same pool rows (1e-5, fp32)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -25,20 +26,22 @@ from irminsul.server.async_engine import AsyncEngine
 CONFIG = EngineConfig(mode="live", slots=2400, cache=CacheConfig(recompute_share=0.3))
 
 
-def requests(rank: int) -> list[tuple[np.ndarray, list[int], int]]:
+def requests(rank: int, docs: tuple[int, int] = (200, 180)
+             ) -> list[tuple[np.ndarray, list[int], int]]:
     """Rank 0: documents, then the same documents re-ordered behind another header (PIC);
     rank 1: another pair, and a third prompt of its own; rank 2 one prompt; rank 3 none."""
     if rank == 3:
         return []
-    source, source_resets, target, target_resets = shifted_docs(seed=3 + rank)
+    source, source_resets, target, target_resets = shifted_docs(3 + rank, docs)
     out = [(source, source_resets, 3), (target, target_resets, 4 + rank)]
     if rank == 1:
-        out.append((np.random.default_rng(9).integers(0, 97, 150), [], 5))
+        out.append((np.random.default_rng(9).integers(0, 97, sum(docs) // 2), [], 5))
     return out[:1] if rank == 2 else out
 
 
-def serve(scheduler: Scheduler, rank: int, lockstep: bool) -> dict:
-    for prompt, resets, max_tokens in requests(rank):
+def serve(scheduler: Scheduler, rank: int, lockstep: bool,
+          docs: tuple[int, int] = (200, 180)) -> dict:
+    for prompt, resets, max_tokens in requests(rank, docs):
         scheduler.add(prompt, SamplingParams(max_tokens=max_tokens), resets=resets)
     if lockstep:
         outputs = run_in_lockstep(scheduler)
@@ -58,16 +61,21 @@ def serve(scheduler: Scheduler, rank: int, lockstep: bool) -> dict:
                 pool=(pool.ckv.numpy().copy(), pool.kr.numpy().copy()))
 
 
-def ranks_engines(group: ParallelGroup, case: str) -> dict:
-    model = tiny_model(case, layers=3, seed=4)
-    reference = serve(Scheduler(Engine(model, CONFIG)), group.rank, lockstep=False)
+def ranks_engines(group: ParallelGroup, case: str, config: EngineConfig = CONFIG,
+                  heads: int | None = None, layers: int = 3,
+                  docs: tuple[int, int] = (200, 180)) -> dict:
+    overrides = {} if heads is None else {"num_attention_heads": heads,
+                                          "num_key_value_heads": heads}
+    model = tiny_model(case, layers=layers, seed=4, **overrides)
+    reference = serve(Scheduler(Engine(model, config)), group.rank, False, docs)
     shard_model(model, group, attention="data")
-    engine = lockstep_engine(model, CONFIG, group)
-    got = serve(Scheduler(engine), group.rank, lockstep=True)
+    engine = lockstep_engine(model, config, group)
+    got = serve(Scheduler(engine), group.rank, True, docs)
     runner = engine.runner
     assert isinstance(runner, LockstepRunner)
     pool = max(float(np.abs(a - b).max()) for a, b in zip(got.pop("pool"), reference.pop("pool")))
-    return dict(got=got, reference=reference, pool=pool, steps=runner.steps, joined=runner.joined)
+    return dict(got=got, reference=reference, pool=pool, steps=runner.steps, joined=runner.joined,
+                replays=runner.graph_replays)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -84,6 +92,29 @@ def test_each_rank_serves_its_requests_as_one_process(world: int, case: str) -> 
     assert ranks[0]["joined"] > 0  # rank 1 has more to run
     if world == 4:
         assert ranks[3]["joined"] == ranks[3]["steps"] > 0  # rank 3 only ever joins
+
+
+GRAPHED = dataclasses.replace(CONFIG, kernels=True, graphs=True)
+
+
+def test_graphed_steps_agree_on_a_bucket() -> None:
+    """CUDA graphs under data-parallel attention (16 heads: the graphs' 16-row blocks): a step
+    replays only where every rank's call would, each rank padded to the bucket of the largest
+    batch, a rank with nothing to run replaying padding alone, the exchanges in fixed sizes.
+    Off a GPU a replay is the bucket's padded forward (Triton's interpreter), the path a graph
+    captures. Each rank still serves its requests as one process does, and the steps with the
+    repair's check forward, or a long prefill, run eagerly on every rank."""
+    # Short documents and two layers: Triton's interpreter runs every program of a padded
+    # launch, empty ones included (minutes at the default sizes).
+    ranks = values(run_ranks(ranks_engines, 2, "v3_like", GRAPHED, 16, 2, (56, 48),
+                             timeout_s=900))
+    for rank, r in enumerate(ranks):
+        assert r["got"] == r["reference"], (rank, r)
+        assert r["pool"] <= 1e-5, (rank, r["pool"])
+    assert len({r["steps"] for r in ranks}) == 1
+    # Rank 1 decodes its third request after rank 0 is done: rank 0 replays padding for it.
+    assert ranks[1]["replays"] >= 5 and ranks[0]["replays"] == ranks[1]["replays"], ranks
+    assert ranks[0]["joined"] > 0
 
 
 class CountedTurns(ModelRunner):

@@ -22,13 +22,14 @@ from irminsul.parallel.group import all_reduce
 CONFIG = EngineConfig(mode="live", slots=1200)
 
 
-def shifted_docs(seed: int = 3) -> tuple[np.ndarray, list[int], np.ndarray, list[int]]:
+def shifted_docs(seed: int = 3, docs: tuple[int, int] = (200, 180)
+                 ) -> tuple[np.ndarray, list[int], np.ndarray, list[int]]:
     """A source (header, doc A, doc B) and a target (another header, B, A, a question)."""
     rng = np.random.default_rng(seed)
-    doc_a, doc_b = rng.integers(0, 97, 200), rng.integers(0, 97, 180)
+    doc_a, doc_b = rng.integers(0, 97, docs[0]), rng.integers(0, 97, docs[1])
     source = np.concatenate([rng.integers(0, 97, 40), doc_a, doc_b])
     target = np.concatenate([rng.integers(0, 97, 50), doc_b, doc_a, rng.integers(0, 97, 20)])
-    return source, [40, 240], target, [50, 230, 430]
+    return source, [40, 40 + docs[0]], target, [50, 50 + docs[1], 50 + sum(docs)]
 
 
 def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
