@@ -214,14 +214,20 @@ def launch_us(device: str, kernels: int = 256, replays: int = 20) -> float:
         tl.store(X, 1.0)
 
     x = torch.zeros(1, device=device)
+    return _graph_us(device, lambda _: _one[(1,)](x), kernels, replays)
+
+
+def _graph_us(device: str, launch: Callable[[int], None], kernels: int, replays: int) -> float:
+    """Device µs per launch of a CUDA graph of ``launch(0) .. launch(kernels − 1)``, median of
+    ``replays`` replays (``launch(0)`` run once on a side stream first, as capture needs)."""
     stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):  # compiled and run once before capture, as capture needs
-        _one[(1,)](x)
+    with torch.cuda.stream(stream):
+        launch(0)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            _one[(1,)](x)
+        for i in range(kernels):
+            launch(i)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -251,24 +257,9 @@ def chain_us(device: str, kernels: int = 256, programs: int = 132, replays: int 
         tl.store(DST + at, tl.load(SRC + at) + 1.0)
 
     bufs = [torch.zeros(programs * 2048, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    launch = pdl_args(bufs[0].device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):  # compiled and run once before capture, as capture needs
-        _hop[(programs,)](bufs[0], bufs[1], **launch)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(kernels):
-            _hop[(programs,)](bufs[i % 2], bufs[1 - i % 2], **launch)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / kernels)
-    return statistics.median(times)
+    pdl = pdl_args(bufs[0].device)
+    return _graph_us(device, lambda i: _hop[(programs,)](bufs[i % 2], bufs[1 - i % 2], **pdl),
+                     kernels, replays)
 
 
 def kernels_per_step(device: str, scheduler: Scheduler, steps: int = 3) -> float:
