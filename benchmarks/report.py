@@ -777,6 +777,41 @@ def decode_attention(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def span_attention(r: dict[str, Any], name: str) -> list[str]:
+    """The attention kernel on short forwards over long contexts (a live-PIC prefill): 64-row
+    blocks with even key splits against 16-row blocks in pieces; and live-PIC TTFT per rule."""
+    lines = _bandwidth_header("GPU attention of short forwards: 64-row splits vs 16-row pieces",
+                              r, name, "python benchmarks/gpu/span_attention.py --engine "
+                              "--out F.json") + [
+             "One layer, one prompt: *line* is agent_meta's forward (a 31-token request line at "
+             "position 50, then the last token over every key), *span N* N new tokens at the "
+             "end of the context. Floor: the larger of the prompt's key rows over the copy "
+             "bandwidth and the FLOPs of every row's visible keys over "
+             f"{r['peak_tflops']:.0f} TFLOP/s. Device time per call (µs); *m64 splits*: 64-row "
+             "blocks (four tokens' heads), each request's keys split evenly (the launch short "
+             "prefills took before); *m16 pieces*: 16-row blocks (one token's heads), keys cut "
+             "by what each block sees (the decode launch); *aligned*: pieces of whole 64-key "
+             "steps; *row merge*: their merge a row per program. " + r.get("about", ""), ""]
+    arms = [k for k in r["rows"][0] if isinstance(r["rows"][0][k], dict)]
+    engine = r.get("engine_rule", arms[-1])
+    rows = [[_k(c["context"]), c["shape"], f"{c['floor_ms'] * 1e3:.1f} ({c['bound']})",
+             *(f"{c[k]['p50_ms'] * 1e3:.1f}" for k in arms),
+             f"{c['m64 splits']['p50_ms'] / c[engine]['p50_ms']:.2f}×",
+             f"{c['floor_ms'] / c[engine]['p50_ms']:.0%}",
+             f"{c['max_abs_diff']:.1e}"] for c in r["rows"]]
+    lines += _table(("context", "shape", "floor (µs)", *arms, f"m64 ÷ {engine}",
+                     f"floor ÷ {engine}", "diff"), rows)
+    if r.get("ttft"):
+        arms = [k for k in r["ttft"][0] if isinstance(r["ttft"][0][k], dict)]
+        lines += ["", "Live-PIC TTFT through the engine (CUDA graphs on), ms p50 / p95 per rule, "
+                  "a fresh engine per rule and cell:", ""]
+        lines += _table(("pattern", "prompt", *arms), [
+            [c["pattern"], _k(c["prompt_tokens"]),
+             *(f"{c[a]['p50_ms']:.1f} / {c[a]['p95_ms']:.1f}" for a in arms)]
+            for c in r["ttft"]])
+    return lines
+
+
 def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
     """The anchor: FlashInfer's MLA paged decode kernel on the same batches and rows."""
     info = r["flashinfer"]
@@ -1183,6 +1218,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-decode-h100.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
+        ("gpu-span-attention*.json", lambda p: span_attention(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
         ("gpu-moe-*.json", lambda p: moe(_load(p), p.name)),  # its sweeps after it
         ("gpu-fp8.json", lambda p: fp8(_load(p), p.name)),

@@ -8,10 +8,11 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
 - token ids, positions and the new rows' c_KV / k_r slots, [bucket] each, and the batch rows
   whose logits are wanted;
 - the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
-  to 8 tokens, mostly decode steps: 16 rows, one token's heads; larger ones, mostly prefill
-  spans: 64 rows, four tokens sharing each read of their keys; and, where heads are fewer than
-  64, a second graph of 16-row blocks per larger bucket for batches of one-token spans — decode
-  steps of many requests, whose tokens share no keys), room for every block a batch of the
+  to 8 tokens, mostly decode steps, and where heads are fewer than 64 up to 64 tokens, mostly
+  short PIC prefills: 16 rows, one token's heads; larger ones, mostly prefill chunks: 64 rows,
+  four tokens sharing each read of their keys; and, where heads are fewer than 64, a second
+  graph of 16-row blocks per larger bucket for batches of one-token spans — decode steps of
+  many requests, whose tokens share no keys), room for every block a batch of the
   bucket's tokens can need (one partial block per request at most), the division of the keys:
   for many 16-row blocks pieces written with each batch (each block's keys cut by their
   length, one program per piece), otherwise a fixed number of key splits per request sized
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from ..kernels import PagedLayout
-from ..kernels.mla_attention import in_pieces, key_splits, scheduled_programs
+from ..kernels.mla_attention import SHORT_FORWARD, in_pieces, key_splits, scheduled_programs
 from ..model import MLAModel
 from ..model.paged import PagedKV
 from .kv_pool import HANDLE_LOW, pack
@@ -51,10 +52,13 @@ DECODE_GRAPHS_UP_TO = 512  # decode batches (one-token spans) of up to this many
 T = TypeVar("T")
 
 
-def block_rows(bucket: int, decode: bool = False) -> int:
+def block_rows(bucket: int, heads: int, decode: bool = False) -> int:
     """Query rows per kernel block in a bucket's launch (``decode``: its graph for batches of
-    one-token spans)."""
-    return 16 if bucket <= DECODE_BUCKET or decode else 64
+    one-token spans): 16 up to :data:`DECODE_BUCKET` tokens, and with fewer than 64 heads up to
+    :data:`~irminsul.kernels.mla_attention.SHORT_FORWARD` (short PIC prefills); else 64."""
+    if bucket <= DECODE_BUCKET or decode or (heads < 64 and bucket <= SHORT_FORWARD):
+        return 16
+    return 64
 
 
 def whole_blocks(bucket: int, heads: int, rows: int) -> int:
@@ -69,13 +73,13 @@ def block_room(bucket: int, heads: int, rows: int) -> int:
 
 
 def launches(buckets: tuple[int, ...], heads: int) -> list[tuple[int, int]]:
-    """(bucket, rows per block) of every graph: one per bucket, and for buckets above
-    DECODE_BUCKET up to DECODE_GRAPHS_UP_TO a second of 16-row blocks for decode batches where
-    one token's heads fill no 64-row block."""
-    variants = [(b, block_rows(b)) for b in buckets]
+    """(bucket, rows per block) of every graph: one per bucket, and for buckets of 64-row
+    blocks up to DECODE_GRAPHS_UP_TO a second of 16-row blocks for decode batches where one
+    token's heads fill no 64-row block."""
+    variants = [(b, block_rows(b, heads)) for b in buckets]
     if heads < 64:
         variants += [(b, 16) for b in buckets
-                     if block_rows(b) != 16 and b <= DECODE_GRAPHS_UP_TO]
+                     if block_rows(b, heads) != 16 and b <= DECODE_GRAPHS_UP_TO]
     return variants
 
 
@@ -172,9 +176,9 @@ class CudaGraphs:
         elif bucket not in self.buckets or bucket < least:
             raise ValueError(f"a batch of {n} tokens does not replay in bucket {bucket}")
         decode = all(count == 1 for count, _ in spans)
-        launch = (bucket, block_rows(bucket, decode))
+        launch = (bucket, block_rows(bucket, self.heads, decode))
         if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket
-            launch = (bucket, block_rows(bucket))
+            launch = (bucket, block_rows(bucket, self.heads))
         last = np.zeros(0, dtype=np.int64) if last is None else last
         keys = self._fill(*launch, positions, new_ckv, new_kr, spans, last)
         self._stamp += 1

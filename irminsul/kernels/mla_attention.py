@@ -33,6 +33,16 @@ SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill 
 # balance a few blocks, and the pieces' merge costs more than it saves there): an H200 measure.
 PIECES_FROM_BLOCKS = 16
 SCHEDULE_LEAST = 64  # keys a piece holds at least
+SCHEDULE_ALIGN = 1  # a piece's chunk is rounded up to a multiple of this many keys
+# The pieces' merge reads MERGE_ROWS rows a program in launches of up to MERGE_BY_ROW_UP_TO
+# blocks, else a whole block a program (see _scheduled).
+MERGE_ROWS, MERGE_BY_ROW_UP_TO = 16, 0
+# Forwards of up to this many tokens, where heads are fewer than 64, read keys one token's heads
+# per block (16 rows) and in pieces: a live-PIC prefill computes a few tokens, most seeing few
+# keys (a changed header) and one or a few every key (the prompt's last). In 64-row blocks the
+# last token shares a block, and its reads of every key, with three tokens that see almost none,
+# split evenly: one such layer took 137 µs at 16K keys on an H200 (agent_meta's prefill profile).
+SHORT_FORWARD = 64
 
 
 @triton.jit
@@ -191,34 +201,35 @@ def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
 
 @triton.jit
 def _merge_pieces_kernel(PART, PART_LSE, OUT, SCHED, BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
-                         heads, room, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                         heads, room, blocks, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
                          PDL: tl.constexpr):
     wait_for_previous(PDL)
-    # One block's rows from its pieces' partial outputs (slots first .. first + count − 1),
-    # read GROUP pieces at a time: one wide load each, not a chain of small ones.
-    b, dblk, blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    # ROWS of one block's rows from its pieces' partial outputs (slots first .. first +
+    # count − 1), read GROUP pieces at a time: one wide load each, not a chain of small ones.
+    at_b, dblk = tl.program_id(0), tl.program_id(1)
+    b, r0 = at_b // (BLOCK_M // ROWS), (at_b % (BLOCK_M // ROWS)) * ROWS
     first = tl.load(SCHED + 1 + 3 * room + b).to(tl.int32)
     count = tl.load(SCHED + 1 + 3 * room + blocks + b).to(tl.int32)
     if count > 1:
         req = tl.load(BLK_REQ + b)
-        rows = tl.load(BLK_ROW0 + b) + tl.arange(0, BLOCK_M)
+        r = r0 + tl.arange(0, ROWS)
+        rows = tl.load(BLK_ROW0 + b) + r
         row_ok = rows < tl.load(REQ_NQ + req) * heads
         grow = (tl.load(REQ_Q0 + req) * heads + rows).to(tl.int64)
-        r = tl.arange(0, BLOCK_M)
         d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        top = tl.full([ROWS], float("-inf"), tl.float32)
         for g in range(0, count, GROUP):
             piece = g + tl.arange(0, GROUP)
             at = ((first + piece)[:, None] * BLOCK_M + r[None, :]).to(tl.int64)
             lse = tl.load(PART_LSE + at, mask=(piece < count)[:, None], other=float("-inf"))
             top = tl.maximum(top, tl.max(lse, 0))
         top = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         for g in range(0, count, GROUP):
             piece = g + tl.arange(0, GROUP)
-            at = ((first + piece)[:, None] * BLOCK_M + r[None, :]).to(tl.int64)  # [GROUP, M]
+            at = ((first + piece)[:, None] * BLOCK_M + r[None, :]).to(tl.int64)  # [GROUP, ROWS]
             used = (piece < count)[:, None]
             weight = tl.exp2(tl.load(PART_LSE + at, mask=used, other=float("-inf")) - top[None, :])
             part = tl.load(PART + at[:, :, None] * RANK + d[None, None, :], mask=used[:, :, None],
@@ -257,19 +268,20 @@ class PagedLayout:
     def build(cls, new: list[int], kv_ckv: list[np.ndarray], kv_kr: list[np.ndarray], heads: int,
               device: torch.device | str, block_m: int | None = None,
               splits: int | None = None, programs: int | None = None,
-              least: int = SCHEDULE_LEAST) -> PagedLayout:
+              least: int = SCHEDULE_LEAST, align: int | None = None) -> PagedLayout:
         """Layout of requests with ``new[i]`` new tokens and key slot lists ``kv_ckv[i]`` /
         ``kv_kr[i]`` (every key in position order, the new tokens' own rows last), in blocks of
-        ``block_m`` query rows (default: 16 for decode-sized batches, else 64). 16-row blocks,
+        ``block_m`` query rows (default :func:`rows_per_block`). 16-row blocks,
         :data:`PIECES_FROM_BLOCKS` or more, are cut into pieces for about ``programs`` programs
-        (default :func:`scheduled_programs`; pieces of at least ``least`` keys) unless
+        (default :func:`scheduled_programs`; pieces of at least ``least`` keys, chunks a
+        multiple of ``align``, default :data:`SCHEDULE_ALIGN`) unless
         ``splits`` is given; otherwise each request's keys are split over ``splits`` programs (default:
         enough for two waves, at least 256 keys each)."""
         kv_len = [len(s) for s in kv_ckv]
         if any(n < 1 or n > k for n, k in zip(new, kv_len)):
             raise ValueError("each request needs 1..len(keys) new tokens among its keys")
         if block_m is None:
-            block_m = 16 if max(new) * heads <= 16 else 64
+            block_m = rows_per_block(sum(new), max(new), heads)
         block_req, block_row0 = cls.blocks(new, heads, block_m)
 
         def ints(values: np.ndarray | list) -> torch.Tensor:
@@ -278,7 +290,7 @@ class PagedLayout:
         schedule = None
         if splits is None and (programs is not None or in_pieces(block_m, len(block_req))):
             work = cls.block_work(new, kv_len, heads, block_req, block_row0, block_m)
-            plan = cls.plan(work, programs or scheduled_programs(device), least)
+            plan = cls.plan(work, programs or scheduled_programs(device), least, align=align)
             schedule, splits, programs = ints(plan), 1, int(plan[0])  # room: the pieces
         elif splits is None:
             splits = key_splits(len(block_req), block_m, device, max(kv_len))
@@ -307,7 +319,7 @@ class PagedLayout:
 
     @staticmethod
     def plan(work: np.ndarray, programs: int, least: int = SCHEDULE_LEAST,
-             room: int | None = None) -> np.ndarray:
+             room: int | None = None, align: int | None = None) -> np.ndarray:
         """The pieces of blocks reading ``work`` keys each, as the kernel reads them: ``[pieces,
         block, first key, end key (room entries each), first piece, pieces (one per block)]``.
 
@@ -315,8 +327,10 @@ class PagedLayout:
         FlashMLA's scheduler splits each request: a long request among short ones is read by
         many programs, a short one by one. The chunk is the shortest (at least ``least`` keys)
         that keeps the pieces within ``programs`` — one wave, not a partial second one — or,
-        with more blocks than programs, one piece per block. At most ``programs`` + blocks
-        pieces: the ``room`` (default: exactly the pieces) a launch's grid holds."""
+        with more blocks than programs, one piece per block; rounded up to a multiple of
+        ``align`` keys (default :data:`SCHEDULE_ALIGN`): pieces of whole steps of the kernel's
+        tile take as many steps as any shorter chunk's, in fewer pieces. At most ``programs`` +
+        blocks pieces: the ``room`` (default: exactly the pieces) a launch's grid holds."""
         work = np.asarray(work, dtype=np.int64)
         used = work[work > 0]
         lo, hi = least, max(least, int(used.max(initial=0)))
@@ -326,6 +340,8 @@ class PagedLayout:
                 hi = mid
             else:
                 lo = mid + 1
+        align = SCHEDULE_ALIGN if align is None else align
+        lo = -(-lo // align) * align
         count = -(-work // lo)
         size = -(-work // np.maximum(count, 1))
         block = np.repeat(np.arange(work.size), count)
@@ -341,6 +357,14 @@ class PagedLayout:
             table[1 + k * room:1 + k * room + block.size] = values
         table[1 + 3 * room:] = np.concatenate([first, count])
         return table
+
+
+def rows_per_block(tokens: int, longest: int, heads: int) -> int:
+    """Query rows per block of an eager launch over ``tokens`` new tokens whose longest span
+    has ``longest``: 16 where one span's heads fill no more (decode steps) or, with fewer than
+    64 heads, for a forward of up to :data:`SHORT_FORWARD` tokens; else 64, where a long span's
+    tokens share each read of their keys four (16 heads) to one (64+) at a time."""
+    return 16 if longest * heads <= 16 or (heads < 64 and tokens <= SHORT_FORWARD) else 64
 
 
 def in_pieces(block_m: int, blocks: int) -> bool:
@@ -470,9 +494,14 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
         PRECISION=precision, **pdl_args(q.device), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     block_d = min(32, rank)
-    _merge_pieces_kernel[(blocks, rank // block_d)](
-        part, part_lse, out, layout.schedule, *tables[:4], heads, room, RANK=rank,
-        BLOCK_M=block_m, BLOCK_D=block_d, GROUP=8, **pdl_args(q.device), num_warps=4)
+    # Rows per merge program: a launch of few blocks (a short forward, whose last token's block
+    # is cut into up to a wave of pieces) merges row by row, so that one block's pieces are read
+    # by many programs; many blocks (decode batches, a few pieces each) by whole blocks.
+    rows = MERGE_ROWS if blocks <= MERGE_BY_ROW_UP_TO else block_m
+    _merge_pieces_kernel[(blocks * (block_m // rows), rank // block_d)](
+        part, part_lse, out, layout.schedule, *tables[:4], heads, room, blocks, RANK=rank,
+        BLOCK_M=block_m, ROWS=rows, BLOCK_D=block_d, GROUP=8 * block_m // rows,
+        **pdl_args(q.device), num_warps=4)
     return out.view(tokens, heads, rank)
 
 

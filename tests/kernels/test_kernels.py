@@ -157,8 +157,9 @@ CASES = {  # new tokens and keys per request: decode steps (split keys), prefill
 @pytest.mark.parametrize("name", list(ROTARIES))
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dtype) -> None:
-    from irminsul.kernels import PagedLayout, TileConfig, paged_mla_attention
+def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dtype,
+                                           monkeypatch) -> None:
+    from irminsul.kernels import PagedLayout, TileConfig, mla_attention, paged_mla_attention
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip(INTERPRETER_BF16)
@@ -195,6 +196,14 @@ def test_paged_attention_matches_reference(name: str, case: str, dtype: torch.dt
                                   tiles)
         assert got.dtype == dtype
         assert (got.cpu().double() - want).abs().max() <= tol * want.abs().max()
+    # The pieces' merge a row (and 4 rows) per program, pieces of whole 64-key steps.
+    for rows in (1, 4):
+        monkeypatch.setattr(mla_attention, "MERGE_ROWS", rows)
+        monkeypatch.setattr(mla_attention, "MERGE_BY_ROW_UP_TO", 1 << 20)
+        layout = PagedLayout.build(new, ckv_idx, kr_idx, heads, DEVICE, block_m=16, programs=5,
+                                   align=64)
+        got = paged_mla_attention(q.to(DEVICE), ckv.to(DEVICE), kr.to(DEVICE), layout, scale)
+        assert (got.cpu().double() - want).abs().max() <= tol * want.abs().max()
 
 
 def test_pieces_cut_each_block_by_its_length() -> None:
@@ -219,6 +228,19 @@ def test_pieces_cut_each_block_by_its_length() -> None:
     assert PagedLayout.plan(np.full(200, 4096), programs=132)[0] == 200
     with pytest.raises(ValueError, match="4 pieces exceed the launch's room of 3"):
         PagedLayout.plan(np.array([64, 64, 64, 64]), programs=4, least=16, room=3)
+    # A short PIC forward: a 31-token line at position 50 (blocks seeing 51 .. 81 keys), then
+    # the last token over 16K. Within 264 programs the shortest chunk is 73 keys: the 8 blocks
+    # over 73 keys in two pieces, 23 in one, 16384 keys in 225 (72 keys: 40 + 228 > 264); each
+    # of those two 64-key steps. Rounded up to whole steps, 128 keys: 31 + 128 pieces, still
+    # two steps each.
+    work = np.array([*range(51, 82), 16384])
+    for align, chunk, pieces, last in ((1, 73, 264, 225), (64, 128, 159, 128)):
+        table = PagedLayout.plan(work, programs=264, align=align)
+        n = int(table[0])
+        block = table[1:1 + n]
+        sizes = table[1 + 2 * n:1 + 3 * n] - table[1 + n:1 + 2 * n]
+        assert n == pieces and (block == 31).sum() == last
+        assert sizes.max() == chunk and sizes[block == 31].sum() == 16384
 
 
 def test_engine_kernel_path_equals_torch_path(tmp_path) -> None:
@@ -276,7 +298,6 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
     the eager kernel path's logits and tokens (off a GPU, run as they are, in float32);
     accounting stays exact, the scratch slot included."""
     from irminsul.engine import Engine
-    from irminsul.engine.graphs import DECODE_BUCKET
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
     model = load_model(tmp_path, device=DEVICE)
@@ -292,7 +313,7 @@ def test_graph_path_equals_eager_path(tmp_path) -> None:
             chunk_tokens=24, max_tokens=4)
     replays = engines[True].runner.graphs.replays  # extend, the scheduler's short spans and steps
     assert replays.total() >= 5
-    assert max(bucket for bucket, _ in replays) > DECODE_BUCKET  # a bucket of 64-row blocks too
+    assert {rows for _, rows in replays} == {16, 64}  # short forwards, and 64-row blocks too
     assert replays[256, 64] >= 1  # the source's 250-token prefill, long spans in the kernel
     assert served[False].pic_tokens >= 100  # doc A; doc B starts inside the first 32 positions
     assert_same(served[True], served[False], 1e-4)
@@ -360,7 +381,8 @@ def test_graph_block_room_holds_every_batch_of_its_bucket(heads: int) -> None:
 
     rng = np.random.default_rng(0)
     variants = launches(BUCKETS, heads)
-    decode_only = sum(graphs.DECODE_BUCKET < b <= graphs.DECODE_GRAPHS_UP_TO for b in BUCKETS)
+    decode_only = sum(graphs.block_rows(b, heads) == 64 and b <= graphs.DECODE_GRAPHS_UP_TO
+                      for b in BUCKETS)
     assert len(variants) == len(BUCKETS) + (decode_only if heads < 64 else 0)
     for bucket, rows in variants:
         room = block_room(bucket, heads, rows)
