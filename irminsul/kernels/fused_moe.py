@@ -233,7 +233,8 @@ class MoETiles:
     num_stages: int
 
     @classmethod
-    def for_tokens(cls, tokens: int, topk: int, experts: int, dtype: torch.dtype) -> MoETiles:
+    def for_tokens(cls, tokens: int, topk: int, experts: int, dtype: torch.dtype,
+                   fp8: bool = False) -> MoETiles:
         """The table, by assignments per expert (T·k / E; DeepSeek-V2-Lite: k 6 of 64):
 
         - ≤ 2 (decode up to ~16 tokens): 16-row blocks (tl.dot's least) and 32 columns: few
@@ -251,7 +252,10 @@ class MoETiles:
           grouped GEMMs (benchmarks/gpu/moe.py --sweep); the padding (up to 127 rows per
           expert) is small beside 192 rows per expert.
 
-        float32 tiles (the exact path) take half the K step: twice the bytes per element."""
+        float32 tiles (the exact path) take half the K step: twice the bytes per element.
+        ``fp8`` weights (dequantized in the kernel) keep two stages of 128-row tiles: three
+        asked 240 KB of shared memory, over an H100's 227 KB a program (an FP8 model's graph
+        capture of 2K-token buckets failed there)."""
         per_expert = tokens * topk / max(1, experts)
         if per_expert <= 2:
             tiles = cls(16, 32, 128, 4, 4)
@@ -266,6 +270,9 @@ class MoETiles:
         if dtype == torch.float32:
             tiles = cls(tiles.block_m, tiles.block_n, tiles.block_k // 2, tiles.num_warps,
                         min(tiles.num_stages, 3))
+        if fp8 and tiles.block_m == 128:
+            tiles = cls(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
+                        min(tiles.num_stages, 2))
         return tiles
 
 
@@ -415,7 +422,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if n == 0:
         return x.new_zeros(x.shape if summed else (tokens, topk, dim))
     sized_for = routed if first is not None and routed else experts + n_shared
-    tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype)
+    tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype, scales is not None)
     bm = tiles.block_m
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -238,7 +238,8 @@ class MoE(nn.Module):
             tiles = alignment = None
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
-                                            self.gate.experts + count, x.dtype)
+                                            self.gate.experts + count, x.dtype,
+                                            self.w13.element_size() == 1)
                 weights, ids, alignment = self.gate(routed_input, shared=count,
                                                      block_m=tiles.block_m)
             else:

@@ -398,9 +398,9 @@ def test_expert_parallel_tiles_are_sized_by_the_models_experts(monkeypatch) -> N
     seen = []
     for_tokens = fused_moe.MoETiles.for_tokens.__func__
 
-    def spy(cls, tokens, topk, experts, dtype):  # noqa: ANN001, ANN202
+    def spy(cls, tokens, topk, experts, dtype, fp8=False):  # noqa: ANN001, ANN202
         seen.append((tokens, topk, experts))
-        return for_tokens(cls, tokens, topk, experts, dtype)
+        return for_tokens(cls, tokens, topk, experts, dtype, fp8)
 
     monkeypatch.setattr(fused_moe.MoETiles, "for_tokens", classmethod(spy))
     assert for_tokens(fused_moe.MoETiles, 64, 8, 256, torch.float32).block_m == 16
@@ -429,3 +429,16 @@ def test_a_shared_mlp_under_expert_parallel_is_refused() -> None:
     shared = SharedExperts(torch.ones(32, 32), torch.ones(32, 32), torch.ones(32, 32))
     with pytest.raises(ValueError, match="not folded in under expert parallel"):
         fused_experts(x, w13, w2, weights, ids, shared=shared, first=4)
+
+
+def test_fp8_experts_keep_two_stages_of_the_widest_tiles() -> None:
+    """Hand-sized: 2048 tokens × 6 of 64 experts (192 an expert) take 128-row tiles; with FP8
+    weights, dequantized in the kernel, two stages of them (three asked 240 KB of shared memory,
+    over an H100's 227 KB); 64 tokens (6 an expert) keep their four stages either way."""
+    from irminsul.kernels.fused_moe import MoETiles
+
+    wide = MoETiles.for_tokens(2048, 6, 64, torch.bfloat16)
+    assert (wide.block_m, wide.num_stages) == (128, 3)
+    assert MoETiles.for_tokens(2048, 6, 64, torch.bfloat16, fp8=True) == MoETiles(
+        128, 128, 64, 8, 2)
+    assert MoETiles.for_tokens(64, 6, 64, torch.bfloat16, fp8=True).num_stages == 4
