@@ -785,7 +785,9 @@ def span_attention(r: dict[str, Any], name: str) -> list[str]:
                               "--out F.json") + [
              "One layer, one prompt: *line* is agent_meta's forward (a 31-token request line at "
              "position 50, then the last token over every key), *span N* N new tokens at the "
-             "end of the context. Floor: the larger of the prompt's key rows over the copy "
+             "end of the context, *decode B* B requests' decode steps over keys of their own "
+             "(the same graphs replay them; its *m64 splits* column is the decode launch "
+             "before, 16-row blocks). Floor: the larger of the prompt's key rows over the copy "
              "bandwidth and the FLOPs of every row's visible keys over "
              f"{r['peak_tflops']:.0f} TFLOP/s. Device time per call (µs); *m64 splits*: 64-row "
              "blocks (four tokens' heads), each request's keys split evenly (the launch short "

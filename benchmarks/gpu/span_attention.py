@@ -53,10 +53,10 @@ PEAK_TFLOPS = 780.0  # bf16 dense matmul, measured on the H200 (the brief)
 # settings it runs under (SHORT_FORWARD 0: no forward counts as short, the rule before: 64 rows
 # but for decode steps).
 LAUNCHES: dict[str, tuple[int | None, dict[str, int]]] = {
-    "m64 splits": (None, dict(SHORT_FORWARD=0)),
-    "m16 pieces": (16, dict(SHORT_FORWARD=64, SCHEDULE_ALIGN=1, MERGE_BY_ROW_UP_TO=0)),
-    "m16 aligned": (16, dict(SHORT_FORWARD=64, SCHEDULE_ALIGN=64, MERGE_BY_ROW_UP_TO=0)),
-    "m16 aligned, row merge": (16, dict(SHORT_FORWARD=64, SCHEDULE_ALIGN=64, MERGE_ROWS=1,
+    "m64 splits": (None, dict(SHORT_FORWARD=0, SCHEDULE_ALIGN=1)),
+    "m16 pieces": (16, dict(SHORT_FORWARD=512, SCHEDULE_ALIGN=1, MERGE_BY_ROW_UP_TO=0)),
+    "m16 aligned": (16, dict(SHORT_FORWARD=512, SCHEDULE_ALIGN=64, MERGE_BY_ROW_UP_TO=0)),
+    "m16 aligned, row merge": (16, dict(SHORT_FORWARD=512, SCHEDULE_ALIGN=64, MERGE_ROWS=1,
                                         MERGE_BY_ROW_UP_TO=64)),
 }
 
@@ -134,7 +134,8 @@ def measure(context: int, spans: list[int], decodes: list[int], copy_gbps: float
 
 def engine_ttft(patterns: list[str], lengths: list[int], requests: int, warmup: int,
                 device: str = "cuda", tiny: bool = False,
-                save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+                save: Callable[[list[dict]], None] = lambda rows: None,
+                arms: list[str] | None = None) -> list[dict]:
     """Live-PIC TTFT p50/p95 per (pattern, length) under each launch rule for short forwards
     (:data:`LAUNCHES`; ``m64 splits``: no forward counts as short, the rule before).
     ``tiny``: the tiny float32 model (a CPU smoke of this code, not a measurement)."""
@@ -145,8 +146,8 @@ def engine_ttft(patterns: list[str], lengths: list[int], requests: int, warmup: 
         for length in lengths:
             batch = build_requests(pattern, text, length, requests + warmup, seed=length)
             row: dict = {"pattern": pattern, "prompt_tokens": length}
-            for arm, (_, settings) in LAUNCHES.items():
-                with rule(settings):  # read when a layout is built or a graph captured
+            for arm in arms or list(LAUNCHES):
+                with rule(LAUNCHES[arm][1]):  # read when a layout is built or a graph captured
                     engine = Engine(model, EngineConfig(slots=cache_slots(length, len(batch)),
                                                         mode="live"))
                     times = []
@@ -161,7 +162,7 @@ def engine_ttft(patterns: list[str], lengths: list[int], requests: int, warmup: 
             rows.append(row)
             save(rows)
             print(f"TTFT {pattern:>10} {length:>6}  " + "  ".join(
-                f"{arm} {row[arm]['p50_ms']:6.1f} ms" for arm in LAUNCHES), flush=True)
+                f"{arm} {row[arm]['p50_ms']:6.1f} ms" for arm in arms or LAUNCHES), flush=True)
     return rows
 
 
@@ -176,6 +177,8 @@ def main() -> None:
     parser.add_argument("--patterns", nargs="+", default=["agent_meta", "rerank"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--requests", type=int, default=8, help="timed requests per TTFT cell")
+    parser.add_argument("--arms", nargs="+", choices=list(LAUNCHES),
+                        help="the rules TTFT is timed under (default: every one)")
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
     copy_gbps = roofline.copy_bandwidth("cuda")
@@ -192,7 +195,7 @@ def main() -> None:
                for row in measure(context, args.spans, args.decodes, copy_gbps, args.repeats)])
     if args.engine:
         engine_ttft(args.patterns, args.lengths, args.requests, warmup=2,
-                    save=lambda rows: save(ttft=rows))
+                    save=lambda rows: save(ttft=rows), arms=args.arms)
 
 
 if __name__ == "__main__":

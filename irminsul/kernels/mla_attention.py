@@ -33,16 +33,22 @@ SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill 
 # balance a few blocks, and the pieces' merge costs more than it saves there): an H200 measure.
 PIECES_FROM_BLOCKS = 16
 SCHEDULE_LEAST = 64  # keys a piece holds at least
-SCHEDULE_ALIGN = 1  # a piece's chunk is rounded up to a multiple of this many keys
+# A piece's chunk is rounded up to a multiple of this many keys (the 16-row tile's step): as
+# many steps a program, fewer pieces to merge. agent_meta's forward at 16K keys, one layer on an
+# H100: 66 -> 43 µs; other short forwards and decode steps within ±5%
+# (benchmarks/gpu/span_attention.py).
+SCHEDULE_ALIGN = 64
 # The pieces' merge reads MERGE_ROWS rows a program in launches of up to MERGE_BY_ROW_UP_TO
 # blocks, else a whole block a program (see _scheduled).
 MERGE_ROWS, MERGE_BY_ROW_UP_TO = 16, 0
 # Forwards of up to this many tokens, where heads are fewer than 64, read keys one token's heads
-# per block (16 rows) and in pieces: a live-PIC prefill computes a few tokens, most seeing few
-# keys (a changed header) and one or a few every key (the prompt's last). In 64-row blocks the
-# last token shares a block, and its reads of every key, with three tokens that see almost none,
-# split evenly: one such layer took 137 µs at 16K keys on an H200 (agent_meta's prefill profile).
-SHORT_FORWARD = 64
+# per block (16 rows) and in pieces, as decode steps do. A live-PIC prefill computes a few
+# tokens, most seeing few keys (a changed header) and one or a few every key (the prompt's last);
+# in 64-row blocks split evenly, the last token's block read every key in ~30 programs of
+# 64-row steps. One layer on an H100 (benchmarks/gpu/span_attention.py): agent_meta's forward
+# at 16K keys 116 -> 43 µs, at 32K 226 -> 64; N new tokens at the end of 4K-32K keys 1.3-2.9x
+# faster at every N measured (8 to 512); decode steps unchanged.
+SHORT_FORWARD = 512
 
 
 @triton.jit

@@ -292,12 +292,18 @@ def test_masked_multi_span_prefill_equals_span_by_span(tmp_path, monkeypatch) ->
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
                     "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
-def test_graph_path_equals_eager_path(tmp_path) -> None:
+def test_graph_path_equals_eager_path(tmp_path, monkeypatch) -> None:
     """The forwards a CUDA graph replays — batches padded to their bucket, inputs in static
     buffers, the kernel at the graphs' fixed launch shape, padding rows in the scratch slot — give
     the eager kernel path's logits and tokens (off a GPU, run as they are, in float32);
-    accounting stays exact, the scratch slot included."""
+    accounting stays exact, the scratch slot included. Short forwards count up to 64 tokens
+    here, so that the source's prefill replays a bucket of 64-row blocks."""
     from irminsul.engine import Engine
+    from irminsul.engine import graphs as cuda_graphs
+    from irminsul.kernels import mla_attention
+
+    monkeypatch.setattr(cuda_graphs, "SHORT_FORWARD", 64)
+    monkeypatch.setattr(mla_attention, "SHORT_FORWARD", 64)
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
     model = load_model(tmp_path, device=DEVICE)
