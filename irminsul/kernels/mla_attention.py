@@ -46,7 +46,7 @@ MERGE_ROWS, MERGE_BY_ROW_UP_TO = 16, 0
 # tokens, most seeing few keys (a changed header) and one or a few every key (the prompt's last);
 # in 64-row blocks split evenly, the last token's block read every key in ~30 programs of
 # 64-row steps. One layer on an H100 (benchmarks/gpu/span_attention.py): agent_meta's forward
-# at 16K keys 116 -> 43 µs, at 32K 226 -> 64; N new tokens at the end of 4K-32K keys 1.3-2.9x
+# at 16K keys 116 -> 43 µs, at 32K 226 -> 64; N new tokens at the end of 4K-32K keys 1.2-2.8x
 # faster at every N measured (8 to 512); decode steps unchanged.
 SHORT_FORWARD = 512
 
