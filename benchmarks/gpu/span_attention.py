@@ -42,7 +42,7 @@ from shift_prompts import build_requests
 from ttft import cache_slots
 
 from irminsul.config import EngineConfig
-from irminsul.engine import Engine, graphs
+from irminsul.engine import Engine
 from irminsul.kernels import PagedLayout, mla_attention, paged_mla_attention
 from irminsul.model import parse_config
 from irminsul.model.rope import softmax_scale
@@ -63,17 +63,15 @@ LAUNCHES: dict[str, tuple[int | None, dict[str, int]]] = {
 
 @contextmanager
 def rule(settings: dict[str, int]) -> Iterator[None]:
-    """The kernel module (and the graphs, which read SHORT_FORWARD too) under ``settings``."""
+    """The kernel module under ``settings`` (the graphs take its rule too)."""
     saved = {k: getattr(mla_attention, k) for k in settings}
     try:
         for k, v in settings.items():
             setattr(mla_attention, k, v)
-        graphs.SHORT_FORWARD = mla_attention.SHORT_FORWARD
         yield
     finally:
         for k, v in saved.items():
             setattr(mla_attention, k, v)
-        graphs.SHORT_FORWARD = mla_attention.SHORT_FORWARD
 
 
 def shapes(context: int, spans: list[int], decodes: list[int]

@@ -8,11 +8,12 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
 - token ids, positions and the new rows' c_KV / k_r slots, [bucket] each, and the batch rows
   whose logits are wanted;
 - the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
-  to 8 tokens, mostly decode steps, and where heads are fewer than 64 up to 64 tokens, mostly
-  short PIC prefills: 16 rows, one token's heads; larger ones, mostly prefill chunks: 64 rows,
-  four tokens sharing each read of their keys; and, where heads are fewer than 64, a second
-  graph of 16-row blocks per larger bucket for batches of one-token spans — decode steps of
-  many requests, whose tokens share no keys), room for every block a batch of the
+  to 8 tokens, mostly decode steps, and where heads are fewer than 64 up to the kernel's
+  ``SHORT_FORWARD`` (512) tokens, mostly short PIC prefills: 16 rows, one token's heads;
+  larger ones, mostly prefill chunks: 64 rows, four tokens sharing each read of their keys;
+  and, where heads are fewer than 64, a second graph of 16-row blocks per larger bucket up to
+  512 tokens for batches of one-token spans — decode steps of many requests, whose tokens share
+  no keys; none while short forwards reach 512 tokens), room for every block a batch of the
   bucket's tokens can need (one partial block per request at most), the division of the keys:
   for many 16-row blocks pieces written with each batch (each block's keys cut by their
   length, one program per piece), otherwise a fixed number of key splits per request sized
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from ..kernels import PagedLayout
-from ..kernels.mla_attention import SHORT_FORWARD, in_pieces, key_splits, scheduled_programs
+from ..kernels.mla_attention import in_pieces, key_splits, rows_per_block, scheduled_programs
 from ..model import MLAModel
 from ..model.paged import PagedKV
 from .kv_pool import HANDLE_LOW, pack
@@ -54,11 +55,12 @@ T = TypeVar("T")
 
 def block_rows(bucket: int, heads: int, decode: bool = False) -> int:
     """Query rows per kernel block in a bucket's launch (``decode``: its graph for batches of
-    one-token spans): 16 up to :data:`DECODE_BUCKET` tokens, and with fewer than 64 heads up to
-    :data:`~irminsul.kernels.mla_attention.SHORT_FORWARD` (short PIC prefills); else 64."""
-    if bucket <= DECODE_BUCKET or decode or (heads < 64 and bucket <= SHORT_FORWARD):
+    one-token spans): 16 up to :data:`DECODE_BUCKET` tokens, else the eager launch's rule for a
+    forward of the bucket's tokens (:func:`~irminsul.kernels.mla_attention.rows_per_block`:
+    16 for short forwards where heads are fewer than 64, else 64)."""
+    if bucket <= DECODE_BUCKET or decode:
         return 16
-    return 64
+    return rows_per_block(bucket, bucket, heads)
 
 
 def whole_blocks(bucket: int, heads: int, rows: int) -> int:

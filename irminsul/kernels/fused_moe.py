@@ -422,7 +422,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if n == 0:
         return x.new_zeros(x.shape if summed else (tokens, topk, dim))
     sized_for = routed if first is not None and routed else experts + n_shared
-    tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype, scales is not None)
+    tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype,
+                                         fp8=scales is not None)
     bm = tiles.block_m
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -299,10 +299,8 @@ def test_graph_path_equals_eager_path(tmp_path, monkeypatch) -> None:
     accounting stays exact, the scratch slot included. Short forwards count up to 64 tokens
     here, so that the source's prefill replays a bucket of 64-row blocks."""
     from irminsul.engine import Engine
-    from irminsul.engine import graphs as cuda_graphs
     from irminsul.kernels import mla_attention
 
-    monkeypatch.setattr(cuda_graphs, "SHORT_FORWARD", 64)
     monkeypatch.setattr(mla_attention, "SHORT_FORWARD", 64)
 
     build("v2_lite_like", tmp_path, layers=2, heads=16)
