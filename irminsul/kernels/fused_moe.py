@@ -234,7 +234,7 @@ class MoETiles:
 
     @classmethod
     def for_tokens(cls, tokens: int, topk: int, experts: int, dtype: torch.dtype,
-                   fp8: bool = False) -> MoETiles:
+                   fp8_block: tuple[int, int] | None = None) -> MoETiles:
         """The table, by assignments per expert (T·k / E; DeepSeek-V2-Lite: k 6 of 64):
 
         - ≤ 2 (decode up to ~16 tokens): 16-row blocks (tl.dot's least) and 32 columns: few
@@ -253,9 +253,11 @@ class MoETiles:
           expert) is small beside 192 rows per expert.
 
         float32 tiles (the exact path) take half the K step: twice the bytes per element.
-        ``fp8`` weights (dequantized in the kernel) keep two stages of 128-row tiles: three
-        asked 240 KB of shared memory, over an H100's 227 KB a program (an FP8 model's graph
-        capture of 2K-token buckets failed there)."""
+        FP8 weights whose scale blocks (``fp8_block``: rows, columns) are narrower than the K
+        step read a scale per weight, a tile as large as the weights', and keep two stages:
+        a 16-block model asked 240 KB of shared memory at 128-row tiles and 258 KB at 16-row
+        tiles of four stages, over an H100's 227 KB a program. DeepSeek-V3's 128-column blocks
+        read one scale per row and K step."""
         per_expert = tokens * topk / max(1, experts)
         if per_expert <= 2:
             tiles = cls(16, 32, 128, 4, 4)
@@ -270,7 +272,7 @@ class MoETiles:
         if dtype == torch.float32:
             tiles = cls(tiles.block_m, tiles.block_n, tiles.block_k // 2, tiles.num_warps,
                         min(tiles.num_stages, 3))
-        if fp8 and tiles.block_m == 128:
+        if fp8_block is not None and fp8_block[1] % tiles.block_k:
             tiles = cls(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
                         min(tiles.num_stages, 2))
         return tiles
@@ -423,7 +425,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return x.new_zeros(x.shape if summed else (tokens, topk, dim))
     sized_for = routed if first is not None and routed else experts + n_shared
     tiles = tiles or MoETiles.for_tokens(tokens, topk, sized_for, x.dtype,
-                                         fp8=scales is not None)
+                                         None if scales is None else scales.block)
     bm = tiles.block_m
     if x.stride(1) != 1:
         x = x.contiguous()

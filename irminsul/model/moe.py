@@ -239,7 +239,7 @@ class MoE(nn.Module):
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
                                             self.gate.experts + count, x.dtype,
-                                            fp8=self.block is not None)
+                                            self.block)
                 weights, ids, alignment = self.gate(routed_input, shared=count,
                                                      block_m=tiles.block_m)
             else:

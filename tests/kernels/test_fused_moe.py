@@ -431,14 +431,18 @@ def test_a_shared_mlp_under_expert_parallel_is_refused() -> None:
         fused_experts(x, w13, w2, weights, ids, shared=shared, first=4)
 
 
-def test_fp8_experts_keep_two_stages_of_the_widest_tiles() -> None:
+def test_fp8_experts_with_narrow_scale_blocks_keep_two_stages() -> None:
     """Hand-sized: 2048 tokens × 6 of 64 experts (192 an expert) take 128-row tiles; with FP8
-    weights, dequantized in the kernel, two stages of them (three asked 240 KB of shared memory,
-    over an H100's 227 KB); 64 tokens (6 an expert) keep their four stages either way."""
+    weights in 16-column scale blocks (a scale per weight read beside each weight tile), two
+    stages at every size (three asked 240 KB of shared memory, four at 16 rows 258 KB, over an
+    H100's 227 KB); DeepSeek-V3's 128 × 128 blocks keep the bfloat16 stages."""
     from irminsul.kernels.fused_moe import MoETiles
 
     wide = MoETiles.for_tokens(2048, 6, 64, torch.bfloat16)
     assert (wide.block_m, wide.num_stages) == (128, 3)
-    assert MoETiles.for_tokens(2048, 6, 64, torch.bfloat16, fp8=True) == MoETiles(
+    assert MoETiles.for_tokens(2048, 6, 64, torch.bfloat16, (16, 16)) == MoETiles(
         128, 128, 64, 8, 2)
-    assert MoETiles.for_tokens(64, 6, 64, torch.bfloat16, fp8=True).num_stages == 4
+    assert MoETiles.for_tokens(64, 6, 64, torch.bfloat16) == MoETiles(16, 64, 128, 4, 4)
+    assert MoETiles.for_tokens(64, 6, 64, torch.bfloat16, (16, 16)).num_stages == 2
+    assert MoETiles.for_tokens(64, 6, 64, torch.bfloat16, (128, 128)).num_stages == 4
+    assert MoETiles.for_tokens(2048, 6, 64, torch.bfloat16, (128, 128)).num_stages == 3
