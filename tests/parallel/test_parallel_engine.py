@@ -6,6 +6,7 @@ of full recomputation (1e-5), on 2 ranks as on one, and every rank's pool holds 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,6 +33,12 @@ def shifted_docs(seed: int = 3, docs: tuple[int, int] = (200, 180)
     return source, [40, 40 + docs[0]], target, [50, 50 + docs[1], 50 + sum(docs)]
 
 
+def pooled(engine: Engine) -> tuple[np.ndarray, np.ndarray]:
+    """A copy of the engine's pool rows (c_KV, k_r) in float32, exact from bfloat16 too."""
+    return (engine.pool.ckv.float().cpu().numpy().copy(),
+            engine.pool.kr.float().cpu().numpy().copy())
+
+
 def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
     """A follower's run of the leader's one engine: the forwards it ran and its pool's rows."""
     opened = []  # the engines the leader opens here (this rank's process alone)
@@ -45,13 +52,16 @@ def followed(model, group: ParallelGroup) -> dict:  # noqa: ANN001
     forwards = follow(model, group)
     [engine] = opened
     return dict(forwards=forwards, replays=engine.runner.graph_replays,
-                pool=(engine.pool.ckv.cpu().numpy(), engine.pool.kr.cpu().numpy()))
+                pool=pooled(engine))
 
 
-def tiny(case: str, device: str, heads: int | None) -> torch.nn.Module:
+def tiny(case: str, device: str, heads: int | None, graphs: bool = False) -> torch.nn.Module:
+    """The one-layer model; bfloat16 where CUDA graphs will run it (the engine captures only
+    bfloat16 models), else float32."""
     overrides = {} if heads is None else {"num_attention_heads": heads,
                                           "num_key_value_heads": heads}
-    return tiny_model(case, layers=1, seed=4, **overrides).to(device)
+    dtype = torch.bfloat16 if graphs and device == "cuda" else torch.float32
+    return tiny_model(case, layers=1, seed=4, **overrides).to(device, dtype)
 
 
 def recomputed(model, device: str) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
@@ -66,8 +76,9 @@ def recomputed(model, device: str) -> tuple[torch.Tensor, list[int]]:  # noqa: A
     return full, greedy
 
 
-def shifted_run(engine: Engine, full: torch.Tensor, greedy: list[int]) -> dict:
-    """The source, then the target served from it and decoded greedily: against the reference."""
+def shifted_run(engine: Engine, full: torch.Tensor | None, greedy: list[int]) -> dict:
+    """The source, then the target served from it and decoded greedily: against the reference
+    (the target's last logits ``full``, or none), and the pool's rows (as float32)."""
     source, source_resets, target, target_resets = shifted_docs()
     engine.generate(source, 2, resets=source_resets)
     seq, last = engine.prefill(target, target_resets)
@@ -77,15 +88,19 @@ def shifted_run(engine: Engine, full: torch.Tensor, greedy: list[int]) -> dict:
         logits = engine.extend(seq, out[-1:])[-1]
     engine.finish(seq)
     engine.check()
-    return dict(error=float((last - full).abs().max()), spread=float(full.std()),
+    last = last.float().cpu()
+    if full is not None:
+        full = full.float().cpu()
+    return dict(error=None if full is None else float((last - full).abs().max()),
+                spread=None if full is None else float(full.std()), last=last,
                 pic_tokens=seq.stats.pic_tokens, out=out, greedy=greedy,
                 replays=engine.runner.graph_replays,
-                pool=(engine.pool.ckv.cpu().numpy().copy(), engine.pool.kr.cpu().numpy().copy()))
+                pool=pooled(engine))
 
 
 def serve(group: ParallelGroup, case: str, device: str = "cpu", config: EngineConfig = CONFIG,
           heads: int | None = None) -> dict:
-    model = tiny(case, device, heads)
+    model = tiny(case, device, heads, config.graphs)
     full, greedy = recomputed(model, device)
     shard_model(model, group)
     if not group.leader:
@@ -134,7 +149,7 @@ def test_graphs_replay_on_every_rank(device: str) -> None:
     leader, follower = values(run_ranks(serve, 2, "v2_lite_like", device, GRAPHED, 32,
                                         timeout_s=600, device=device))
     assert leader["pic_tokens"] >= 300, leader["pic_tokens"]
-    assert leader["error"] <= (1e-4 if device == "cpu" else 1e-2) * leader["spread"], leader
+    assert leader["error"] <= (1e-4 if device == "cpu" else 5e-2) * leader["spread"], leader
     assert leader["out"] == leader["greedy"]
     # The decode steps at least (the prefills may run eagerly): the same replays on both ranks.
     assert leader["replays"] >= 4 and follower["replays"] == leader["replays"], (leader, follower)
@@ -144,20 +159,21 @@ def test_graphs_replay_on_every_rank(device: str) -> None:
 
 def reduced_alone(group: ParallelGroup) -> dict:
     """One NCCL rank whose layers all-reduce anyway (a sum over one rank): the engine's graphs
-    capture NCCL's all-reduce with the rest of the forward."""
-    model = tiny("v2_lite_like", "cuda", 32)
-    full, greedy = recomputed(model, "cuda")
+    capture NCCL's all-reduce with the rest of the forward. The reference is the same bfloat16
+    model's eager run (the Triton kernels, no graphs), its all-reduce called outside any graph."""
+    model = tiny("v2_lite_like", "cuda", 32, graphs=True)
     for layer in model.model.layers:
         layer.reduce = functools.partial(all_reduce, group)
-    return shifted_run(Engine(model, GRAPHED), full, greedy)
+    eager = shifted_run(Engine(model, replace(GRAPHED, graphs=False)), None, [])
+    return shifted_run(Engine(model, GRAPHED), eager["last"], eager["out"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
 def test_graphs_capture_the_all_reduce() -> None:
     """What a one-GPU machine can check of graphs under tensor parallel: NCCL's all-reduce
-    captured in every bucket's graph, replayed with the rest (the Triton kernels' TF32 tiles
-    against the reference's torch path: 1e-2 of the logits' spread)."""
+    captured in every bucket's graph, replayed with the rest, gives the eager run's logits (1e-2
+    of their spread: the graphs' padded buckets may split keys otherwise) and tokens."""
     [got] = values(run_ranks(reduced_alone, 1, timeout_s=600, device="cuda"))
     assert got["pic_tokens"] >= 300 and got["replays"] >= 4, got
     assert got["error"] <= 1e-2 * got["spread"] and got["out"] == got["greedy"], got
