@@ -10,10 +10,8 @@ to its bucket and its inputs are copied into the static buffers the graph reads:
 - the attention kernel's layout at a fixed shape per bucket: blocks of query rows (buckets of up
   to 8 tokens, mostly decode steps, and where heads are fewer than 64 up to the kernel's
   ``SHORT_FORWARD`` (512) tokens, mostly short PIC prefills: 16 rows, one token's heads;
-  larger ones, mostly prefill chunks: 64 rows, four tokens sharing each read of their keys;
-  and, where heads are fewer than 64, a second graph of 16-row blocks per larger bucket up to
-  512 tokens for batches of one-token spans — decode steps of many requests, whose tokens share
-  no keys; none while short forwards reach 512 tokens), room for every block a batch of the
+  larger ones, mostly prefill chunks: 64 rows, four tokens sharing each read of their keys),
+  room for every block a batch of the
   bucket's tokens can need (one partial block per request at most), the division of the keys:
   for many 16-row blocks pieces written with each batch (each block's keys cut by their
   length, one program per piece), otherwise a fixed number of key splits per request sized
@@ -49,16 +47,17 @@ from .staging import Staging
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
            2048)
 DECODE_BUCKET = 8  # buckets up to this many tokens take one token's 16 heads per block
-DECODE_GRAPHS_UP_TO = 512  # decode batches (one-token spans) of up to this many requests
 T = TypeVar("T")
 
 
-def block_rows(bucket: int, heads: int, decode: bool = False) -> int:
-    """Query rows per kernel block in a bucket's launch (``decode``: its graph for batches of
-    one-token spans): 16 up to :data:`DECODE_BUCKET` tokens, else the eager launch's rule for a
-    forward of the bucket's tokens (:func:`~irminsul.kernels.mla_attention.rows_per_block`:
-    16 for short forwards where heads are fewer than 64, else 64)."""
-    if bucket <= DECODE_BUCKET or decode:
+def block_rows(bucket: int, heads: int) -> int:
+    """Query rows per kernel block in a bucket's launch: 16 up to :data:`DECODE_BUCKET` tokens,
+    else the eager launch's rule for a forward of the bucket's tokens
+    (:func:`~irminsul.kernels.mla_attention.rows_per_block`: 16 for short forwards where heads
+    are fewer than 64, else 64). A decode batch of more requests than ``SHORT_FORWARD`` fills
+    a quarter of each 64-row block where heads are 16: batches that large are rare, and a graph
+    of their own per bucket cost capture time and memory."""
+    if bucket <= DECODE_BUCKET:
         return 16
     return rows_per_block(bucket, bucket, heads)
 
@@ -75,14 +74,8 @@ def block_room(bucket: int, heads: int, rows: int) -> int:
 
 
 def launches(buckets: tuple[int, ...], heads: int) -> list[tuple[int, int]]:
-    """(bucket, rows per block) of every graph: one per bucket, and for buckets of 64-row
-    blocks up to DECODE_GRAPHS_UP_TO a second of 16-row blocks for decode batches where one
-    token's heads fill no 64-row block."""
-    variants = [(b, block_rows(b, heads)) for b in buckets]
-    if heads < 64:
-        variants += [(b, 16) for b in buckets
-                     if block_rows(b, heads) != 16 and b <= DECODE_GRAPHS_UP_TO]
-    return variants
+    """(bucket, rows per block) of every graph: one per bucket."""
+    return [(b, block_rows(b, heads)) for b in buckets]
 
 
 def capture(run: Callable[[], T], pool: tuple[int, int] | None = None
@@ -177,10 +170,7 @@ class CudaGraphs:
             bucket = least
         elif bucket not in self.buckets or bucket < least:
             raise ValueError(f"a batch of {n} tokens does not replay in bucket {bucket}")
-        decode = all(count == 1 for count, _ in spans)
-        launch = (bucket, block_rows(bucket, self.heads, decode))
-        if launch not in self.forwards:  # heads fill 64-row blocks: one graph per bucket
-            launch = (bucket, block_rows(bucket, self.heads))
+        launch = (bucket, block_rows(bucket, self.heads))
         last = np.zeros(0, dtype=np.int64) if last is None else last
         keys = self._fill(*launch, positions, new_ckv, new_kr, spans, last)
         self._stamp += 1

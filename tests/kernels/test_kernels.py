@@ -379,15 +379,16 @@ def test_graph_block_room_holds_every_batch_of_its_bucket(heads: int) -> None:
     """For random batches of every bucket (spans of any sizes, the padding request last), the
     blocks the kernel layout makes never exceed the room the bucket's graph keeps for them; a
     batch of one-token spans fills the room exactly where blocks hold one token's heads."""
-    from irminsul.engine import graphs
     from irminsul.engine.graphs import BUCKETS, block_room, launches
     from irminsul.kernels import PagedLayout
 
     rng = np.random.default_rng(0)
     variants = launches(BUCKETS, heads)
-    decode_only = sum(graphs.block_rows(b, heads) == 64 and b <= graphs.DECODE_GRAPHS_UP_TO
-                      for b in BUCKETS)
-    assert len(variants) == len(BUCKETS) + (decode_only if heads < 64 else 0)
+    assert [bucket for bucket, _ in variants] == list(BUCKETS)
+    # 16 heads: 16-row blocks up to the kernel's short forwards (512 tokens), then 64; 128
+    # heads: 16-row blocks up to 8 tokens (decode steps), then 64.
+    assert [rows for _, rows in variants] == [16 if b <= (512 if heads == 16 else 8) else 64
+                                              for b in BUCKETS]
     for bucket, rows in variants:
         room = block_room(bucket, heads, rows)
         for _ in range(50):
