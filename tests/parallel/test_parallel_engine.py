@@ -172,11 +172,14 @@ def reduced_alone(group: ParallelGroup) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
 def test_graphs_capture_the_all_reduce() -> None:
     """What a one-GPU machine can check of graphs under tensor parallel: NCCL's all-reduce
-    captured in every bucket's graph, replayed with the rest, gives the eager run's logits (1e-2
-    of their spread: the graphs' padded buckets may split keys otherwise) and tokens."""
+    captured in every bucket's graph, replayed with the rest, gives the eager run's logits and
+    tokens: within 5e-2 of the logits' spread, a bfloat16 ulp or two of logits of 4-8 (a
+    graph's padded bucket may split the keys otherwise; an H100 measured one ulp, 0.031 of a
+    spread of 1.5)."""
     [got] = values(run_ranks(reduced_alone, 1, timeout_s=600, device="cuda"))
     assert got["pic_tokens"] >= 300 and got["replays"] >= 4, got
-    assert got["error"] <= 1e-2 * got["spread"] and got["out"] == got["greedy"], got
+    assert got["out"] == got["greedy"], got
+    assert got["error"] <= 5e-2 * got["spread"], got
 
 
 REPAIRED = EngineConfig(mode="live", slots=1200, pic_audit_rate=1.0,
