@@ -814,6 +814,22 @@ def span_attention(r: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+def suite_ttft(r: dict[str, Any], name: str) -> list[str]:
+    """A GPU suite run of its TTFT section alone (another GPU than the suite file's)."""
+    cells = r["ttft"]
+    lines = [f"## GPU suite's TTFT on {r.get('device', '?')}", "",
+             f"`docs/results/{name}`. " + _run_line(r, Model=r.get("model", ""),
+                                                   Engine=r.get("engine", "")), "",
+             "```bash",
+             f"python benchmarks/gpu/suite.py --quick --sections ttft --out docs/results/{name}",
+             "```", ""]
+    if "commits" in r:
+        lines += ["Code: " + "; ".join(f"{k} at {v}" for k, v in r["commits"].items()) + ".", ""]
+    lines += [f"The cells and modes of the GPU suite's TTFT section above, {cells[0]['requests']} "
+              f"timed requests after {cells[0]['warmup']} warm-ups; TTFT in ms, p50 / p95:", ""]
+    return lines + ttft_table(cells)
+
+
 def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
     """The anchor: FlashInfer's MLA paged decode kernel on the same batches and rows."""
     info = r["flashinfer"]
@@ -1215,6 +1231,7 @@ def performance(results: Path = RESULTS) -> str:
     copy_gbps = suite.get("roofline", {}).get("copy_gbps") if suite else None
     renderers: list[tuple[str, Callable[[Path], list[str]]]] = [
         ("gpu-suite.json", lambda p: gpu_suite(_load(p), p.name)),
+        ("gpu-suite-ttft-*.json", lambda p: suite_ttft(_load(p), p.name)),
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-h100.json", lambda p: decode(_load(p), p.name)),
