@@ -60,17 +60,12 @@ class DecoderLayer(nn.Module):
         self._side_prefetch(x)
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
         self.self_attn.after_projection = None
-        out = self._after_attention(x, attended)
-        if x.is_cuda:
-            from ..kernels.prefetch import join_side_stream
-
-            join_side_stream(x.device)
-        return out
+        return self._after_attention(x, attended)
 
     def _side_prefetch(self, x: torch.Tensor) -> None:
         """With kernels on a CUDA device, for a forward of up to PREFETCH_TOKENS tokens (decode
         steps): have the side stream pull o_proj's and the shared experts' weights into L2 once
-        attention's projection is launched (:mod:`irminsul.kernels.prefetch`); the layer's
+        attention's projection is launched (:mod:`irminsul.kernels.prefetch`); the forward's
         end joins it."""
         from ..kernels import prefetch
 
@@ -207,6 +202,10 @@ class MLAModel(nn.Module):
         x, pending = self.model.embed_tokens(token_ids), None
         for layer in self.model.layers:
             x, pending = layer.forward_paged(x, pending, positions, kv)
+        if x.is_cuda:
+            from ..kernels.prefetch import join_side_stream
+
+            join_side_stream(x.device)
         return x if pending is None else x + DecoderLayer.settle(pending)
 
     @torch.inference_mode()
