@@ -132,7 +132,7 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_l2_prefetch_changes_no_value(graphs: bool, tmp_path, monkeypatch) -> None:
     """Decode layers that prefetch o_proj's and the shared experts' weights into L2 on a side
-    stream (forked after the projection, joined at the layer's end; inside the graphs too)
+    stream (forked after each projection, joined at the forward's end; inside the graphs too)
     serve exactly what they serve without: prefetches return no data."""
     from irminsul.engine import Engine
     from irminsul.kernels import prefetch
