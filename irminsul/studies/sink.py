@@ -37,6 +37,11 @@ computed on every path, after the same header rows and the body's rows served fi
     pic_head           as pic, and the body's first ``repair_head`` (32) tokens computed in place
                        after the header (EPIC-style repair, ``CacheConfig.recompute_head``): the
                        reused run's head, where a run's rows carry most of their source context.
+    pic_blend          as pic, and the ``repair_share`` (10%) of the body's tokens whose c_KV at
+                       layer ``repair_check_layer`` (1) deviates most from fresh computed in
+                       place (CacheBlend-style repair, ``CacheConfig.recompute_share``): in
+                       position order, each computed run after every row before it, reused or
+                       computed, as the engine serves a plan whose reuse has computed holes.
 
 The tail-attention mass to [0, 32) (mean over attention heads and tail queries) is taken per layer
 and sample; each path's deviation is |mass − mass_fresh|, averaged over layers and samples (the
@@ -73,7 +78,7 @@ from .text import AgentText
 SINK = 32  # k: the carve-out's width
 POSITIONS = (0, 32, 64, 128, 256, 384, 512, 1024, 2048, 3584)  # Figure 3 / Table 4's p
 HEADER_RANGE = (64, 512)  # header lengths H_t, H_s, H_c are drawn from this range
-PATHS = ("pic", "naive", "pic_no_carve_out", "pic_head")
+PATHS = ("pic", "naive", "pic_no_carve_out", "pic_head", "pic_blend")
 PAPER = {"W_mla": {"32": 0.26, "512": 0.24, "3584": 0.23},  # Table 4, DSv2-Lite
          "S_mla": {"32": 0.48, "512": 0.43, "3584": 0.42},
          "deviation_pic_max": 0.003, "naive_over_pic": [2.4, 9.0]}
@@ -90,6 +95,8 @@ class SinkSettings:
     seed: int = 0
     positions: tuple[int, ...] = POSITIONS
     repair_head: int = 32  # pic_head: the body's first tokens computed in place (EPIC's k)
+    repair_share: float = 0.10  # pic_blend: the share of the body's tokens computed in place
+    repair_check_layer: int = 1  # pic_blend: the layer whose c_KV deviation picks them
 
 
 @dataclass
@@ -227,7 +234,8 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
             layers = probe(model, tail, end, context, sink_mass)
             return np.array([float(m.double().mean()) for m in layers])
 
-        fresh.append(tail_mass(joined(header, prefill(model, body, h_t, header))))
+        in_place = prefill(model, body, h_t, header)
+        fresh.append(tail_mass(joined(header, in_place)))
         served = moved(model, source, delta)  # the body's cached rows, k_r rotated by δ
         paths["pic"].append(tail_mass(joined(header, served)))
         paths["naive"].append(tail_mass(joined(header, moved(model, source, delta, rotate=False))))
@@ -235,6 +243,13 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         k = min(settings.repair_head, body.size)
         head = prefill(model, body[:k], h_t, header) if k else None
         paths["pic_head"].append(tail_mass(joined(header, head, [r[k:] for r in served])))
+        # CacheBlend-style repair: the tokens whose c_KV at the check layer deviates most from
+        # the fresh rows' (which the engine's check forward computes exactly) computed in place.
+        rank, check = model.config.kv_lora_rank, settings.repair_check_layer
+        gap = (in_place[check][:, :rank] - served[check][:, :rank]).float().norm(dim=-1)
+        picked = np.zeros(body.size, dtype=bool)
+        picked[gap.topk(int(settings.repair_share * body.size)).indices.numpy()] = True
+        paths["pic_blend"].append(tail_mass(blended(model, body, h_t, header, served, picked)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
         other = [r[:h_c] for r in contexts[(i + 1) % len(contexts)]]
@@ -243,6 +258,20 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         rest = prefill(model, header_tokens[SINK:], SINK, start)
         paths["pic_no_carve_out"].append(tail_mass(joined(start, rest, served)))
     return CarveOut(np.array(fresh), {p: np.array(v) for p, v in paths.items()}, deltas)
+
+
+def blended(model: MLAModel, body: np.ndarray, start: int, header: Rows, served: Rows,
+            picked: np.ndarray) -> Rows:
+    """The header's rows, then the body's: served rows where ``picked`` is False, rows computed
+    in place where it is True — run by run in position order, each computed run after every
+    row before it."""
+    rows = header
+    cuts = np.flatnonzero(np.diff(picked.astype(np.int8))) + 1
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, picked.size]):
+        part = (prefill(model, body[a:b], start + a, rows) if picked[a]
+                else [r[a:b] for r in served])
+        rows = joined(rows, part)
+    return rows
 
 
 def sink_study(model: MLAModel, text: AgentText, bos: int, settings: SinkSettings | None = None,

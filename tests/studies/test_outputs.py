@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fixtures.tiny_chat_model import random_model, write_tokenizer
 
 from irminsul.cli import main
@@ -67,7 +68,8 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
         assert len(anchoring["W"]) == len(anchoring["positions"]) == 10
         # At p = 0 the chunk starts the prompt: W and S coincide by construction.
         assert anchoring["W"][0] == pytest.approx(anchoring["S"][0], abs=1e-4)
-        assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out", "pic_head"}
+        assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out", "pic_head",
+                                           "pic_blend"}
         # Layer 0's rows are position-and-token only: PIC is exact there.
         assert carve["deviation_per_layer"]["pic"][0] < 1e-5
     else:
@@ -89,3 +91,42 @@ def test_sink_repair_head_path_spans_pic_to_fresh(model_dir: Path, head: int) ->
     reference = carve.paths["pic"] if head == 0 else carve.fresh
     assert np.abs(carve.paths["pic_head"] - reference).max() <= (0 if head == 0 else 1e-5)
     assert carve.deviation("pic") > 1e-4  # the two references differ: the test can tell them apart
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_sink_repair_blend_path_spans_pic_to_fresh(model_dir: Path, share: float) -> None:
+    """The carve-out's CacheBlend path computes a share of the body's tokens in place: none is
+    the plain PIC path, all of them the fresh path (up to float summation order)."""
+    model = load_model(model_dir)
+    text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
+    settings = SinkSettings(reuse_samples=2, repair_share=share)
+    contexts = [prefill(model, text.context(i, HEADER_RANGE[1]), 0) for i in range(2)]
+    carve = carve_out(model, text, settings, contexts, np.random.default_rng(0))
+    reference = carve.paths["pic"] if share == 0 else carve.fresh
+    assert np.abs(carve.paths["pic_blend"] - reference).max() <= (0 if share == 0 else 1e-5)
+    assert carve.deviation("pic") > 1e-4
+
+
+def test_blended_rows_compute_each_picked_run_after_the_rows_before_it(model_dir: Path) -> None:
+    """Picked tokens in two runs: each run's rows are what a prefill of that run after the
+    header, the served rows and the runs before it gives (by hand, run by run); unpicked rows
+    are the served ones, untouched."""
+    from irminsul.studies.reuse import joined
+    from irminsul.studies.sink import blended
+
+    model = load_model(model_dir)
+    rng = np.random.default_rng(5)
+    header_tokens, body = rng.integers(0, 200, 40), rng.integers(0, 200, 20)
+    header = prefill(model, header_tokens, 0)
+    served = prefill(model, body, 7)  # computed elsewhere: stands for cached rows
+    picked = np.zeros(20, dtype=bool)
+    picked[[3, 4, 11]] = True
+    got = blended(model, body, 40, header, served, picked)
+    want = joined(header, [r[:3] for r in served])
+    want = joined(want, prefill(model, body[3:5], 43, want))
+    want = joined(want, [r[5:11] for r in served])
+    want = joined(want, prefill(model, body[11:12], 51, want))
+    want = joined(want, [r[12:] for r in served])
+    for g, w, s in zip(got, want, served):
+        assert torch.equal(g, w)
+        assert torch.equal(g[40:][~torch.from_numpy(picked)], s[~torch.from_numpy(picked)])
