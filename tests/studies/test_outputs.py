@@ -78,33 +78,23 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
         assert {"kl_pic", "kl_naive", "argmax_pic", "argmax_naive"} <= workload.keys()
 
 
-@pytest.mark.parametrize("head", [0, 256])
-def test_sink_repair_head_path_spans_pic_to_fresh(model_dir: Path, head: int) -> None:
-    """The carve-out's EPIC path recomputes the body's first ``repair_head`` tokens in place: with
-    none it is the plain PIC path, and with the whole body it is the fresh path (up to float
-    summation order), the two references it must lie between."""
+@pytest.mark.parametrize(("path", "repair", "whole"), [
+    ("pic_head", {"repair_head": 0}, False), ("pic_head", {"repair_head": 256}, True),
+    ("pic_blend", {"repair_share": 0.0}, False), ("pic_blend", {"repair_share": 1.0}, True)])
+def test_sink_repair_paths_span_pic_to_fresh(model_dir: Path, path: str, repair: dict,
+                                             whole: bool) -> None:
+    """The carve-out's repair paths compute some of the body's tokens in place (EPIC: its first
+    ``repair_head``; CacheBlend: the ``repair_share`` deviating most): none is the plain PIC
+    path, the whole body the fresh path (up to float summation order) — the two references
+    they must lie between."""
     model = load_model(model_dir)
     text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
-    settings = SinkSettings(reuse_samples=2, repair_head=head)
+    settings = SinkSettings(reuse_samples=2, **repair)
     contexts = [prefill(model, text.context(i, HEADER_RANGE[1]), 0) for i in range(2)]
     carve = carve_out(model, text, settings, contexts, np.random.default_rng(0))
-    reference = carve.paths["pic"] if head == 0 else carve.fresh
-    assert np.abs(carve.paths["pic_head"] - reference).max() <= (0 if head == 0 else 1e-5)
+    reference = carve.fresh if whole else carve.paths["pic"]
+    assert np.abs(carve.paths[path] - reference).max() <= (1e-5 if whole else 0)
     assert carve.deviation("pic") > 1e-4  # the two references differ: the test can tell them apart
-
-
-@pytest.mark.parametrize("share", [0.0, 1.0])
-def test_sink_repair_blend_path_spans_pic_to_fresh(model_dir: Path, share: float) -> None:
-    """The carve-out's CacheBlend path computes a share of the body's tokens in place: none is
-    the plain PIC path, all of them the fresh path (up to float summation order)."""
-    model = load_model(model_dir)
-    text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
-    settings = SinkSettings(reuse_samples=2, repair_share=share)
-    contexts = [prefill(model, text.context(i, HEADER_RANGE[1]), 0) for i in range(2)]
-    carve = carve_out(model, text, settings, contexts, np.random.default_rng(0))
-    reference = carve.paths["pic"] if share == 0 else carve.fresh
-    assert np.abs(carve.paths["pic_blend"] - reference).max() <= (0 if share == 0 else 1e-5)
-    assert carve.deviation("pic") > 1e-4
 
 
 def test_blended_rows_compute_each_picked_run_after_the_rows_before_it(model_dir: Path) -> None:
