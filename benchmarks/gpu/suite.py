@@ -101,17 +101,24 @@ def main() -> None:
     args = parser.parse_args()
     s = sizes(args)
     started = time.perf_counter()
-    model = build_model(args.device, tiny=args.tiny, checkpoint=args.model)
-    text = AgentText(model.config.vocab_size)
-    results: dict[str, Any] = {
-        **run_metadata(args.device),
-        "model": args.model or ("tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16"),
-        "engine": describe(model),
-        "sizes": s}
+    meta = run_metadata(args.device)
+    earlier: dict[str, Any] = {}
     if args.extend:
         with open(args.extend, encoding="utf-8") as f:
             earlier = json.load(f)
-        results.update({k: v for k, v in earlier.items() if k in SECTIONS})
+        # One file names one device: sections of another GPU would be labelled with this one's.
+        if earlier.get("device") != meta.get("device"):
+            raise SystemExit(f"--extend {args.extend}: its sections ran on "
+                             f"{earlier.get('device')!r}, this run on {meta.get('device')!r}; "
+                             "write this run to a file of its own")
+    model = build_model(args.device, tiny=args.tiny, checkpoint=args.model)
+    text = AgentText(model.config.vocab_size)
+    results: dict[str, Any] = {
+        **meta,
+        "model": args.model or ("tiny random" if args.tiny else "random DeepSeek-V2-Lite shapes, bf16"),
+        "engine": describe(model),
+        "sizes": s}
+    results.update({k: v for k, v in earlier.items() if k in SECTIONS})
 
     def save(section: str, value: Any) -> None:
         results[section] = value

@@ -118,6 +118,20 @@ def test_cpu_run_and_table(tmp_path: Path) -> None:
     assert page.startswith(report.GENERATED) and "## GPU suite" in page and "### Roofline" in page
 
 
+def test_suite_refuses_to_extend_another_devices_file(tmp_path: Path) -> None:
+    """--extend adds sections to a file of the same device only: the file names one device, so
+    another GPU's sections would be labelled with this run's."""
+    earlier = tmp_path / "h200.json"
+    earlier.write_text(json.dumps({"device": "NVIDIA H200", "ttft": []}))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "suite.py"),
+                          "--device", "cpu", "--tiny", "--sections", "memory", "--extend",
+                          str(earlier), "--out", str(tmp_path / "out.json")], cwd=ROOT,
+                         timeout=120, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert "ran on 'NVIDIA H200', this run on 'cpu'" in run.stderr
+
+
 def test_cache_host_time_runs(tmp_path: Path) -> None:
     results = _run_benchmark("cache_host_time", "--lengths", "512", "--headers", "50", "--requests",
                              "3", "--warmup", "1", tmp_path=tmp_path, timeout=120)
