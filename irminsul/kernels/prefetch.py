@@ -42,8 +42,9 @@ def _prefetch_kernel(BASE, nbytes, SINK, LINE_B: tl.constexpr, BLOCK_P: tl.const
 
 
 @functools.cache
-def _sink(device: torch.device) -> torch.Tensor:
-    return torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+def _sink(device: torch.device, programs: int) -> torch.Tensor:
+    """Where a launch of up to ``programs`` programs stores its zeros."""
+    return torch.zeros(programs, dtype=torch.int32, device=device)
 
 
 def prefetch_l2(tensors: list[torch.Tensor], programs: int = PROGRAMS) -> None:
@@ -58,7 +59,7 @@ def prefetch_l2(tensors: list[torch.Tensor], programs: int = PROGRAMS) -> None:
             continue
         flat = t.view(-1).view(torch.uint8)
         _prefetch_kernel[(min(programs, triton.cdiv(nbytes, BLOCK * LINE)),)](
-            flat, nbytes, _sink(t.device), LINE_B=LINE, BLOCK_P=BLOCK, num_warps=4)
+            flat, nbytes, _sink(t.device, programs), LINE_B=LINE, BLOCK_P=BLOCK, num_warps=4)
 
 
 @functools.cache
@@ -91,6 +92,7 @@ class SidePrefetch:
 def join_side_stream(device: torch.device) -> None:
     """The current stream waits for the device's prefetch stream, if anything was started on
     it since the last join: once per forward, at its end (a join inside the layers' chain would
-    cut its programmatic launches: an H100 measured the per-layer join 5% slower at batch 1)."""
+    cut its programmatic launches: an H100 measured the per-layer join up to 6.6% slower at
+    batch 1)."""
     if side_stream.cache_info().currsize and side_stream(device).pending:
         side_stream(device).join()
