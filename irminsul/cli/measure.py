@@ -57,7 +57,8 @@ def cmd_study(args: argparse.Namespace) -> None:
 
     options = {"roc": {"blocks": args.blocks, "seed": args.seed},
                "sink": {"samples": args.samples, "reuse_samples": args.reuse_samples,
-                        "seed": args.seed},
+                        "repair_head": args.repair_head, "repair_share": args.repair_share,
+                        "repair_check_layer": args.repair_check_layer, "seed": args.seed},
                "consistency": {"requests": args.requests, "tokens": args.tokens,
                                "seed": args.seed, "heal": args.heal},
                "hijack": {"documents": args.documents, "tokens": args.tokens,
@@ -141,6 +142,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="sink: chunks per position (default 4; the paper's is 20)")
     study.add_argument("--reuse-samples", type=int, default=None,
                        help="sink: target prompts of the carve-out measurement (default 8)")
+    study.add_argument("--repair-head", type=int, default=None, metavar="K",
+                       help="sink: the EPIC path computes the reused body's first K tokens "
+                            "(default 32)")
+    study.add_argument("--repair-share", type=float, default=None, metavar="R",
+                       help="sink: the CacheBlend path computes this share of the body "
+                            "(default 0.1)")
+    study.add_argument("--repair-check-layer", type=int, default=None, metavar="N",
+                       help="sink: the CacheBlend path picks by c_KV deviation at layer N "
+                            "(default 1)")
     study.add_argument("--requests", type=int, default=None,
                        help="consistency: requests per workload (default 3)")
     study.add_argument("--tokens", type=int, default=None,

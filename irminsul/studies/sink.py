@@ -98,6 +98,14 @@ class SinkSettings:
     repair_share: float = 0.10  # pic_blend: the share of the body's tokens computed in place
     repair_check_layer: int = 1  # pic_blend: the layer whose c_KV deviation picks them
 
+    def check(self, layers: int) -> None:
+        """Raise on repair settings a model of ``layers`` layers cannot take."""
+        if not 1 <= self.repair_check_layer < layers:
+            raise ValueError(f"repair_check_layer {self.repair_check_layer} is not a layer of "
+                             f"this {layers}-layer model past layer 0 (1 .. {layers - 1})")
+        if not 0.0 <= self.repair_share <= 1.0:
+            raise ValueError(f"repair_share must be in [0, 1], got {self.repair_share}")
+
 
 @dataclass
 class Anchoring:
@@ -214,6 +222,7 @@ def anchoring(model: MLAModel, text: AgentText, settings: SinkSettings, chunks: 
 def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts: list[Rows],
               rng: np.random.Generator) -> CarveOut:
     """The tail's mass to [0, SINK) on the fresh path and each reuse path, per sample and layer."""
+    settings.check(model.config.num_hidden_layers)
     n = settings.reuse_samples
     pieces = text.pieces(n, settings.body_tokens + settings.tail_tokens, rng)
     fresh, paths, deltas = [], {p: [] for p in PATHS}, []
@@ -278,6 +287,7 @@ def sink_study(model: MLAModel, text: AgentText, bos: int, settings: SinkSetting
                *, model_name: str = "") -> SinkResult:
     """Run both measurements; ``bos`` is the token every prompt begins with."""
     settings = settings or SinkSettings()
+    settings.check(model.config.num_hidden_layers)  # before the anchoring's work
     started = time.perf_counter()
     rng = np.random.default_rng(settings.seed)
     longest = max(max(settings.positions), HEADER_RANGE[1])

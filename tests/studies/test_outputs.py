@@ -6,6 +6,7 @@ thousands of tokens, and five patterns would take minutes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,8 @@ KEYS = {
     "sink": {"study", "model", "settings", "anchoring", "carve_out", "paper", "seconds"},
     "consistency": {"study", "model", "settings", "workloads", "seconds"},
 }
-OPTIONS = {"roc": ["--blocks", "3"], "sink": ["--samples", "1", "--reuse-samples", "2"]}
+OPTIONS = {"roc": ["--blocks", "3"], "sink": ["--samples", "1", "--reuse-samples", "2",
+                                              "--repair-share", "0.2", "--repair-check-layer", "1"]}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,8 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
         assert anchoring["W"][0] == pytest.approx(anchoring["S"][0], abs=1e-4)
         assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out", "pic_head",
                                            "pic_blend"}
+        assert (report["settings"]["repair_share"],
+                report["settings"]["repair_check_layer"]) == (0.2, 1)
         # Layer 0's rows are position-and-token only: PIC is exact there.
         assert carve["deviation_per_layer"]["pic"][0] < 1e-5
     else:
@@ -120,3 +124,18 @@ def test_blended_rows_compute_each_picked_run_after_the_rows_before_it(model_dir
     for g, w, s in zip(got, want, served):
         assert torch.equal(g, w)
         assert torch.equal(g[40:][~torch.from_numpy(picked)], s[~torch.from_numpy(picked)])
+
+
+@pytest.mark.parametrize(("repair", "message"), [
+    ({"repair_check_layer": 2}, "repair_check_layer 2 is not a layer of this 2-layer model"),
+    ({"repair_check_layer": 0}, "repair_check_layer 0 is not a layer"),
+    ({"repair_share": 1.5}, "repair_share must be in [0, 1], got 1.5")])
+def test_sink_refuses_repair_settings_the_model_cannot_take(model_dir: Path, repair: dict,
+                                                           message: str) -> None:
+    """A check layer the model lacks (or layer 0, exact by construction) or a share outside
+    [0, 1] is refused before any work, naming the setting."""
+    model = load_model(model_dir)
+    text = AgentText.from_logs(ChatRenderer.from_dir(model_dir), contexts=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        carve_out(model, text, SinkSettings(reuse_samples=1, **repair), [],
+                  np.random.default_rng(0))
