@@ -299,6 +299,7 @@ def prefetch_arms(model: MLAModel, batch: int, context: int, args: argparse.Name
     from irminsul.kernels import prefetch
 
     arms, cell = {}, {}
+    saved = prefetch.ENABLED, prefetch.WEIGHTS
     try:
         for arm in args.prefetch:
             prefetch.ENABLED = arm != "off"
@@ -307,7 +308,7 @@ def prefetch_arms(model: MLAModel, batch: int, context: int, args: argparse.Name
             arms[arm] = cell["step_ms"]
             print(f"  prefetch {arm:>24}: step {cell['step_ms']:.3f} ms", flush=True)
     finally:
-        prefetch.ENABLED = False
+        prefetch.ENABLED, prefetch.WEIGHTS = saved
     return {**cell, "prefetch": arms}
 
 

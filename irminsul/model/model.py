@@ -67,10 +67,11 @@ class DecoderLayer(nn.Module):
         steps): have the side stream pull o_proj's and the shared experts' weights into L2 once
         attention's projection is launched (:mod:`irminsul.kernels.prefetch`); the forward's
         end joins it."""
+        if not (self.kernels and x.is_cuda):
+            return  # before the import: the model runs without triton when kernels are off
         from ..kernels import prefetch
 
-        if not (prefetch.ENABLED and self.kernels and x.is_cuda
-                and x.shape[0] <= prefetch.PREFETCH_TOKENS):
+        if not (prefetch.ENABLED and x.shape[0] <= prefetch.PREFETCH_TOKENS):
             return
         side = prefetch.side_stream(x.device)
         weights = self._prefetched()
@@ -202,7 +203,7 @@ class MLAModel(nn.Module):
         x, pending = self.model.embed_tokens(token_ids), None
         for layer in self.model.layers:
             x, pending = layer.forward_paged(x, pending, positions, kv)
-        if x.is_cuda:
+        if x.is_cuda and self.model.layers[0].kernels:  # only kernels start a prefetch
             from ..kernels.prefetch import join_side_stream
 
             join_side_stream(x.device)
