@@ -253,11 +253,13 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         head = prefill(model, body[:k], h_t, header) if k else None
         paths["pic_head"].append(tail_mass(joined(header, head, [r[k:] for r in served])))
         # CacheBlend-style repair: the tokens whose c_KV at the check layer deviates most from
-        # the fresh rows' (which the engine's check forward computes exactly) computed in place.
+        # the fresh rows' (which the engine's check forward computes exactly) computed in place,
+        # picked as recompute_deviating picks them (floor(r · n), ties to the earlier position).
         rank, check = model.config.kv_lora_rank, settings.repair_check_layer
-        gap = (in_place[check][:, :rank] - served[check][:, :rank]).float().norm(dim=-1)
+        gap = (in_place[check][:, :rank] - served[check][:, :rank]).double().norm(dim=-1)
+        count = int(settings.repair_share * body.size)
         picked = np.zeros(body.size, dtype=bool)
-        picked[gap.topk(int(settings.repair_share * body.size)).indices.numpy()] = True
+        picked[np.argsort(-gap.numpy(), kind="stable")[:count]] = True
         paths["pic_blend"].append(tail_mass(blended(model, body, h_t, header, served, picked)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
