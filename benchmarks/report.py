@@ -500,8 +500,6 @@ UNSTORED = [
                              "plain-torch path (27 layers, tiny widths)"),
     ("gpu/session_memory.py", "KV MB per session (the suite's memory section) and how many sessions a "
                               "memory budget holds for several k_r-per-c_KV slot ratios"),
-    ("gpu/l2_prefetch.py", "a decode-sized GEMV's device time with its weight cold, just "
-                           "prefetched into L2, and already there; the prefetch kernel's speed"),
     ("gpu/break_even.py", "TTFT of a new 1K header + D tokens registered behind another header + one "
                           "token, PIC live vs off, D = 16 … 8192, and the smallest D where live wins"),
 ]
@@ -814,25 +812,6 @@ def span_attention(r: dict[str, Any], name: str) -> list[str]:
              *(f"{c[a]['p50_ms']:.1f} / {c[a]['p95_ms']:.1f}" for a in arms)]
             for c in r["ttft"]])
     return lines
-
-
-def decode_prefetch(r: dict[str, Any], name: str) -> list[str]:
-    """The decode step with and without the L2 prefetch of each layer's later weights."""
-    arms = list(r["cells"][0]["prefetch"])
-    lines = ["## GPU decode steps with an L2 prefetch on a side stream", "",
-             f"`docs/results/{name}`. " + _run_line(r["meta"], **{
-                 "Copy bandwidth": f"{r['copy_gbps'] / 1e3:.2f} TB/s"}), "",
-             "```bash", r["command"], "```", "",
-             "While a decode layer's latency-bound chain runs (latent store, attention, merge, "
-             "router), a side stream issues `prefetch.global.L2::evict_last` for the weights it "
-             "reads next (`irminsul/kernels/prefetch.py`; arms name them: o_proj, the shared "
-             "experts' gate, up and down). Step time (ms) per arm, and the last arm over off. "
-             + r.get("about", ""), ""]
-    rows = [[_k(c["context"]), c["batch"], f"{c['floor_ms']:.2f}",
-             *(f"{c['prefetch'][a]:.3f}" for a in arms),
-             f"{c['prefetch'][arms[-1]] / c['prefetch']['off']:.3f}×"] for c in r["cells"]]
-    return lines + _table(("context", "batch", "floor (ms)", *arms,
-                           f"{arms[-1]} ÷ off"), rows)
 
 
 def suite_ttft(r: dict[str, Any], name: str) -> list[str]:
@@ -1256,7 +1235,6 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-kernels.json", lambda p: kernels(_load(p), p.name, copy_gbps)),
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-h100.json", lambda p: decode(_load(p), p.name)),
-        ("gpu-decode-prefetch-*.json", lambda p: decode_prefetch(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
         ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-span-attention*.json", lambda p: span_attention(_load(p), p.name)),

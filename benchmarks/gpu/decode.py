@@ -292,26 +292,6 @@ def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
 
 
-def prefetch_arms(model: MLAModel, batch: int, context: int, args: argparse.Namespace,
-                  copy_gbps: float, profile: str | None) -> dict[str, Any]:
-    """One cell under each L2-prefetch arm (a fresh engine each: its graphs capture the arm);
-    the last arm's cell, with every arm's median step under ``prefetch``."""
-    from irminsul.kernels import prefetch
-
-    arms, cell = {}, {}
-    saved = prefetch.ENABLED, prefetch.WEIGHTS
-    try:
-        for arm in args.prefetch:
-            prefetch.ENABLED = arm != "off"
-            prefetch.WEIGHTS = tuple(arm.split(",")) if prefetch.ENABLED else ()
-            cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
-            arms[arm] = cell["step_ms"]
-            print(f"  prefetch {arm:>24}: step {cell['step_ms']:.3f} ms", flush=True)
-    finally:
-        prefetch.ENABLED, prefetch.WEIGHTS = saved
-    return {**cell, "prefetch": arms}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -323,10 +303,6 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
                         metavar=("BATCH", "CONTEXT"),
                         help="also profile this cell's steps (torch.profiler table; repeatable)")
-    parser.add_argument("--prefetch", nargs="+", metavar="WEIGHTS",
-                        help="A/B of the L2 prefetch of decode layers (irminsul.kernels.prefetch): "
-                        "each cell once per arm, 'off' or comma-joined weights, e.g. off "
-                        "o_proj o_proj,gate,up,down")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
     model = build_model(args.device, tiny=args.tiny)
@@ -341,11 +317,7 @@ def main() -> None:
     for context in args.contexts:
         for batch in args.batches:
             profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
-            if args.prefetch:
-                cell = prefetch_arms(model, batch, context, args, copy_gbps, profile)
-            else:
-                cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps,
-                                   profile)
+            cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
             results["cells"].append(cell)
             print(f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
                   f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "

@@ -16,7 +16,7 @@ whatever the caller says (context rows carry their own rotation inside k_r).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,6 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.naive_from = naive_from(config)
         self.kernels = False  # fused Triton kernels for all-kernel batches (use_kernels)
-        # Called once the fused path's projection is launched (the layer's L2 prefetch starts
-        # there: after the one GEMV it would compete with, before the latency-bound chain).
-        self.after_projection: Callable[[], None] | None = None
         self._joint: dict[str, torch.Tensor] | None = None  # [first; kv_a] (join_projections)
 
     def _first(self) -> nn.Module:
@@ -241,8 +238,6 @@ class MLAttention(nn.Module):
             both = self._joint_projection(x, joint)
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
-        if self.after_projection is not None:
-            self.after_projection()
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
         query = x.new_empty(tokens, self.heads, self.rank + self.rope_dim)

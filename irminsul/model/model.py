@@ -57,40 +57,7 @@ class DecoderLayer(nn.Module):
         (:meth:`settle` sums them elsewhere)."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
-        self._side_prefetch(x)
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
-        self.self_attn.after_projection = None
-        return self._after_attention(x, attended)
-
-    def _side_prefetch(self, x: torch.Tensor) -> None:
-        """With kernels on a CUDA device, for a forward of up to PREFETCH_TOKENS tokens (decode
-        steps): have the side stream pull o_proj's and the shared experts' weights into L2 once
-        attention's projection is launched (:mod:`irminsul.kernels.prefetch`); the forward's
-        end joins it."""
-        if not (self.kernels and x.is_cuda):
-            return  # before the import: the model runs without triton when kernels are off
-        from ..kernels import prefetch
-
-        if not (prefetch.ENABLED and x.shape[0] <= prefetch.PREFETCH_TOKENS):
-            return
-        side = prefetch.side_stream(x.device)
-        weights = self._prefetched()
-        self.self_attn.after_projection = lambda: side.start(weights)
-
-    def _prefetched(self) -> list[torch.Tensor]:
-        """The weights this layer reads after its attention's latency-bound chain, of those
-        ``prefetch.WEIGHTS`` names."""
-        from ..kernels import prefetch
-
-        named = {"o_proj": self.self_attn.o_proj.weight}
-        shared = getattr(self.mlp, "shared_experts", None)
-        if shared is not None:
-            named |= {"gate": shared.gate_proj.weight, "up": shared.up_proj.weight,
-                      "down": shared.down_proj.weight}
-        return [named[k] for k in prefetch.WEIGHTS if k in named and named[k].is_contiguous()]
-
-    def _after_attention(self, x: torch.Tensor, attended: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
         if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
                 and self.mlp.dispatch is None):
             # The norm's launch also writes its output widened to float32, which the router
@@ -203,10 +170,6 @@ class MLAModel(nn.Module):
         x, pending = self.model.embed_tokens(token_ids), None
         for layer in self.model.layers:
             x, pending = layer.forward_paged(x, pending, positions, kv)
-        if x.is_cuda and self.model.layers[0].kernels:  # only kernels start a prefetch
-            from ..kernels.prefetch import join_side_stream
-
-            join_side_stream(x.device)
         return x if pending is None else x + DecoderLayer.settle(pending)
 
     @torch.inference_mode()

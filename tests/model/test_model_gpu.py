@@ -129,31 +129,6 @@ def test_cuda_graphs_equal_eager_forwards(tmp_path) -> None:
     assert_same(served[True], served[False], 2e-2, reference=engines[False])
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_l2_prefetch_changes_no_value(graphs: bool, tmp_path, monkeypatch) -> None:
-    """Decode layers that prefetch o_proj's and the shared experts' weights into L2 on a side
-    stream (forked after each projection, joined at the forward's end; inside the graphs too)
-    serve exactly what they serve without: prefetches return no data."""
-    from irminsul.engine import Engine
-    from irminsul.kernels import prefetch
-
-    build("v2_lite_like", tmp_path, layers=2, heads=16)
-    model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)
-    served, calls = {}, []
-    issue = prefetch.prefetch_l2
-    monkeypatch.setattr(prefetch, "prefetch_l2", lambda ts: calls.append(len(ts)) or issue(ts))
-    for on in (False, True):
-        monkeypatch.setattr(prefetch, "ENABLED", on)
-        engine = Engine(model, EngineConfig(slots=4000, mode="live", graphs=graphs))
-        served[on] = serve_shifted(
-            engine, seed=4, headers=(40, 75), docs=(300, 250), question=24,
-            requests=lambda source, target, doc_a: [source, target, doc_a], batch_tokens=256,
-            chunk_tokens=128, max_tokens=6)
-    assert served[True].pic_tokens >= 500
-    assert set(calls) == {1, 4}  # the dense layer: o_proj; the MoE layer: the shared MLP too
-    assert_same(served[True], served[False], 0.0)
-
-
 def test_cuda_graphs_of_a_model_kept_in_fp8(tmp_path) -> None:
     """A model kept in FP8 (bfloat16 activations, random float8 weights in 16 × 16 blocks, the
     embedded model's 16 heads): its forwards — the float8 linears, the joint projection, the
