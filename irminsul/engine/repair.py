@@ -72,12 +72,17 @@ def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,
     radix match's handles, whose "derived" stretches (an earlier turn's reused rows) are
     candidates too: they carry that turn's approximation into this one."""
     positions, slots = reused_rows(stretches, prefix)
-    count = int(share * positions.size)
-    if count == 0:
+    if int(share * positions.size) == 0:
         return stretches
-    scores = np.asarray(deviation(prompt, positions, slots), dtype=np.float64)
-    order = np.argsort(-scores, kind="stable")  # stable: equal scores keep position order
-    return recompute_at(stretches, positions[order[:count]])
+    return recompute_at(stretches, positions[most_deviating(
+        deviation(prompt, positions, slots), share)])
+
+
+def most_deviating(scores: np.ndarray, share: float) -> np.ndarray:
+    """The indices of the ``floor(share · n)`` largest of ``scores``, ties to the earlier index
+    (a stable sort keeps equal scores in position order)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    return np.argsort(-scores, kind="stable")[:int(share * scores.size)]
 
 
 def reused_rows(stretches: list[list], prefix: np.ndarray | None = None
@@ -137,12 +142,12 @@ def _trimmed(hits: list[Segment], start: int, end: int) -> list[Segment]:
             for h in hits if h.start < end and h.end > start]
 
 
-def _check_layer_fits(model: MLAModel, layer: int) -> None:
-    """Refuse a check layer the model has no layer for, or none below."""
-    layers = model.config.num_hidden_layers
+def check_layer_fits(layers: int, layer: int, name: str = "recompute_check_layer") -> None:
+    """Refuse a check layer (the setting ``name``) that a model of ``layers`` layers has no
+    layer for, or none below: layer 0's c_KV depends on no context, so 1 is the first."""
     if not 1 <= layer < layers:
-        raise ValueError(f"recompute_check_layer must be in [1, {layers - 1}] for a model "
-                         f"of {layers} layers, got {layer}")
+        raise ValueError(f"{name} must be in [1, {layers - 1}] for a model of {layers} "
+                         f"layers, got {layer}")
 
 
 def _fresh_layers(model: MLAModel, tokens: np.ndarray, layers: int,
@@ -166,7 +171,7 @@ class LatentCheck:
     def __init__(self, model: MLAModel, ckv: torch.Tensor, layer: int = 1) -> None:
         """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layer``: the check
         layer (1 is the first whose c_KV depends on context)."""
-        _check_layer_fits(model, layer)
+        check_layer_fits(model.config.num_hidden_layers, layer)
         self.model, self.ckv, self.layer = model, ckv, layer
         self.depth = layer  # the layers its forward runs whole: 0 .. layer − 1
 
@@ -195,7 +200,7 @@ class SignedCheck:
         """``ckv``: the pool's c_KV rows [layers, slots, kv_lora_rank]; ``layers``: the check
         layers 1 .. layers; ``tail``: the prompt's last tokens whose attention is compared (at
         most this many, all after the last reused one where the prompt has them)."""
-        _check_layer_fits(model, layers)
+        check_layer_fits(model.config.num_hidden_layers, layers)
         self.model, self.ckv, self.layers, self.tail = model, ckv, layers, tail
         self.depth = layers  # the layers its forward runs whole: 0 .. layers − 1
 

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from ..analysis.report import table
+from ..engine.repair import check_layer_fits, most_deviating, recompute_at
 from ..model import MLAModel
 from .attention import AttentionProbe
 from .plot import figure, save_png
@@ -100,9 +101,7 @@ class SinkSettings:
 
     def check(self, layers: int) -> None:
         """Raise on repair settings a model of ``layers`` layers cannot take."""
-        if not 1 <= self.repair_check_layer < layers:
-            raise ValueError(f"repair_check_layer {self.repair_check_layer} is not a layer of "
-                             f"this {layers}-layer model past layer 0 (1 .. {layers - 1})")
+        check_layer_fits(layers, self.repair_check_layer, "repair_check_layer")
         if not 0.0 <= self.repair_share <= 1.0:
             raise ValueError(f"repair_share must be in [0, 1], got {self.repair_share}")
 
@@ -254,12 +253,10 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         paths["pic_head"].append(tail_mass(joined(header, head, [r[k:] for r in served])))
         # CacheBlend-style repair: the tokens whose c_KV at the check layer deviates most from
         # the fresh rows' (which the engine's check forward computes exactly) computed in place,
-        # picked as recompute_deviating picks them (floor(r · n), ties to the earlier position).
+        # picked as the engine's recompute_deviating picks them.
         rank, check = model.config.kv_lora_rank, settings.repair_check_layer
         gap = (in_place[check][:, :rank] - served[check][:, :rank]).double().norm(dim=-1)
-        count = int(settings.repair_share * body.size)
-        picked = np.zeros(body.size, dtype=bool)
-        picked[np.argsort(-gap.numpy(), kind="stable")[:count]] = True
+        picked = most_deviating(gap.numpy(), settings.repair_share)
         paths["pic_blend"].append(tail_mass(blended(model, body, h_t, header, served, picked)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
@@ -273,13 +270,12 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
 
 def blended(model: MLAModel, body: np.ndarray, start: int, header: Rows, served: Rows,
             picked: np.ndarray) -> Rows:
-    """The header's rows, then the body's: served rows where ``picked`` is False, rows computed
-    in place where it is True — run by run in position order, each computed run after every
-    row before it."""
+    """The header's rows, then the body's: served rows except at the body offsets ``picked``,
+    computed in place there — split into runs as the engine splits a reuse stretch
+    (``recompute_at``), each computed run after every row before it."""
     rows = header
-    cuts = np.flatnonzero(np.diff(picked.astype(np.int8))) + 1
-    for a, b in zip(np.r_[0, cuts], np.r_[cuts, picked.size]):
-        part = (prefill(model, body[a:b], start + a, rows) if picked[a]
+    for kind, a, b, _ in recompute_at([["reuse", 0, body.size, []]], picked):
+        part = (prefill(model, body[a:b], start + a, rows) if kind == "compute"
                 else [r[a:b] for r in served])
         rows = joined(rows, part)
     return rows

@@ -113,9 +113,9 @@ def test_blended_rows_compute_each_picked_run_after_the_rows_before_it(model_dir
     header_tokens, body = rng.integers(0, 200, 40), rng.integers(0, 200, 20)
     header = prefill(model, header_tokens, 0)
     served = prefill(model, body, 7)  # computed elsewhere: stands for cached rows
+    got = blended(model, body, 40, header, served, np.array([11, 3, 4]))
     picked = np.zeros(20, dtype=bool)
     picked[[3, 4, 11]] = True
-    got = blended(model, body, 40, header, served, picked)
     want = joined(header, [r[:3] for r in served])
     want = joined(want, prefill(model, body[3:5], 43, want))
     want = joined(want, [r[5:11] for r in served])
@@ -127,8 +127,8 @@ def test_blended_rows_compute_each_picked_run_after_the_rows_before_it(model_dir
 
 
 @pytest.mark.parametrize(("repair", "message"), [
-    ({"repair_check_layer": 2}, "repair_check_layer 2 is not a layer of this 2-layer model"),
-    ({"repair_check_layer": 0}, "repair_check_layer 0 is not a layer"),
+    ({"repair_check_layer": 2}, "repair_check_layer must be in [1, 1] for a model of 2 layers, got 2"),
+    ({"repair_check_layer": 0}, "repair_check_layer must be in [1, 1] for a model of 2 layers, got 0"),
     ({"repair_share": 1.5}, "repair_share must be in [0, 1], got 1.5")])
 def test_sink_refuses_repair_settings_the_model_cannot_take(model_dir: Path, repair: dict,
                                                            message: str) -> None:
