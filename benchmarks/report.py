@@ -835,11 +835,12 @@ def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
     info = r["flashinfer"]
     built = ", ".join(f"{k.removeprefix('jit ')} {v['s']:.0f} s" for k, v in info.items()
                       if k.startswith("jit") and "s" in v)
-    lines = _bandwidth_header("GPU decode attention: FlashInfer's MLA kernel as the anchor", r,
-                              name, "") + [
+    lines = _bandwidth_header("GPU decode attention: FlashInfer's MLA kernel as the anchor"
+                              + _variant(name, "gpu-flashinfer-mla"), r, name, "") + [
              f"`BatchMLAPagedAttentionWrapper` ({info['import'].get('version', '?')}; JIT build: "
              f"{built}) over the same rows as pages of 1 token (our gather) and 64, one "
-             "query token per request, planned once, `run` timed as device time per call; share "
+             "query token per request (ragged: lengths drawn log-uniformly between 256 and C, "
+             "as in the launch sweep), planned once, `run` timed as device time per call; share "
              "of copy bandwidth over the rows it reads; *diff*: max |FlashInfer − ours| over "
              "max |ours|. " + r.get("about", ""), ""]
     rows = []
@@ -848,13 +849,15 @@ def flashinfer_mla(r: dict[str, Any], name: str) -> list[str]:
             fa2, fa3 = c.get(f"flashinfer fa2 page {page}"), c.get(f"flashinfer fa3 page {page}")
             if not fa3 or "ms" not in fa3:
                 continue
-            rows.append([c["batch"], _k(c["context"]), page, f"{c['ours']['ms']:.3f}",
+            rows.append([c["batch"], _k(c["context"]),
+                         "ragged" if c.get("ragged") else "uniform", page,
+                         f"{c['ours']['ms']:.3f}",
                          f"{c['ours']['share_of_copy_bw']:.0%}",
                          *([f"{fa2['ms']:.3f}", f"{fa2['share_of_copy_bw']:.0%}"]
                            if fa2 and "ms" in fa2 else ["failed", ""]),
                          f"{fa3['ms']:.3f}", f"{fa3['share_of_copy_bw']:.0%}",
                          f"{fa3['rel_max_diff']:.1e}"])
-    lines += _table(("batch", "context", "page", "ours (ms)", "ours / bw", "fa2 (ms)",
+    lines += _table(("batch", "context", "lengths", "page", "ours (ms)", "ours / bw", "fa2 (ms)",
                      "fa2 / bw", "fa3 (ms)", "fa3 / bw", "diff"), rows)
     return lines
 
@@ -1236,7 +1239,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-decode.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-h100.json", lambda p: decode(_load(p), p.name)),
         ("gpu-decode-attention*.json", lambda p: decode_attention(_load(p), p.name)),
-        ("gpu-flashinfer-mla.json", lambda p: flashinfer_mla(_load(p), p.name)),
+        ("gpu-flashinfer-mla*.json", lambda p: flashinfer_mla(_load(p), p.name)),
         ("gpu-span-attention*.json", lambda p: span_attention(_load(p), p.name)),
         ("gpu-moe.json", lambda p: moe(_load(p), p.name)),
         ("gpu-moe-*.json", lambda p: moe(_load(p), p.name)),  # its sweeps after it

@@ -78,6 +78,15 @@ class AgentText:
         return inside - start
 
 
+def decode_lengths(batch: int, context: int, ragged: bool) -> np.ndarray:
+    """Each decode request's keys: ``context`` for all, or (ragged) drawn log-uniformly between
+    256 and ``context`` with a seed of the batch, so every benchmark draws the same batches."""
+    if not ragged:
+        return np.full(batch, context)
+    rng = np.random.default_rng(batch)
+    return np.exp(rng.uniform(np.log(256), np.log(context), batch)).astype(int)
+
+
 def sync(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if torch.device(device).type == "cuda":

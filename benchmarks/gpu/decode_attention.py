@@ -23,7 +23,7 @@ import json
 import numpy as np
 import roofline
 import torch
-from common import V2_LITE, per_call, run_metadata
+from common import V2_LITE, decode_lengths, per_call, run_metadata
 from triton.runtime.errors import OutOfResources
 
 from irminsul.device import sm_count
@@ -42,9 +42,7 @@ def cells(batch: int, context: int, ragged: bool, copy_gbps: float, repeats: int
     device = "cuda"
     config = parse_config(V2_LITE)
     scale = softmax_scale(config)
-    rng = np.random.default_rng(batch)
-    lengths = (np.exp(rng.uniform(np.log(256), np.log(context), batch)).astype(int) if ragged
-               else np.full(batch, context))
+    lengths = decode_lengths(batch, context, ragged)
     slots = int(lengths.sum())
     gen = torch.Generator(device=device).manual_seed(0)
     ckv = torch.randn(slots, RANK, device=device, generator=gen).bfloat16()
