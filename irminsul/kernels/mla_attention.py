@@ -423,16 +423,17 @@ class TileConfig:
                 ) -> TileConfig:
         """Every block keeps the whole value width (recomputing q·k per value split costs more
         than it saves). Decode blocks (16 rows) step 64 keys with 8 warps and two stages —
-        128 keys where a launch splits each request's keys 2 to 16 ways (a few requests, each
-        split hundreds of keys long: 10–18% faster at batch 8, 4K–16K keys; slower for batch
-        1's 64–128 splits of 64–128 keys) — prefill blocks (64 rows) 32 keys with 8 warps and
-        one stage: the fastest of the shapes benchmarks/gpu/decode_attention.py and kernels.py
-        try on an H200. float32 tiles are twice the bytes: fewer keys per step."""
+        128 keys where a launch splits each request's keys 2 to 32 ways (a few requests, each
+        split 128 keys long or more at 4K: 10–18% faster at batch 8, 4K–16K keys, on an H200;
+        6–25% at batch 4's 32 splits on an H100; slower for batch 1–2's 64–128 splits of
+        64–128 keys at 4K) — prefill blocks (64 rows) 32 keys with 8 warps and one stage: the
+        fastest of the shapes benchmarks/gpu/decode_attention.py and kernels.py try.
+        float32 tiles are twice the bytes: fewer keys per step."""
         wide = dtype == torch.float32
         if block_m == 16:
             if wide:
                 return cls(32, rank, 4, 2)
-            return cls(128 if 1 < splits <= 16 else 64, rank, 8, 2)
+            return cls(128 if 1 < splits <= 32 else 64, rank, 8, 2)
         return cls(16 if wide else 32, rank, 8, 1)
 
 

@@ -541,7 +541,8 @@ def test_decode_tiles_step_128_keys_only_for_a_few_splits() -> None:
     bf16 = torch.bfloat16
     assert TileConfig.default(16, 512, bf16, splits=16) == TileConfig(128, 512, 8, 2)
     assert TileConfig.default(16, 512, bf16, splits=2) == TileConfig(128, 512, 8, 2)
-    for splits in (1, 32, 64, 128):  # pieces (1) and batch 1's many short splits
+    assert TileConfig.default(16, 512, bf16, splits=32) == TileConfig(128, 512, 8, 2)  # batch 4
+    for splits in (1, 64, 128):  # pieces (1) and batch 1-2's many short splits
         assert TileConfig.default(16, 512, bf16, splits=splits) == TileConfig(64, 512, 8, 2)
     assert TileConfig.default(16, 512, torch.float32, splits=16) == TileConfig(32, 512, 4, 2)
     assert TileConfig.default(64, 512, bf16, splits=16) == TileConfig(32, 512, 8, 1)
