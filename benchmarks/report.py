@@ -500,6 +500,8 @@ UNSTORED = [
                              "plain-torch path (27 layers, tiny widths)"),
     ("gpu/session_memory.py", "KV MB per session (the suite's memory section) and how many sessions a "
                               "memory budget holds for several k_r-per-c_KV slot ratios"),
+    ("gpu/request_compiles.py", "per request of a TTFT cell: TTFT and the Triton kernels compiled "
+                                "inside it, after the server's warm-up"),
     ("gpu/break_even.py", "TTFT of a new 1K header + D tokens registered behind another header + one "
                           "token, PIC live vs off, D = 16 … 8192, and the smallest D where live wins"),
 ]

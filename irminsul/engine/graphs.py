@@ -237,7 +237,7 @@ class CudaGraphs:
         blocks[0], blocks[1] = len(new) - 1, bucket * self.heads
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
         lengths = [len(h) for h in handles]
-        table[:, :len(new)] = PagedLayout.request_table(new, lengths)
+        table[:, :len(new)] = PagedLayout.request_table(new, lengths)[:, :len(new)]
         if in_pieces(block_m, blocks.shape[1]):  # unused blocks read no keys
             work = np.zeros(blocks.shape[1], dtype=np.int64)
             work[:used[0].size] = PagedLayout.block_work(new, lengths, self.heads, *used, block_m)

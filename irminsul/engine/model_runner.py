@@ -125,6 +125,13 @@ class ModelRunner:
             check = SignedCheck if check_rule == "signed" else LatentCheck
             self._latent_check = check(model, ckv, check_layer)
         use_kernels(model, kernels)  # fused experts, router, latent store, add + norm
+        if kernels and ckv.is_cuda:
+            # Every variant of the attention kernels compiled now: a variant first met by a
+            # request (a split count, 64-row blocks) compiled on its first token's clock.
+            from ..kernels.mla_attention import compile_variants  # needs triton
+
+            attention = model.model.layers[0].self_attn
+            compile_variants(ckv[0], kr[0], attention.heads, attention.scale)
         self._naive_from = naive_from(model.config)
         self._rotation: Rotation | None = None
         if kernels and rotation:

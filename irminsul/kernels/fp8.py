@@ -43,7 +43,7 @@ def dequantize_tile(w, s_ptr, k0, depth, col_ok, BC: tl.constexpr, SCALE_VEC: tl
     return (w.to(tl.float32) * scale).to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, S, BIAS, Y, M, N, K, K_SPLIT, x_stride, w_stride, s_stride, y_stride,
                    HAS_BIAS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                    SCALE_VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -93,7 +93,7 @@ def _linear_kernel(X, W, S, BIAS, Y, M, N, K, K_SPLIT, x_stride, w_stride, s_str
                  acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _sum_splits_kernel(P, BIAS, Y, MN, N, SPLITS, HAS_BIAS: tl.constexpr,
                        SPLIT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr):

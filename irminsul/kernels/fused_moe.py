@@ -92,7 +92,7 @@ def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
     tl.store(SORTED + base + rank, at, mask=at < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "blocks"])
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                   SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
@@ -102,7 +102,7 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
                  E_P2, BLOCK_M, CHUNK, SCAN, BLOCK_CHUNK, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
                     SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
@@ -165,7 +165,7 @@ def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
     tl.store(out, h.to(H.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  h_stride, w_stride_e, w_stride_n, y_stride,
                  SD, sd_stride, routed, HAS_SHARED: tl.constexpr,

@@ -140,7 +140,7 @@ def _absorb_tile(Q_NOPE, W_UK, ABSORBED, tile, tokens, qn_s0, qn_s1, qn_s2, wk_s
              acc.to(ABSORBED.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE, Q_OUT,
                          q_s0, q_s1, q_s2, out_s0, out_s1, out_s2, heads,
                          kv_s0, kv_s1, cis_s0, cis_s1, cis_s2, ckv_s0, ckv_s1, kr_s0, kr_s1, eps,

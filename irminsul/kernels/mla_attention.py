@@ -120,7 +120,7 @@ def _load_query(Q, grow, row_ok, q_stride, RANK: tl.constexpr, ROPE: tl.constexp
     return q_nope, q_r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_rows"])
 def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN,
                 heads, scale_log2, q_stride, c_stride, r_stride, out_rows,
@@ -162,7 +162,7 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks"])
 def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
                        BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ, REQ_KV0, REQ_KVLEN, SCHED,
                        blocks, heads, scale_log2, q_stride, c_stride, r_stride,
@@ -205,7 +205,7 @@ def _mla_pieces_kernel(Q, CKV, KR, OUT, PART, PART_LSE, KV_CKV, KV_KR,
         tl.store(PART_LSE + at, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["room", "blocks"])
 def _merge_pieces_kernel(PART, PART_LSE, OUT, SCHED, BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
                          heads, room, blocks, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
@@ -312,8 +312,13 @@ class PagedLayout:
 
     @staticmethod
     def request_table(new: list[int], kv_len: list[int]) -> np.ndarray:
-        """[4, requests]: first query token, new tokens, first key entry, keys."""
-        return np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
+        """[4, requests rounded up to a multiple of 4]: first query token, new tokens, first key
+        entry, keys. The rounding keeps each row's start 16-byte aligned as int32, so a kernel
+        reading the rows compiles once: Triton specialises a pointer argument on that alignment,
+        and a batch of another request count mod 4 compiled it again (~1-2 s on the first token
+        of whichever request met it)."""
+        table = np.stack([np.cumsum([0, *new[:-1]]), new, np.cumsum([0, *kv_len[:-1]]), kv_len])
+        return np.pad(table, ((0, 0), (0, -len(new) % 4)))
 
     @staticmethod
     def block_work(new: list[int], kv_len: list[int], heads: int, block_req: np.ndarray,
@@ -398,7 +403,9 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
     aim at two waves. Splits stay within 128 (16-row: one request's decode step over 16K keys
     took 12.6 µs as 128 splits against 17.0 as 64 on an H200; splits past a short request's
     keys cost little, see :func:`merge_splits`) or 64 (64-row) and, given the longest request's
-    ``max_keys``, keep at least 64 (16-row) or 256 (64-row) keys each."""
+    ``max_keys``, keep at least 64 (16-row) or 256 (64-row) keys each, rounded up to a power of
+    two: the merge compiles once per split count (a constexpr), and :func:`compile_variants`
+    can then compile every count a launch may take before serving."""
     if block_m == 16:
         splits = 1 << max(0, (sm_count(device) // max(1, blocks)).bit_length() - 1)
         least, most = 64, 128
@@ -406,7 +413,35 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
         splits, least, most = -(-SM_TARGET // max(1, blocks)), 256, 64
     if max_keys is not None:
         splits = min(splits, -(-max_keys // least))
-    return max(1, min(most, splits))
+    return triton.next_power_of_2(max(1, min(most, splits)))
+
+
+def attention_variants() -> list[tuple[int, int, bool]]:
+    """Every (rows per block, key splits, in pieces) a :class:`PagedLayout` can take — 16-row
+    blocks split 1 to 128 ways (powers of two) or in pieces, 64-row blocks split 1 to 64 ways —
+    each a variant of the kernels compiled apart (block size, split or not, tiles, the merge's
+    split count)."""
+    return ([(16, 1 << i, False) for i in range(8)] + [(64, 1 << i, False) for i in range(7)]
+            + [(16, 1, True)])
+
+
+def compile_variants(ckv: torch.Tensor, kr: torch.Tensor, heads: int, scale: float) -> int:
+    """Launch each of :func:`attention_variants` over a few keys of ``ckv`` [slots, rank] /
+    ``kr`` [slots, rope] (a pool layer's rows: read, left as they are; the outputs discarded),
+    so that none compiles on a request's clock: Triton compiles a variant the first time it
+    runs (1–2 s on an H100), and a CUDA graph's capture meets only the decode buckets'.
+    Returns the launches run."""
+    rank, rope = ckv.shape[1], kr.shape[1]
+    keys = np.zeros(64, dtype=np.int64)  # slot 0, 64 times
+    variants = attention_variants()
+    for block_m, splits, pieces in variants:
+        new = [1] * (PIECES_FROM_BLOCKS if pieces else 1)
+        how = {"programs": scheduled_programs(ckv.device)} if pieces else {"splits": splits}
+        layout = PagedLayout.build(new, [keys] * len(new), [keys] * len(new), heads, ckv.device,
+                                   block_m=block_m, **how)
+        q = torch.zeros(len(new), heads, rank + rope, dtype=ckv.dtype, device=ckv.device)
+        paged_mla_attention(q, ckv, kr, layout, scale)
+    return len(variants)
 
 
 @dataclass(frozen=True)
@@ -547,7 +582,7 @@ def merge_tiles(splits: int, rank: int) -> tuple[int, int, int]:
     return 8, min(64, triton.next_power_of_2(rank)), 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                   PDL: tl.constexpr):

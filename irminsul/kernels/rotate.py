@@ -37,7 +37,7 @@ def delta_cos_sin(delta, COS, SIN, HI_OFFSET: tl.constexpr, LOW_BITS: tl.constex
     return c1 * c2 - s1 * s2, s1 * c2 + c1 * s2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _rotate_kernel(KR, ROT, COUNT, COS, SIN, n, layers, layer_stride,
                    ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                    HI_OFFSET: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr,

@@ -144,7 +144,7 @@ def _store_choice(WEIGHTS, IDS, out_w, out_id, rows, row_ok, K: tl.constexpr,
     tl.store(IDS + at, out_id, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _router_kernel(LOGITS, BIAS, WEIGHTS, IDS, tokens, scaling, experts_total,
                    E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr,
                    OUT_P2: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -164,7 +164,7 @@ def _router_kernel(LOGITS, BIAS, WEIGHTS, IDS, tokens, scaling, experts_total,
     _store_choice(WEIGHTS, IDS, out_w, out_id, rows, row_ok, K, SHARED, OUT_P2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "blocks"])
 def _route_aligned_kernel(X, W, LOGITS, COUNTER, BIAS, WEIGHTS, IDS, SORTED, BLOCK_EXPERT, USED,
                           tokens, dim, x_s0, scaling, experts_total, blocks,
                           E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr,

@@ -343,6 +343,20 @@ def test_chunked_prefill_run(tmp_path: Path) -> None:
         assert c["load"]["steps"] == c["alone"]["forwards"]  # one chunk per step, decodes beside
 
 
+def test_request_compiles_runs(tmp_path: Path) -> None:
+    """The compile probe on the tiny model: every request of the cell served by both arms, the
+    novel spans as shift_prompts counts them (rerank at 1024: the first request's documents are
+    all new; nothing compiles on a CPU, where no Triton kernel runs)."""
+    results = _script("request_compiles", "--lengths", "1024", "--requests", "4",
+                      tmp_path=tmp_path)
+    (cell,) = results["cells"]
+    assert [r["request"] for r in cell["requests"]] == [0, 1, 2, 3]
+    assert cell["requests"][0]["novel"] == 512  # 4 documents of 1024 // 8 tokens each
+    for row in cell["requests"]:
+        assert row["live"]["ms"] > 0 and row["ideal"]["ms"] > 0
+        assert row["live"]["compiled"] == row["ideal"]["compiled"] == []
+
+
 def test_break_even_run_and_rule(tmp_path: Path) -> None:
     import break_even
 

@@ -533,6 +533,38 @@ def test_key_splits_follow_the_sms_and_the_keys() -> None:
     assert key_splits(200, 16, "cpu") == 1
     assert key_splits(1, 64, "cpu") == 64
     assert key_splits(3, 64, "cpu", max_keys=1000) == 4  # ceil(1000 / 256)
+    assert key_splits(1, 16, "cpu", max_keys=2500) == 64  # ceil(2500 / 64) = 40, up to 64
+    assert key_splits(2, 64, "cpu", max_keys=1300) == 8  # ceil(1300 / 256) = 6, up to 8
+
+
+def test_every_layout_is_a_variant_the_engine_compiles_at_start() -> None:
+    """Whatever batch PagedLayout lays out by default — decode steps, short forwards, prefill
+    spans; any request count, new tokens and key lengths, 16 or 128 heads — its (rows per
+    block, key splits, in pieces) is one of attention_variants, which the engine compiles when
+    it starts: no request waits on a compile (a split count of 37 once compiled its own merge)."""
+    from irminsul.kernels import PagedLayout
+    from irminsul.kernels.mla_attention import attention_variants
+
+    variants, seen = set(attention_variants()), set()
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        requests = int(rng.integers(1, 24))
+        new = rng.integers(1, int(rng.choice([2, 40, 700])), requests).tolist()
+        kv = [np.arange(n + int(rng.integers(0, int(rng.choice([100, 5000]))))) for n in new]
+        layout = PagedLayout.build(new, kv, kv, int(rng.choice([16, 128])), "cpu")
+        seen.add((layout.block_m, layout.splits, layout.schedule is not None))
+    assert seen <= variants, seen - variants
+    assert len(seen) >= 6  # the draw reached several kinds of layout
+
+
+def test_compile_variants_launches_each_and_leaves_the_rows() -> None:
+    """The start-up launches run over a pool layer's rows without changing them."""
+    from irminsul.kernels.mla_attention import attention_variants, compile_variants
+
+    ckv, kr = torch.randn(80, 128, device=DEVICE), torch.randn(80, 16, device=DEVICE)
+    before = ckv.clone(), kr.clone()
+    assert compile_variants(ckv, kr, heads=4, scale=0.1) == len(attention_variants())
+    assert torch.equal(ckv, before[0]) and torch.equal(kr, before[1])
 
 
 def test_decode_tiles_step_128_keys_only_for_a_few_splits() -> None:
