@@ -734,8 +734,9 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
 def _variant(name: str, stem: str) -> str:
     """A heading's suffix for a variant file of a benchmark (``STEM-WHAT.json``): " (what)", or
     "" for the benchmark's own file, so each section's heading and anchor stays its own."""
-    what = name.removeprefix(stem).removesuffix(".json").strip("-").replace("-", " ")
-    what = what.upper() if what in ("h100", "h200") else what
+    words = name.removeprefix(stem).removesuffix(".json").strip("-").split("-")
+    device = words.pop().upper() if words[-1] in ("h100", "h200") else ""
+    what = ", ".join(w for w in (" ".join(words), device) if w)
     return f" ({what})" if what else ""
 
 
