@@ -33,6 +33,9 @@ SCHEDULE_WAVES = 2  # programs per SM a scheduled (16-row) launch's pieces fill 
 # balance a few blocks, and the pieces' merge costs more than it saves there): an H200 measure.
 PIECES_FROM_BLOCKS = 16
 SCHEDULE_LEAST = 64  # keys a piece holds at least
+# Key splits per request at most, by rows per block (key_splits); every power of two up to it is
+# a variant compiled at engine start (attention_variants).
+MAX_SPLITS = {16: 128, 64: 64}
 # A piece's chunk is rounded up to a multiple of this many keys (the 16-row tile's step): as
 # many steps a program, fewer pieces to merge. agent_meta's forward at 16K keys, one layer on an
 # H100: 66 -> 43 µs; other short forwards and decode steps within ±5%
@@ -408,9 +411,9 @@ def key_splits(blocks: int, block_m: int, device: torch.device | str,
     can then compile every count a launch may take before serving."""
     if block_m == 16:
         splits = 1 << max(0, (sm_count(device) // max(1, blocks)).bit_length() - 1)
-        least, most = 64, 128
+        least, most = 64, MAX_SPLITS[16]
     else:
-        splits, least, most = -(-SM_TARGET // max(1, blocks)), 256, 64
+        splits, least, most = -(-SM_TARGET // max(1, blocks)), 256, MAX_SPLITS[64]
     if max_keys is not None:
         splits = min(splits, -(-max_keys // least))
     return triton.next_power_of_2(max(1, min(most, splits)))
@@ -421,8 +424,8 @@ def attention_variants() -> list[tuple[int, int, bool]]:
     blocks split 1 to 128 ways (powers of two) or in pieces, 64-row blocks split 1 to 64 ways —
     each a variant of the kernels compiled apart (block size, split or not, tiles, the merge's
     split count)."""
-    return ([(16, 1 << i, False) for i in range(8)] + [(64, 1 << i, False) for i in range(7)]
-            + [(16, 1, True)])
+    return ([(block_m, 1 << i, False) for block_m, most in MAX_SPLITS.items()
+             for i in range(most.bit_length())] + [(16, 1, True)])
 
 
 def compile_variants(ckv: torch.Tensor, kr: torch.Tensor, heads: int, scale: float) -> int:
