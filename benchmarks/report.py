@@ -232,7 +232,8 @@ def gpu_suite(r: dict[str, Any], name: str) -> list[str]:
             "position. It is the floor PIC live is judged against: the same forward with nothing "
             "left for a cache to do.", "",
             "*novel* is the share of prompt tokens the ideal computes; *served* the share each "
-            "cache served (PIC live: its radix prefix plus position-independent hits). "
+            "cache served (PIC live: its radix prefix, exact or derived — rows an earlier request "
+            "reused, left out by the runs of 2026-12-02 to 12-06 — plus position-independent hits). "
             "TTFT in ms, p50 / p95:", ""]
         lines += ttft_table(cells)
     decode = r.get("decode")
