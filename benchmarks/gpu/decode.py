@@ -303,12 +303,18 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
                         metavar=("BATCH", "CONTEXT"),
                         help="also profile this cell's steps (torch.profiler table; repeatable)")
+    parser.add_argument("--shared-first", choices=["on", "off"], default="on",
+                        help="route_aligned's shared experts sorted first and run beside the "
+                        "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
+    from irminsul.kernels import router
+
+    router.SHARED_FIRST = args.shared_first == "on"
     model = build_model(args.device, tiny=args.tiny)
     copy_gbps = roofline.copy_bandwidth(args.device)
     results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
-                               "cells": []}
+                               "shared_first": router.SHARED_FIRST, "cells": []}
     if args.device.startswith("cuda"):
         results["launch_us"] = launch_us(args.device)
         print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)

@@ -13,7 +13,8 @@ Three steps, all on the device with no host synchronisation (a CUDA graph captur
 2. gate/up: one program takes a block of assignments and ``block_n`` columns of the expert's
    intermediate width, reads each assignment's token row of x in place (row = assignment // k,
    no gathered copy), computes the gate and the up tile of the same columns and writes
-   silu(gate) · up, one row per assignment.
+   silu(gate) · up, one row per assignment. Blocks of shared experts sorted first
+   (:class:`Alignment`'s ``lead``) start before the sort is done.
 3. down: the intermediate rows times the expert's down projection, scaled by the routing weight,
    one row per assignment in the output dtype; a sum over k gives each token's output.
 
@@ -42,12 +43,23 @@ ALIGN_CHUNK = 64  # assignments per program of the sort
 
 
 @triton.jit
-def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
+def _sort_key(e, bins, LEAD: tl.constexpr):
+    """The bin an expert id sorts as: its own, or with ``LEAD`` > 0 the last ``LEAD`` of the
+    ``bins`` (the shared experts) first, then the others; ids past the bins stay past them."""
+    if LEAD > 0:
+        return tl.where(e < bins - LEAD, e + LEAD, tl.where(e < bins, e - (bins - LEAD), e))
+    return e
+
+
+@triton.jit
+def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first, bins,
                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                 SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr, VOLATILE: tl.constexpr):
+                 SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr, VOLATILE: tl.constexpr,
+                 LEAD: tl.constexpr):
     """Place the assignments ``first .. first + CHUNK`` in their sorted rows; the chunk at 0
     also writes the used rows, the padding and every block's expert. ``VOLATILE``: read the ids
-    past the L1 cache (a caller that wrote them in the same launch)."""
+    past the L1 cache (a caller that wrote them in the same launch). ``LEAD``: the last that
+    many of the ``bins`` experts sort first (:class:`Alignment`'s ``lead``)."""
     # Every chunk counts all the assignments (and those before it) rather than waiting on the
     # others: at decode sizes that repeated count is cheaper than a second launch, and programs
     # run side by side where one program's sequential scan over every chunk took ~20 µs at
@@ -58,6 +70,7 @@ def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
     for start in range(0, n, SCAN):
         at = start + tl.arange(0, SCAN)
         e = tl.load(IDS + at, mask=at < n, other=E_P2, volatile=VOLATILE)  # masked: no expert
+        e = _sort_key(e, bins, LEAD)
         hit = (e[:, None] == experts[None, :]).to(tl.int32)
         counts += tl.sum(hit, 0)
         before += tl.sum(hit * (at < first)[:, None].to(tl.int32), 0)
@@ -79,12 +92,14 @@ def _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
             b = b0 + tl.arange(0, BLOCK_CHUNK)
             row = b * BLOCK_M
             owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), 1)
+            if LEAD > 0:  # the bin back to its expert
+                owner = tl.where(owner < LEAD, owner + (bins - LEAD), owner - LEAD)
             tl.store(BLOCK_EXPERT + b, tl.where(row < used, owner, -1), mask=b < blocks)
     # This chunk's rows: its expert's start + that expert's assignments before the chunk + those
     # before it within the chunk (a stable sort: within an expert, assignment order).
     i = tl.arange(0, CHUNK)
     at = first + i
-    e = tl.load(IDS + at, mask=at < n, other=E_P2, volatile=VOLATILE)
+    e = _sort_key(tl.load(IDS + at, mask=at < n, other=E_P2, volatile=VOLATILE), bins, LEAD)
     earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)
     hit = (e[:, None] == experts[None, :]).to(tl.int32)
@@ -98,27 +113,50 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks,
                   SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
                   PDL: tl.constexpr):
     wait_for_previous(PDL)
-    _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, tl.program_id(0) * CHUNK,
-                 E_P2, BLOCK_M, CHUNK, SCAN, BLOCK_CHUNK, False)
+    _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, tl.program_id(0) * CHUNK, 0,
+                 E_P2, BLOCK_M, CHUNK, SCAN, BLOCK_CHUNK, False, 0)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, topk, dim, inter,
+@triton.jit(do_not_specialize=["n", "tokens"])
+def _gate_up_kernel(X, W13, H, SORTED, BLOCK_EXPERT, USED, n, tokens, topk, dim, inter,
                     x_stride, w_stride_e, w_stride_n, h_stride,
                     SG, SU, sg_stride, su_stride, routed, HAS_SHARED: tl.constexpr,
+                    LEAD: tl.constexpr,
                     S13, s_stride_e, s_stride_n, up_row0, FP8: tl.constexpr, BR: tl.constexpr,
                     BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(USED):  # a block the worst case allowed for, unused here
+    if LEAD > 0:  # blocks on the slow axis: the leading ones' programs are launched first
+        pid_m, pid_n = tl.program_id(1), tl.program_id(0)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # With LEAD shared experts sorted first, their blocks' rows are known without the sort
+    # (expert j's run: every token in order, column topk - LEAD + j): those programs need
+    # nothing the previous launch (the router, which releases this one early) writes, so they
+    # start without waiting and stream the shared weights while it still routes.
+    tblocks = tl.cdiv(tokens, BLOCK_M)
+    lead = pid_m < LEAD * tblocks
+    rest = pid_m >= LEAD * tblocks
+    if LEAD > 0:
+        if rest:
+            wait_for_previous(PDL)
+    else:
+        wait_for_previous(PDL)
+    # The sort's outputs; a leading program reads them too (they may be half written) and
+    # uses none of it.
+    if rest & (pid_m * BLOCK_M >= tl.load(USED)):  # a block the worst case allowed for, unused
         return
     expert = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    if expert == others:  # expert parallel: other ranks' assignments (down writes their zeros)
+    if rest & (expert == others):  # expert parallel: other ranks' assignments (down: zeros)
         return
     assign = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if LEAD > 0:
+        j = pid_m // tblocks
+        token = (pid_m - j * tblocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        expert = tl.where(lead, routed + j, expert).to(tl.int64)
+        assign = tl.where(lead, tl.where(token < tokens, token * topk + (topk - LEAD + j), n),
+                          assign)
     valid = assign < n
     token = (assign // topk).to(tl.int64)  # x's row read in place: no gathered copy
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -290,13 +328,16 @@ class Alignment:
     T·k, experts in order, one expert's assignments in index order; entries from ``used`` on
     unspecified), ``block_expert`` [max_rows / block_m] (each block's expert, -1 past the used
     rows), ``used`` [1] (rows in use, whole blocks); int32, on the ids' device. ``block_m``
-    and ``bins`` (the experts counted) say what it was sorted for."""
+    and ``bins`` (the experts counted) say what it was sorted for; ``lead`` > 0: the last
+    ``lead`` bins (the shared experts, which every token has) sorted first, then the others
+    in order, so their blocks' rows are known without the sort."""
 
     rows: torch.Tensor
     block_expert: torch.Tensor
     used: torch.Tensor
     block_m: int
     bins: int
+    lead: int = 0
 
 
 @dataclass(frozen=True)
@@ -323,11 +364,11 @@ class AlignShape:
                    chunk=max(16, min(ALIGN_CHUNK, triton.next_power_of_2(max(1, n)))),
                    block_chunk=max(16, min(triton.next_power_of_2(blocks), (1 << 14) // e_p2)))
 
-    def empty(self, device: torch.device, block_m: int, bins: int) -> Alignment:
+    def empty(self, device: torch.device, block_m: int, bins: int, lead: int = 0) -> Alignment:
         """Uninitialised outputs of this shape."""
         return Alignment(torch.empty(self.rows, dtype=torch.int32, device=device),
                          torch.empty(self.blocks, dtype=torch.int32, device=device),
-                         torch.empty(1, dtype=torch.int32, device=device), block_m, bins)
+                         torch.empty(1, dtype=torch.int32, device=device), block_m, bins, lead)
 
 
 def align_blocks(ids: torch.Tensor, experts: int, block_m: int) -> Alignment:
@@ -404,7 +445,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
     ``alignment``: ``ids`` already sorted into blocks (the router's launch did it:
     :func:`~irminsul.kernels.router.route_aligned`), for the routed and shared experts, in
-    blocks of the tiles' ``block_m``; not under expert parallel."""
+    blocks of the tiles' ``block_m``; not under expert parallel. If it sorted the shared
+    experts first (its ``lead``), their gate/up programs start without waiting for the launch
+    before (which must then write nothing they read but the routing: the router's)."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -437,9 +480,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         bins, others = bins + 1, bins
     if alignment is None:
         alignment = align_blocks(ids, bins, bm)
-    elif first is not None or (alignment.block_m, alignment.bins) != (bm, bins):
+    elif (first is not None or (alignment.block_m, alignment.bins) != (bm, bins)
+          or alignment.lead not in (0, n_shared)):
         raise ValueError(f"the alignment sorted {alignment.bins} experts into blocks of "
-                         f"{alignment.block_m}; this call needs {bins} in blocks of {bm}"
+                         f"{alignment.block_m}, {alignment.lead} shared first; this call needs "
+                         f"{bins} in blocks of {bm}, 0 or {n_shared} first"
                          + (" (and none under expert parallel)" if first is not None else ""))
     sorted_rows, block_expert, used = alignment.rows, alignment.block_expert, alignment.used
     grid_m = block_expert.numel()
@@ -451,10 +496,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                 SCALE_VEC=bc % tiles.block_k == 0, **pdl_args(x.device))
     gate, up, down = (w13, w13, w2) if shared is None else (shared.gate, shared.up, shared.down)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.block_n))](
-        x, w13, h, sorted_rows, block_expert, used, n, topk, dim, inter,
+    # Programs start in grid order, blocks fastest (a weight tile's blocks side by side); with
+    # a lead, columns fastest, so every leading program is among the first resident ones and
+    # not queued behind the others' programs, which wait for the launch before.
+    grid = (grid_m, triton.cdiv(inter, tiles.block_n))
+    _gate_up_kernel[grid[::-1] if alignment.lead else grid](
+        x, w13, h, sorted_rows, block_expert, used, n, tokens, topk, dim, inter,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         gate, up, gate.stride(0), up.stride(0), experts, HAS_SHARED=shared is not None,
+        LEAD=alignment.lead,
         S13=s13, s_stride_e=s13.stride(0), s_stride_n=s13.stride(1), up_row0=up_row0,
         others=others, EVEN_K=dim % tiles.block_k == 0, **meta)
     y = torch.empty(n, dim, dtype=x.dtype, device=x.device)

@@ -55,3 +55,13 @@ def wait_for_previous(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL >= 2:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """Let the next grid launch now, before this one's programs exit (mode 1 releases it as they
+    exit; mode 2 has already, in :func:`wait_for_previous`). For a kernel whose successor has
+    programs that need nothing it writes (:func:`~irminsul.kernels.router.route_aligned`'s
+    shared experts): they run beside this grid instead of after it."""
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .fused_moe import Alignment, AlignShape, _align_chunk
-from .launch import pdl_args, wait_for_previous
+from .launch import pdl_args, release_next, wait_for_previous
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Tokens per program: one block covers decode batches up to 16, larger ones get more programs.
@@ -49,6 +49,10 @@ BLOCK_T = 16
 # over about this many programs.
 ALIGNED_MAX_TOKENS = 16
 GEMV_PROGRAMS = 32
+# route_aligned sorts the shared experts' blocks first and lets the fused MoE launch while it
+# routes, its shared-expert programs running beside the routing (Alignment.lead). A switch for
+# benchmarks' A/B; the sort is the same either way but for the order of the experts' runs.
+SHARED_FIRST = True
 
 
 @triton.jit
@@ -174,8 +178,10 @@ def _route_aligned_kernel(X, W, LOGITS, COUNTER, BIAS, WEIGHTS, IDS, SORTED, BLO
                           BLOCK_T: tl.constexpr, PER_PROGRAM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BINS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                           CHUNK: tl.constexpr, SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          LEAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
+    if LEAD > 0:  # the fused MoE's shared-expert programs need only x: let them start now
+        release_next(PDL)
     # 1. Each program: the logits of PER_PROGRAM experts for every token (float32 products of
     # the widened x and the float32 weight, as the Router's F.linear).
     rows = tl.arange(0, BLOCK_T)
@@ -209,8 +215,9 @@ def _route_aligned_kernel(X, W, LOGITS, COUNTER, BIAS, WEIGHTS, IDS, SORTED, BLO
         tl.debug_barrier()  # the ids stored, read back flat by every thread of this program
         n = tokens * (K + SHARED)
         for first in range(0, n, CHUNK):
-            _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first, BINS_P2, BLOCK_M,
-                         CHUNK, SCAN, BLOCK_CHUNK, True)
+            _align_chunk(IDS, SORTED, BLOCK_EXPERT, USED, n, blocks, first,
+                         experts_total + SHARED, BINS_P2, BLOCK_M, CHUNK, SCAN, BLOCK_CHUNK,
+                         True, LEAD)
         tl.atomic_xchg(COUNTER, 0)  # ready for the next launch
 
 
@@ -314,6 +321,10 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
     experts and sorts the assignments. Above that, :func:`route` then the sort. The logits
     there are the same products summed in another order than cuBLAS's, so weights match the
     Router's to float32 rounding, and ids wherever two experts' logits are not within it.
+    On that path the ``shared`` experts' runs are sorted first (the :class:`Alignment`'s
+    ``lead``, while :data:`SHARED_FIRST`) and the launch releases the next one (the fused MoE)
+    as soon as it starts: the shared experts' gate/up programs, whose rows that order fixes,
+    stream their weights while this launch still routes.
     ``num_warps``: the one-launch path's warps (default by the experts; for benchmarks)."""
     from .fused_moe import align_blocks
 
@@ -331,7 +342,8 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
     ids = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
     logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
     shape = AlignShape.of(tokens * width, bins, block_m)
-    out = shape.empty(x.device, block_m, bins)
+    lead = shared if SHARED_FIRST else 0
+    out = shape.empty(x.device, block_m, bins, lead)
     meta = _choice_meta(experts, top_k, method, groups, topk_group, norm, shared)
     block_t = triton.next_power_of_2(tokens)
     # Programs of 2+ experts each, about GEMV_PROGRAMS of them; the [tokens, experts, D-step]
@@ -343,6 +355,6 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
         out.rows, out.block_expert, out.used, tokens, dim, x.stride(0), float(scaling),
         experts_total, shape.blocks, BLOCK_T=block_t, PER_PROGRAM=per_program, BLOCK_D=block_d,
         BINS_P2=shape.e_p2, BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan,
-        BLOCK_CHUNK=shape.block_chunk, **meta, **pdl_args(x.device),
+        BLOCK_CHUNK=shape.block_chunk, LEAD=lead, **meta, **pdl_args(x.device),
         num_warps=num_warps or (4 if meta["E_P2"] <= 64 else 8))
     return weights, ids, out

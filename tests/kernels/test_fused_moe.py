@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures.alignment import check_alignment
+from fixtures.alignment import check_alignment, naive_alignment
 
 from irminsul.model import parse_config
 from irminsul.model.model import use_kernels
@@ -113,6 +113,96 @@ def test_shared_mlp_folded_in_as_experts(shared: int, dtype: torch.dtype) -> Non
                       all_ids.to(DEVICE), shared=SharedExperts(gate[:-1].to(DEVICE),
                                                                up[:-1].to(DEVICE),
                                                                down[:, :-1].to(DEVICE)))
+
+
+def shared_problem(tokens: int, shared: int, dtype: torch.dtype, seed: int = 0
+                   ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+    """8 routed experts (k 3) and a shared MLP of ``shared`` experts' width: (x, w13, w2, the
+    weights and ids with the shared columns), (gate, up, down) of the shared MLP, and the
+    output computed naively in float32."""
+    experts, k, dim, inter = 8, 3, 48, 40
+    x, w13, w2, weights, ids = problem(tokens, experts, k, dim, inter, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(7)
+    gate, up = ((torch.randn(shared * inter, dim, generator=gen) / dim ** 0.5).to(dtype)
+                for _ in range(2))
+    down = (torch.randn(dim, shared * inter, generator=gen) / inter ** 0.5).to(dtype)
+    xf = x.float()
+    want = naive_experts(x, w13, w2, weights, ids) + (
+        F.silu(xf @ gate.float().T) * (xf @ up.float().T)) @ down.float().T
+    all_ids = torch.cat([ids, (experts + torch.arange(shared)).expand(tokens, shared)], 1)
+    all_weights = torch.cat([weights, torch.ones(tokens, shared)], 1)
+    return (x, w13, w2, all_weights, all_ids), (gate, up, down), want
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_experts_sorted_first(tokens: int, dtype: torch.dtype) -> None:
+    """An alignment with the shared experts' runs first (the router's at decode sizes): their
+    gate/up programs make their own rows instead of reading the sort's (37 tokens: three
+    blocks a shared expert, the last part-filled), and the output is the naive one. One that
+    sorted another number of them first is refused."""
+    from irminsul.kernels import fused_moe as fm
+
+    shared = 2
+    (x, w13, w2, weights, ids), mlp, want = shared_problem(tokens, shared, dtype, seed=tokens)
+    bins, n = w13.shape[0] + shared, ids.numel()
+    shape = fm.AlignShape.of(n, bins, 16)
+    rows, owners, used = naive_alignment(ids, bins, 16, lead=shared)
+    sorted_rows = torch.full((shape.rows,), n, dtype=torch.int32)
+    sorted_rows[:used] = rows
+    block_expert = torch.full((shape.blocks,), -1, dtype=torch.int32)
+    block_expert[:used // 16] = owners
+    aligned = {lead: fm.Alignment(sorted_rows.to(DEVICE), block_expert.to(DEVICE),
+                               torch.tensor([used], dtype=torch.int32, device=DEVICE), 16, bins,
+                               lead) for lead in (shared, 1)}
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    kwargs = dict(tiles=fm.MoETiles(16, 16, 32, 4, 2),
+                  shared=fm.SharedExperts(*(t.to(DEVICE) for t in mlp)))
+    check(fm.fused_experts(*args, alignment=aligned[shared], **kwargs), want, dtype)
+    with pytest.raises(ValueError, match="1 shared first"):
+        fm.fused_experts(*args, alignment=aligned[1], **kwargs)
+
+
+@ON_GPU
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_router_launch_releases_the_shared_experts_early(tokens: int) -> None:
+    """route_aligned then fused_experts as a decode step runs them: captured in a CUDA graph
+    (the router releasing the fused MoE as it starts, the shared experts' programs running
+    beside it) and replayed on new tokens: the Router's choice through the naive experts."""
+    from irminsul.kernels.fused_moe import SharedExperts, fused_experts
+    from irminsul.kernels.router import route_aligned
+
+    shared = 2
+    (x, w13, w2, _, _), mlp, _ = shared_problem(tokens, shared, torch.bfloat16)
+    x, w13, w2 = x.cuda(), w13.cuda(), w2.cuda()
+    router = torch.randn(8, x.shape[1], generator=torch.Generator().manual_seed(3)).cuda()
+    experts = SharedExperts(*(t.cuda() for t in mlp))
+
+    def step() -> tuple[torch.Tensor, ...]:
+        weights, ids, aligned = route_aligned(x, router, top_k=3, method="greedy", groups=1,
+                                              topk_group=1, norm=False, scaling=1.0,
+                                              block_m=16, shared=shared)
+        assert aligned.lead == shared
+        return weights, ids, fused_experts(x, w13, w2, weights, ids, shared=experts,
+                                           alignment=aligned)
+
+    step()  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, out = step()
+    for seed in (11, 12):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        logits = x.float() @ router.T
+        want_w, want_ids = logits.softmax(-1).topk(3, dim=-1)
+        assert torch.equal(ids[:, :3].long().cpu(), want_ids.cpu())
+        xf = x.float().cpu()
+        gate, up, down = (t.float() for t in mlp)
+        want = naive_experts(x, w13, w2, want_w.cpu(), want_ids.cpu()) + (
+            F.silu(xf @ gate.T) * (xf @ up.T)) @ down.T
+        check(out, want, torch.bfloat16)
 
 
 def test_a_given_alignment_is_used_and_checked() -> None:

@@ -89,28 +89,33 @@ def test_route_matches_router(case: str, dtype: torch.dtype, count: int) -> None
     check(router, x, weights, ids)
 
 
+@pytest.mark.parametrize("shared_first", [True, False], ids=["shared_first", "in_order"])
 @pytest.mark.parametrize("count", [1, 5, 16, 17])
 @pytest.mark.parametrize("case", ["greedy_norm", "group_limited_odd", "noaux_tc",
                                   "noaux_tc_v3_shape"])
-def test_route_aligned_routes_and_sorts(case: str, count: int) -> None:
+def test_route_aligned_routes_and_sorts(case: str, count: int, shared_first: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch up to 16 tokens (its own GEMV, the last program choosing and sorting), route
-    then the sort above: the Router's choice, and a stable sort of it into whole blocks; the
-    count it keeps between launches is back at zero, so a second call gives the same again."""
-    from irminsul.kernels.router import _counter, route_aligned
+    then the sort above: the Router's choice, and a stable sort of it into whole blocks (the
+    one launch: the shared experts' runs first, while SHARED_FIRST); the count it keeps between
+    launches is back at zero, so a second call gives the same again."""
+    from irminsul.kernels import router as module
 
+    monkeypatch.setattr(module, "SHARED_FIRST", shared_first)
     router = make_router(case)
     for seed in (1, 2):
         x = tokens(count, torch.bfloat16, seed=seed)
-        weights, ids, aligned = route_aligned(
+        weights, ids, aligned = module.route_aligned(
             x, router.weight, top_k=router.k, method=router.method, groups=router.groups,
             topk_group=router.topk_group, norm=router.norm, scaling=router.scaling,
-            bias=router.e_score_correction_bias if router.v3 else None, shared=1, block_m=16)
-        assert weights.shape == ids.shape == (count, router.k + 1)
+            bias=router.e_score_correction_bias if router.v3 else None, shared=2, block_m=16)
+        assert weights.shape == ids.shape == (count, router.k + 2)
         check(router, x, weights, ids)
-        assert (aligned.block_m, aligned.bins) == (16, router.experts + 1)
-        check_alignment(ids, router.experts + 1, 16, aligned.rows, aligned.block_expert,
-                        aligned.used)
-        assert int(_counter(x.device)) == 0
+        lead = 2 if shared_first and count <= module.ALIGNED_MAX_TOKENS else 0
+        assert (aligned.block_m, aligned.bins, aligned.lead) == (16, router.experts + 2, lead)
+        check_alignment(ids, router.experts + 2, 16, aligned.rows, aligned.block_expert,
+                        aligned.used, lead)
+        assert int(module._counter(x.device)) == 0
 
 
 @pytest.mark.parametrize("case", ["greedy_norm", "noaux_tc"])
@@ -264,4 +269,4 @@ def test_route_aligned_replays_in_a_cuda_graph() -> None:
         torch.cuda.synchronize()
         check(router, x, weights, ids)
         check_alignment(ids, router.experts + 1, 16, aligned.rows, aligned.block_expert,
-                        aligned.used)
+                        aligned.used, aligned.lead)
