@@ -695,7 +695,8 @@ def chunked_prefill(r: dict[str, Any], name: str) -> list[str]:
 def serve(r: dict[str, Any], name: str) -> list[str]:
     """A `bench serve` run: the client's figures per PIC mode, and live against off."""
     meta = r.get("meta", {})
-    lines = [f"## GPU serving load: {r['workload']}", "",
+    lines = [f"## GPU serving load: {r['workload']}"
+             + _variant(name, f"gpu-serve-{r['workload']}"), "",
              f"`docs/results/{name}`. " + _run_line(meta), "", meta.get("about", ""), "",
              "```bash", meta.get("command", "irminsul bench serve --json F"), "```", "",
              f"{r['sessions']} sessions, {r['calls']} calls, {r['load']}; each call sent when "
