@@ -271,15 +271,19 @@ class ModelRunner:
                     kernel.append((rows + offset, n, seq_keys[:first + n]))
                 offset += len(at)
                 continue
-            if (len(spans) > 1 and int(at[-1]) < MERGED_MAX_KEYS
-                    and (not self.kernels or max(map(len, spans)) >= self._naive_from)):
-                # Reused runs between computed ones split a prefill into spans, each an
-                # attention call of its own per layer (a dozen host ops each); one call over
-                # all the item's rows up to its last position, masked by position, costs one.
-                merged.append((np.arange(offset, offset + len(at)), at,
-                               seq_keys[:int(at[-1]) + 1]))
-                offset += len(at)
-                continue
+            # Reused runs between computed ones split a prefill into spans, each an attention
+            # call of its own per layer (a dozen host ops each); one call over all the item's
+            # rows up to the last position of the spans that end below MERGED_MAX_KEYS, masked
+            # by position, costs one. Spans past it (a prompt's tail after a long reused body)
+            # attend on their own: the mask would cover every key up to them.
+            early = 0
+            while early < len(spans) and int(at[spans[early][-1]]) < MERGED_MAX_KEYS:
+                early += 1
+            if early > 1 and (not self.kernels
+                              or max(len(rows) for rows in spans[:early]) >= self._naive_from):
+                rows = np.concatenate(spans[:early])
+                merged.append((rows + offset, at[rows], seq_keys[:int(at[rows[-1]]) + 1]))
+                spans = spans[early:]
             for rows in spans:
                 first, n = int(at[rows[0]]), len(rows)  # one span: n positions from first
                 span = slice(offset + int(rows[0]), offset + int(rows[0]) + n)

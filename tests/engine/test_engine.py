@@ -1021,24 +1021,32 @@ def test_finish_with_an_identical_sequence_open(model3, how: str) -> None:
 def test_spans_split_by_reuse_attend_in_one_masked_call(model3, monkeypatch) -> None:
     """A prompt whose reused documents split its computed tokens into spans attends in one masked
     call per layer; its logits and a teacher-forced continuation's equal those of the same engine
-    history attending span by span (the per-span path, checked against transformers elsewhere)."""
+    history attending span by span (the per-span path, checked against transformers elsewhere).
+    With its last token past MERGED_MAX_KEYS, the spans before it still attend in one masked
+    call (and the last span on its own), with the same logits."""
     import irminsul.engine.model_runner as runner_module
     from irminsul.model.mla import MLAttention
 
-    source, source_resets, target, target_resets, cont = shifted_docs(seed=5)
+    source, source_resets, shifted, _, cont = shifted_docs(seed=5)
+    # The shifted prompt with 20 new tokens between its documents: three computed spans.
+    middle = np.random.default_rng(6).integers(0, V, 20)
+    target = np.concatenate([shifted[:325], middle, shifted[325:]])
+    target_resets = [75, 325, 345, 645]
     calls = {"masked": 0}
     masked = MLAttention._attend_masked
+    seen: list[int] = []  # the masked calls' query counts
 
-    def counted(self, *args):
+    def counted(self, q_nope, *args):
         calls["masked"] += 1
-        return masked(self, *args)
+        seen.append(q_nope.shape[0])
+        return masked(self, q_nope, *args)
 
     monkeypatch.setattr(MLAttention, "_attend_masked", counted)
     results = []
-    for merge in (True, False):
-        if not merge:
-            monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", 0)
+    for limit in (runner_module.MERGED_MAX_KEYS, len(target) - 1, 0):
+        monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", limit)
         calls["masked"] = 0
+        seen.clear()
         engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
         seq, _ = engine.prefill(source, source_resets)
         engine.finish(seq)
@@ -1047,11 +1055,16 @@ def test_spans_split_by_reuse_attend_in_one_masked_call(model3, monkeypatch) -> 
         forced = engine.extend(seq, cont)
         engine.finish(seq)
         engine.check()
-        results.append((logits, forced, calls["masked"]))
-    (merged_last, merged_forced, merged_calls), (split_last, split_forced, split_calls) = results
-    assert merged_calls == model3.config.num_hidden_layers and split_calls == 0
-    assert (merged_last - split_last).abs().max() <= 1e-4 * split_last.abs().max()
-    assert (merged_forced - split_forced).abs().max() <= 1e-4 * split_forced.abs().max()
+        results.append((logits, forced, calls["masked"], max(seen, default=0)))
+    (merged_last, merged_forced, merged_calls, merged_rows), \
+        (early_last, early_forced, early_calls, early_rows), \
+        (split_last, split_forced, split_calls, _) = results
+    layers = model3.config.num_hidden_layers
+    assert merged_calls == early_calls == layers and split_calls == 0
+    assert 1 < early_rows < merged_rows  # the last span left out of the masked call
+    for last, forced in ((merged_last, merged_forced), (early_last, early_forced)):
+        assert (last - split_last).abs().max() <= 1e-4 * split_last.abs().max()
+        assert (forced - split_forced).abs().max() <= 1e-4 * split_forced.abs().max()
 
 
 @pytest.mark.parametrize("k", [0, 4, 16])
