@@ -85,36 +85,6 @@ def test_fused_experts_match_naive(case: str, dtype: torch.dtype) -> None:
     check(got, want, dtype)
 
 
-@pytest.mark.parametrize("shared", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_mlp_folded_in_as_experts(shared: int, dtype: torch.dtype) -> None:
-    """A shared MLP of width S·I read in place as experts E .. E + S − 1 (weight 1): the routed
-    experts' naive sum plus the shared MLP computed whole, in float32."""
-    from irminsul.kernels.fused_moe import MoETiles, SharedExperts, fused_experts
-
-    tokens, experts, k, dim, inter = 13, 8, 3, 48, 40
-    x, w13, w2, weights, ids = problem(tokens, experts, k, dim, inter, dtype, seed=shared)
-    gen = torch.Generator().manual_seed(7)
-    gate, up = ((torch.randn(shared * inter, dim, generator=gen) / dim ** 0.5).to(dtype)
-                for _ in range(2))
-    down = (torch.randn(dim, shared * inter, generator=gen) / inter ** 0.5).to(dtype)
-    xf = x.float()
-    want = naive_experts(x, w13, w2, weights, ids) + (
-        F.silu(xf @ gate.float().T) * (xf @ up.float().T)) @ down.float().T
-    all_ids = torch.cat([ids, (experts + torch.arange(shared)).expand(tokens, shared)], 1)
-    all_weights = torch.cat([weights, torch.ones(tokens, shared)], 1)
-    for tiles in (None, MoETiles(16, 16, 32, 4, 2)):  # one with masked K steps and columns
-        got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, all_weights, all_ids)),
-                            tiles=tiles, shared=SharedExperts(gate.to(DEVICE), up.to(DEVICE),
-                                                              down.to(DEVICE)))
-        check(got, want, dtype)
-    with pytest.raises(ValueError, match="whole number"):
-        fused_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), all_weights.to(DEVICE),
-                      all_ids.to(DEVICE), shared=SharedExperts(gate[:-1].to(DEVICE),
-                                                               up[:-1].to(DEVICE),
-                                                               down[:, :-1].to(DEVICE)))
-
-
 def shared_problem(tokens: int, shared: int, dtype: torch.dtype, seed: int = 0
                    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
     """8 routed experts (k 3) and a shared MLP of ``shared`` experts' width: (x, w13, w2, the
@@ -132,6 +102,24 @@ def shared_problem(tokens: int, shared: int, dtype: torch.dtype, seed: int = 0
     all_ids = torch.cat([ids, (experts + torch.arange(shared)).expand(tokens, shared)], 1)
     all_weights = torch.cat([weights, torch.ones(tokens, shared)], 1)
     return (x, w13, w2, all_weights, all_ids), (gate, up, down), want
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_mlp_folded_in_as_experts(shared: int, dtype: torch.dtype) -> None:
+    """A shared MLP of width S·I read in place as experts E .. E + S − 1 (weight 1): the routed
+    experts' naive sum plus the shared MLP computed whole, in float32."""
+    from irminsul.kernels.fused_moe import MoETiles, SharedExperts, fused_experts
+
+    problem_, (gate, up, down), want = shared_problem(13, shared, dtype, seed=shared)
+    args = [t.to(DEVICE) for t in problem_]
+    for tiles in (None, MoETiles(16, 16, 32, 4, 2)):  # one with masked K steps and columns
+        got = fused_experts(*args, tiles=tiles,
+                            shared=SharedExperts(gate.to(DEVICE), up.to(DEVICE), down.to(DEVICE)))
+        check(got, want, dtype)
+    with pytest.raises(ValueError, match="whole number"):
+        fused_experts(*args, shared=SharedExperts(gate[:-1].to(DEVICE), up[:-1].to(DEVICE),
+                                                  down[:, :-1].to(DEVICE)))
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37])
