@@ -262,7 +262,8 @@ def test_masked_multi_span_prefill_equals_span_by_span(tmp_path, monkeypatch) ->
     """A target whose reused documents split its computed tokens into a long header (past the
     kernel's span limit) and a short question attends in one masked call per layer on the kernel
     path; it serves what attending span by span (header in torch, question in the kernel)
-    serves."""
+    serves. So does a prompt whose spans before its question merge while the question, past
+    MERGED_MAX_KEYS, attends in the kernel beside them."""
     import irminsul.engine.model_runner as runner_module
     from irminsul.engine import Engine
     from irminsul.model.mla import naive_from
@@ -272,22 +273,41 @@ def test_masked_multi_span_prefill_equals_span_by_span(tmp_path, monkeypatch) ->
     from irminsul.model.mla import MLAttention
 
     header = naive_from(model.config) + 29
-    served, calls = {}, []
+    served, calls, mixed = {}, [], []
     masked = MLAttention._attend_masked
     monkeypatch.setattr(MLAttention, "_attend_masked",
                         lambda self, *a: calls.append(1) or masked(self, *a))
-    for merged in (True, False):
-        if not merged:
-            assert calls  # the masked call ran
-            calls.clear()
-            monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", 0)
-        served[merged] = serve_shifted(
+    route = runner_module.ModelRunner._route
+
+    def routed(self, batch):  # a forward with a masked call and kernel spans side by side
+        kernel, gathered, merged = route(self, batch)
+        mixed.append(bool(kernel and merged))
+        return kernel, gathered, merged
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_route", routed)
+    fresh = np.random.default_rng(3).integers(0, 97, header + 20)
+
+    def three_spans(source, target, doc_a):  # a new header, B, 20 new tokens, A, the question
+        return [np.concatenate([fresh[:header], target[header:header + 120], fresh[header:],
+                                doc_a, target[-9:]])]
+
+    cases = {"merged": (runner_module.MERGED_MAX_KEYS, lambda s, t, _: [t[:header + 100]]),
+             "split": (0, lambda s, t, _: [t[:header + 100]]),
+             "early": (header + 120 + 20 + 150, three_spans),
+             "early split": (0, three_spans)}
+    for how, (limit, requests) in cases.items():
+        monkeypatch.setattr(runner_module, "MERGED_MAX_KEYS", limit)
+        calls.clear()
+        mixed.clear()
+        served[how] = serve_shifted(
             Engine(model, EngineConfig(slots=3000, mode="live", kernels=True)), seed=9,
-            headers=(40, header), docs=(150, 120), question=9,
-            requests=lambda source, target, _: [target[:header + 100]], batch_tokens=600,
-            chunk_tokens=600, max_tokens=3)
-    assert not calls and served[True].pic_tokens >= 200
-    assert_same(served[True], served[False], 1e-3)
+            headers=(40, header), docs=(150, 120), question=9, requests=requests,
+            batch_tokens=600, chunk_tokens=600, max_tokens=3)
+        assert bool(calls) == (limit > 0), how  # the masked call ran, or did not
+        assert any(mixed) == (how == "early"), how
+    assert served["merged"].pic_tokens >= 200
+    assert_same(served["merged"], served["split"], 1e-3)
+    assert_same(served["early"], served["early split"], 1e-3)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
