@@ -501,10 +501,6 @@ UNSTORED = [
                              "plain-torch path (27 layers, tiny widths)"),
     ("gpu/session_memory.py", "KV MB per session (the suite's memory section) and how many sessions a "
                               "memory budget holds for several k_r-per-c_KV slot ratios"),
-    ("gpu/request_compiles.py", "per request of a TTFT cell: TTFT and the Triton kernels compiled "
-                                "inside it, after the server's warm-up"),
-    ("gpu/break_even.py", "TTFT of a new 1K header + D tokens registered behind another header + one "
-                          "token, PIC live vs off, D = 16 … 8192, and the smallest D where live wins"),
 ]
 
 
@@ -731,6 +727,32 @@ def serve(r: dict[str, Any], name: str) -> list[str]:
                           f"{ratio['ttft_p50_speedup']:.2f}×",
                           f"{ratio['live_ttft_p99_over_off_ttft_p50']:.2f}"]])
     return lines
+
+
+def request_compiles(r: dict[str, Any], name: str) -> list[str]:
+    """benchmarks/gpu/request_compiles.py: the Triton compiles inside each request of a TTFT
+    cell, after the engines' start and warm-up."""
+    meta = r["meta"]
+    lines = ["## GPU: Triton compiles on a request's clock" + _variant(name, "gpu-request-compiles"),
+             "", f"`docs/results/{name}`. " + _run_line(meta), "",
+             "```bash", r.get("command", "python benchmarks/gpu/request_compiles.py --out F.json"),
+             "```", "",
+             f"Per prompt length, a live-PIC engine and the ideal's serve the GPU suite's "
+             f"{r['pattern']} cell one request at a time, after a start and warm-up as a server "
+             "makes them; a Triton cache hook counts every kernel compiled (a new combination of "
+             "constexprs and argument specialisations: 1–2 s each on a fresh machine). "
+             "*Requests that compiled*: over both arms; the slowest request's TTFT beside it."
+             + (f" Run {r['note']}." if r.get("note") else ""), ""]
+    rows = []
+    for c in r["cells"]:
+        compiled = sum(bool(q[arm]["compiled"]) for q in c["requests"] for arm in ("live", "ideal"))
+        slowest = max(c["requests"], key=lambda q: q["live"]["ms"])
+        rows.append([_k(c["length"]), f"{c['start_s']:.1f}", c["start_compiles"],
+                     f"{len(c['requests'])} × 2", compiled,
+                     f"{slowest['live']['ms']:.0f} (request {slowest['request']}, "
+                     f"{slowest['novel']:,} novel)"])
+    return lines + _table(("prompt", "engine start (s)", "compiles at start", "requests",
+                           "requests that compiled", "slowest live TTFT, ms"), rows)
 
 
 def _variant(name: str, stem: str) -> str:
@@ -1253,6 +1275,7 @@ def performance(results: Path = RESULTS) -> str:
         ("gpu-chunked-prefill.json", lambda p: chunked_prefill(_load(p), p.name)),
         ("gpu-serve-*.json", lambda p: serve(_load(p), p.name)),
         ("gpu-prefill-profile-*.txt", lambda p: prefill_profile(p.read_text(encoding="utf-8"), p.name)),
+        ("gpu-request-compiles*.json", lambda p: request_compiles(_load(p), p.name)),
         ("cpu-cache-host-time.json", lambda p: cache_host_time(_load(p), p.name)),
         ("cpu-decode-host-time.json", lambda p: decode_host_time(_load(p), p.name)),
         ("cpu-analyze-throughput.json", lambda p: analyze_throughput(_load(p), p.name)),

@@ -355,6 +355,9 @@ def test_request_compiles_runs(tmp_path: Path) -> None:
     for row in cell["requests"]:
         assert row["live"]["ms"] > 0 and row["ideal"]["ms"] > 0
         assert row["live"]["compiled"] == row["ideal"]["compiled"] == []
+    section = report.request_compiles(results, "gpu-request-compiles.json")
+    assert section[0] == "## GPU: Triton compiles on a request's clock"
+    assert any(line.startswith("| 1K |") and "| 4 × 2 | 0 |" in line for line in section)
 
 
 def test_break_even_run_and_rule(tmp_path: Path) -> None:
