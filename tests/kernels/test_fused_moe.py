@@ -85,6 +85,13 @@ def test_fused_experts_match_naive(case: str, dtype: torch.dtype) -> None:
     check(got, want, dtype)
 
 
+def naive_shared_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                     down: torch.Tensor) -> torch.Tensor:
+    """A shared MLP computed whole in float32 on the CPU: [T, D]."""
+    xf = x.float().cpu()
+    return (F.silu(xf @ gate.float().cpu().T) * (xf @ up.float().cpu().T)) @ down.float().cpu().T
+
+
 def shared_problem(tokens: int, shared: int, dtype: torch.dtype, seed: int = 0
                    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
     """8 routed experts (k 3) and a shared MLP of ``shared`` experts' width: (x, w13, w2, the
@@ -96,9 +103,7 @@ def shared_problem(tokens: int, shared: int, dtype: torch.dtype, seed: int = 0
     gate, up = ((torch.randn(shared * inter, dim, generator=gen) / dim ** 0.5).to(dtype)
                 for _ in range(2))
     down = (torch.randn(dim, shared * inter, generator=gen) / inter ** 0.5).to(dtype)
-    xf = x.float()
-    want = naive_experts(x, w13, w2, weights, ids) + (
-        F.silu(xf @ gate.float().T) * (xf @ up.float().T)) @ down.float().T
+    want = naive_experts(x, w13, w2, weights, ids) + naive_shared_mlp(x, gate, up, down)
     all_ids = torch.cat([ids, (experts + torch.arange(shared)).expand(tokens, shared)], 1)
     all_weights = torch.cat([weights, torch.ones(tokens, shared)], 1)
     return (x, w13, w2, all_weights, all_ids), (gate, up, down), want
@@ -186,10 +191,7 @@ def test_router_launch_releases_the_shared_experts_early(tokens: int) -> None:
         logits = x.float() @ router.T
         want_w, want_ids = logits.softmax(-1).topk(3, dim=-1)
         assert torch.equal(ids[:, :3].long().cpu(), want_ids.cpu())
-        xf = x.float().cpu()
-        gate, up, down = (t.float() for t in mlp)
-        want = naive_experts(x, w13, w2, want_w.cpu(), want_ids.cpu()) + (
-            F.silu(xf @ gate.T) * (xf @ up.T)) @ down.T
+        want = naive_experts(x, w13, w2, want_w.cpu(), want_ids.cpu()) + naive_shared_mlp(x, *mlp)
         check(out, want, torch.bfloat16)
 
 
