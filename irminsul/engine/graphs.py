@@ -198,6 +198,20 @@ class CudaGraphs:
                   if staged.wanted else None)
         return self.forwards[staged.launch]()[:staged.tokens], wanted
 
+    def splits(self, tokens: int) -> int:
+        """Key splits per request in the launch that replays a batch of ``tokens`` tokens: one
+        program walks each request's keys / splits, so a request with many more keys than
+        the others sets the launch's time. 0 where the launch cuts each block's keys into
+        pieces by their length (a long request spread over many programs)."""
+        bucket = self.bucket(tokens)
+        return self._splits(bucket, block_rows(bucket, self.heads))
+
+    def _splits(self, bucket: int, block_m: int) -> int:
+        """A launch's key splits per request; 0: in pieces."""
+        if in_pieces(block_m, block_room(bucket, self.heads, block_m)):
+            return 0
+        return key_splits(whole_blocks(bucket, self.heads, block_m), block_m, self.ckv.device)
+
     def _plan_size(self, room: int) -> int:
         """Entries of the pieces' table of a 16-row launch with ``room`` blocks: pieces for
         ``programs`` programs plus one per block at most (:meth:`PagedLayout.plan`)."""
@@ -238,7 +252,7 @@ class CudaGraphs:
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
         lengths = [len(h) for h in handles]
         table[:, :len(new)] = PagedLayout.request_table(new, lengths)[:, :len(new)]
-        if in_pieces(block_m, blocks.shape[1]):  # unused blocks read no keys
+        if not self._splits(bucket, block_m):  # in pieces; unused blocks read no keys
             work = np.zeros(blocks.shape[1], dtype=np.int64)
             work[:used[0].size] = PagedLayout.block_work(new, lengths, self.heads, *used, block_m)
             schedule[:] = PagedLayout.plan(work, self.programs, room=self.programs + work.size)
@@ -261,13 +275,12 @@ class CudaGraphs:
         # request for 16-row blocks, 64 for 64-row ones).
         rows, _, blocks, table, schedule, keys_c, keys_r = self._views(self.inputs.buffer,
                                                                        bucket, block_m)
-        if in_pieces(block_m, blocks.shape[1]):
+        splits = self._splits(bucket, block_m)
+        if not splits:
             layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket,
                                  self.heads, block_m, 1, schedule,
                                  self.programs + blocks.shape[1])
         else:
-            splits = key_splits(whole_blocks(bucket, self.heads, block_m), block_m,
-                                self.ckv.device)
             layout = PagedLayout(keys_c, keys_r, table, blocks[0], blocks[1], bucket,
                                  self.heads, block_m, splits)
         kv = PagedKV(self.ckv, self.kr, rows[2], rows[3], layout, None, [])

@@ -45,6 +45,13 @@ MERGED_MAX_KEYS = 8192
 # prefill blocks (benchmarks/gpu/attention_kernels.py), ~20 ns per pair over 27 layers: ~1.5M pairs of
 # 16 heads (a 1K-token fresh prefill is 8.4M row-key pairs, a 2K one 34M) cost that much.
 GRAPH_PAIRS = 24_000_000
+# ...and while no program of the graph's launch walks more than this many keys. A launch that
+# splits each request's keys evenly (64-row blocks: batches past 512 tokens, one split a request
+# past 1K) gives a request with many more keys than the others one program: the question of a
+# new 2K-token header, alone at 16,384 keys, took the kernel 3.7 ms a layer on an H100, 101 of
+# the forward's 132 ms (the eager forward of the same tokens: ~60 ms, the question in a launch
+# of its own split 128 ways). 2,048 keys a program: some 0.5 ms a layer at that rate.
+GRAPH_SPLIT_KEYS = 2048
 
 
 def default_kernels(model: MLAModel) -> bool:
@@ -199,19 +206,44 @@ class ModelRunner:
     def _replays_whole(self, batch: ForwardBatch, item_spans: list[tuple[np.ndarray, ...]]
                        ) -> bool:
         """Whether a batch whose spans are not all short runs whole in the kernel, from a graph:
-        its tokens fit a bucket and its long spans' attention is at most GRAPH_PAIRS (query
-        row, visible key) pairs (short spans run in the kernel anyway)."""
+        its tokens fit a bucket, the attention the graph moves into the kernel is at most
+        GRAPH_PAIRS (query row, visible key) pairs — its long spans', and its short spans' that
+        the eager route would attend in one masked call (:meth:`_merging`) instead of the
+        kernel; other short spans run in the kernel either way — and no program of the launch
+        walks more than GRAPH_SPLIT_KEYS keys."""
         if self.graphs is None or batch.tokens.size > self.graphs.buckets[-1]:
             return False
-        pairs, long_spans = 0, False
+        pairs, long_spans, keys = 0, False, 0
         for at, spans in zip(batch.positions, item_spans):
-            for rows in spans:
+            merging = self._merging(at, spans)
+            keys = max(keys, int(at[-1]) + 1)
+            for i, rows in enumerate(spans):
                 n = len(rows)
                 if n >= self._naive_from:
                     long_spans = True
+                if n >= self._naive_from or i < merging:
                     pairs += n * (int(at[rows[0]]) + (n + 1) // 2)
         heads = self.model.config.num_attention_heads
-        return long_spans and pairs * heads <= GRAPH_PAIRS
+        if not long_spans or pairs * heads > GRAPH_PAIRS:
+            return False
+        splits = self.graphs.splits(batch.tokens.size)
+        return not splits or keys <= GRAPH_SPLIT_KEYS * splits
+
+    def _merging(self, at: np.ndarray, spans: tuple[np.ndarray, ...]) -> int:
+        """How many of an item's leading spans the eager route attends in one masked call (0:
+        none). Reused runs between computed ones split a prefill into spans, each an attention
+        call of its own per layer (a dozen host ops each); one call over all the item's rows up
+        to the last position of the spans that end below MERGED_MAX_KEYS, masked by position,
+        costs one. Spans past it (a prompt's tail after a long reused body) attend on their
+        own: the mask would cover every key up to them. With the kernel, only where a long span
+        is among them: short spans alone attend in one kernel launch anyway."""
+        early = 0
+        while early < len(spans) and int(at[spans[early][-1]]) < MERGED_MAX_KEYS:
+            early += 1
+        if early > 1 and (not self.kernels
+                          or max(len(rows) for rows in spans[:early]) >= self._naive_from):
+            return early
+        return 0
 
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> list[torch.Tensor]:
         """Each item's logits: [n, vocab] with ``all_logits``, else [1, vocab] for its last
@@ -271,16 +303,8 @@ class ModelRunner:
                     kernel.append((rows + offset, n, seq_keys[:first + n]))
                 offset += len(at)
                 continue
-            # Reused runs between computed ones split a prefill into spans, each an attention
-            # call of its own per layer (a dozen host ops each); one call over all the item's
-            # rows up to the last position of the spans that end below MERGED_MAX_KEYS, masked
-            # by position, costs one. Spans past it (a prompt's tail after a long reused body)
-            # attend on their own: the mask would cover every key up to them.
-            early = 0
-            while early < len(spans) and int(at[spans[early][-1]]) < MERGED_MAX_KEYS:
-                early += 1
-            if early > 1 and (not self.kernels
-                              or max(len(rows) for rows in spans[:early]) >= self._naive_from):
+            early = self._merging(at, spans)
+            if early:
                 rows = np.concatenate(spans[:early])
                 merged.append((rows + offset, at[rows], seq_keys[:int(at[rows[-1]]) + 1]))
                 spans = spans[early:]

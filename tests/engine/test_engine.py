@@ -1112,3 +1112,60 @@ def test_repair_of_every_reused_token_is_full_recomputation(model3) -> None:
     assert (logits - full).abs().max() <= 1e-4 * full.abs().max()
     engine.finish(seq)
     engine.check()
+
+
+def test_graph_replay_counts_the_spans_eager_would_merge(model3, monkeypatch) -> None:
+    """Where there are graphs, a batch with long spans replays whole in the kernel only while the
+    attention it moves there is at most GRAPH_PAIRS (query row, visible key) pairs. That is its
+    long spans' pairs and, since the eager route attends an item's leading spans (below
+    MERGED_MAX_KEYS, a long one among them) in one masked call, those spans' short ones too:
+    a new header split by reused runs, its question past the limit (an H100 spent 101 of
+    132 ms in the kernel on such a prompt). Short spans the eager route runs in the kernel as
+    well (a question past the limit, decode tokens) do not count. Pairs hand-counted. Nor
+    does a batch replay whole where its launch splits each request's keys evenly and one
+    program would walk more than GRAPH_SPLIT_KEYS of them."""
+    from types import SimpleNamespace
+
+    import irminsul.engine.model_runner as runner_module
+    from irminsul.engine.batch import ForwardBatch
+
+    runner = Engine(model3, EngineConfig(slots=64, mode="live")).runner
+    monkeypatch.setattr(runner, "kernels", True)
+    monkeypatch.setattr(runner, "_naive_from", 100)
+    launch = {"splits": 0}  # 0: the launch cuts keys into pieces
+    monkeypatch.setattr(runner, "graphs", SimpleNamespace(buckets=(1024,),
+                                                          splits=lambda _: launch["splits"]))
+    heads = model3.config.num_attention_heads
+
+    def batch(*items: np.ndarray) -> ForwardBatch:
+        tokens = sum(len(at) for at in items)
+        return ForwardBatch(np.zeros(tokens, dtype=np.int64), list(items),
+                            [np.arange(int(at[-1]) + 1) for at in items],
+                            np.arange(tokens))
+
+    # A header: a long span [0, 200) and a short one [300, 350) between reused runs; the
+    # question, one token at 20,000. Pairs: 200 * (0 + 100) + 50 * (300 + 25) = 36,250 with
+    # the short span, 20,000 without; the question's 20,001 are not counted.
+    header = batch(np.concatenate([np.arange(200), np.arange(300, 350), [20_000]]))
+    for limit, whole in ((36_250, True), (36_249, False), (20_000, False)):
+        monkeypatch.setattr(runner_module, "GRAPH_PAIRS", limit * heads)
+        kernel, gathered, merged = runner._route(header)
+        assert (not gathered and not merged and len(kernel) == 3) == whole, limit
+        if not whole:  # the leading spans in one masked call, the question in the kernel
+            assert [len(rows) for rows, _, _ in merged] == [250] and len(kernel) == 1
+    # A prefill chunk [1000, 1200) beside two decode tokens at 9,000: only the chunk counts,
+    # 200 * (1000 + 100) = 220,000 pairs.
+    mixed = batch(np.arange(1000, 1200), np.array([9000]), np.array([9000]))
+    for limit, whole in ((220_000, True), (219_999, False)):
+        monkeypatch.setattr(runner_module, "GRAPH_PAIRS", limit * heads)
+        kernel, gathered, merged = runner._route(mixed)
+        assert (len(kernel) == 3 and not gathered) == whole, limit
+    # A launch of 2 splits a request: the chunk beside a decode token whose 4,097 keys would
+    # be one program's 2,049 replays eagerly; beside one of 4,096 keys, whole.
+    monkeypatch.setattr(runner_module, "GRAPH_PAIRS", 220_000 * heads)
+    launch["splits"] = 2
+    for keys, whole in ((runner_module.GRAPH_SPLIT_KEYS * 2, True),
+                        (runner_module.GRAPH_SPLIT_KEYS * 2 + 1, False)):
+        kernel, gathered, merged = runner._route(
+            batch(np.arange(1000, 1200), np.array([keys - 1])))
+        assert (len(kernel) == 2 and not gathered) == whole, keys
