@@ -499,6 +499,9 @@ UNSTORED = [
                                   "for every real rotary"),
     ("cpu/host_overhead.py", "host time and torch ops dispatched per 1-token forward of the model's "
                              "plain-torch path (27 layers, tiny widths)"),
+    ("gpu/replay_rule.py", "live-PIC TTFT per request under the CUDA-graph whole-replay rule before "
+                           "78d37e3 and now, in one run (H100, agent_meta 16K H 2000: p95 "
+                           "130.8 -> 66.8 ms; docs/design.md)"),
     ("gpu/session_memory.py", "KV MB per session (the suite's memory section) and how many sessions a "
                               "memory budget holds for several k_r-per-c_KV slot ratios"),
 ]

@@ -343,6 +343,21 @@ def test_chunked_prefill_run(tmp_path: Path) -> None:
         assert c["load"]["steps"] == c["alone"]["forwards"]  # one chunk per step, decodes beside
 
 
+def test_replay_rule_runs(tmp_path: Path) -> None:
+    """The whole-replay A/B on the tiny model: both rules serve every request and compute the
+    same tokens (a rule changes only where a forward's attention runs); off a GPU there are no
+    graphs, so neither replays whole."""
+    results = _script("replay_rule", "--cells", "agent_meta:1024:200", "--requests", "4",
+                      tmp_path=tmp_path)
+    (cell,) = results["cells"]
+    before, now = cell["before"]["requests"], cell["now"]["requests"]
+    assert len(before) == len(now) == 6
+    assert [r["computed"] for r in before] == [r["computed"] for r in now]
+    assert before[0]["computed"] == 1024 and any(100 < r["computed"] < 1024 for r in before)
+    assert not any(r["whole"] for r in before + now)
+    assert cell["now"]["ms_p95"] >= cell["now"]["ms_p50"] > 0
+
+
 def test_request_compiles_runs(tmp_path: Path) -> None:
     """The compile probe on the tiny model: every request of the cell served by both arms, the
     novel spans as shift_prompts counts them (rerank at 1024: the first request's documents are
