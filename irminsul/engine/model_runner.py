@@ -50,8 +50,9 @@ GRAPH_PAIRS = 24_000_000
 # past 1K) gives a request with many more keys than the others one program: the question of a
 # new 2K-token header, alone at 16,384 keys, took the kernel 3.7 ms a layer on an H100, 101 of
 # the forward's 132 ms (the eager forward of the same tokens: ~60 ms, the question in a launch
-# of its own split 128 ways). 2,048 keys a program: some 0.5 ms a layer at that rate.
-GRAPH_SPLIT_KEYS = 2048
+# of its own split 128 ways). At that rate 4,096 keys a program cost some 25 ms over 27 layers,
+# about what the eager forward's host time costs.
+GRAPH_SPLIT_KEYS = 4096
 
 
 def default_kernels(model: MLAModel) -> bool:
