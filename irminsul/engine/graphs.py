@@ -252,7 +252,7 @@ class CudaGraphs:
         blocks[0, :used[0].size], blocks[1, :used[1].size] = used
         lengths = [len(h) for h in handles]
         table[:, :len(new)] = PagedLayout.request_table(new, lengths)[:, :len(new)]
-        if not self._splits(bucket, block_m):  # in pieces; unused blocks read no keys
+        if in_pieces(block_m, blocks.shape[1]):  # unused blocks read no keys
             work = np.zeros(blocks.shape[1], dtype=np.int64)
             work[:used[0].size] = PagedLayout.block_work(new, lengths, self.heads, *used, block_m)
             schedule[:] = PagedLayout.plan(work, self.programs, room=self.programs + work.size)
