@@ -214,10 +214,9 @@ class ModelRunner:
         walks more than GRAPH_SPLIT_KEYS keys."""
         if self.graphs is None or batch.tokens.size > self.graphs.buckets[-1]:
             return False
-        pairs, long_spans, keys = 0, False, 0
+        pairs, long_spans = 0, False
         for at, spans in zip(batch.positions, item_spans):
-            merging = self._merging(at, spans)
-            keys = max(keys, int(at[-1]) + 1)
+            merging = self._merging(at, spans) if len(spans) > 1 else 0  # decode items: one span
             for i, rows in enumerate(spans):
                 n = len(rows)
                 if n >= self._naive_from:
@@ -228,6 +227,7 @@ class ModelRunner:
         if not long_spans or pairs * heads > GRAPH_PAIRS:
             return False
         splits = self.graphs.splits(batch.tokens.size)
+        keys = max(int(at[-1]) for at in batch.positions) + 1  # the longest request's
         return not splits or keys <= GRAPH_SPLIT_KEYS * splits
 
     def _merging(self, at: np.ndarray, spans: tuple[np.ndarray, ...]) -> int:
