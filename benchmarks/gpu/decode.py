@@ -26,6 +26,7 @@ graph (:func:`launch_us`) — a small step's kernels each pay that ramp, whateve
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -306,9 +307,15 @@ def main() -> None:
     parser.add_argument("--shared-first", choices=["on", "off"], default="on",
                         help="route_aligned's shared experts sorted first and run beside the "
                         "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
+    parser.add_argument("--warm", nargs="+",
+                        choices=["off", "normal", "evict_last", "shared_only", "no_down"],
+                        default=["evict_last"],
+                        help="the shared experts prefetched into L2 during a decode step's "
+                        "attention (kernels.prefetch), and the prefetched lines' cache policy; "
+                        "several: each cell runs once per setting, in order (an A/B)")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
-    from irminsul.kernels import router
+    from irminsul.kernels import prefetch, router
 
     router.SHARED_FIRST = args.shared_first == "on"
     model = build_model(args.device, tiny=args.tiny)
@@ -320,21 +327,26 @@ def main() -> None:
         print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)
         results["chain_us"] = chain_us(args.device)
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
-    for context in args.contexts:
-        for batch in args.batches:
-            profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
-            cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
-            results["cells"].append(cell)
-            print(f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
-                  f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "
-                  f"step/floor {cell['step_over_floor']:5.2f}  experts/layer "
-                  f"{cell['experts_touched_per_layer']:.1f}  kernels/step "
-                  f"{cell['kernels_per_step'] or 0:.0f}", flush=True)
-            if "profile" in cell:
-                print(cell["profile"], flush=True)
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=1)
-            torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    for context, batch, warm in itertools.product(args.contexts, args.batches, args.warm):
+        prefetch.MAX_TOKENS, prefetch.POLICY = (0, "normal") if warm == "off" else (
+            16, warm if warm in ("normal", "evict_last") else "evict_last")
+        prefetch.WITH_O_PROJ = warm != "shared_only"
+        prefetch.WITH_DOWN = warm != "no_down"
+        profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
+        cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
+        cell["warm"] = warm
+        results["cells"].append(cell)
+        print(f"warm {warm:>10}  "
+              f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
+              f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "
+              f"step/floor {cell['step_over_floor']:5.2f}  experts/layer "
+              f"{cell['experts_touched_per_layer']:.1f}  kernels/step "
+              f"{cell['kernels_per_step'] or 0:.0f}", flush=True)
+        if "profile" in cell:
+            print(cell["profile"], flush=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
 
 
 if __name__ == "__main__":

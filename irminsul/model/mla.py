@@ -186,13 +186,17 @@ class MLAttention(nn.Module):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
 
-    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
+                      warm: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
         new rows are stored first; then the kernel's spans attend in one launch reading the pool
-        in place, and each other span attends in torch to its context gathered from the pool."""
+        in place, and each other span attends in torch to its context gathered from the pool.
+        ``warm``: weights the layer reads next (up to three), prefetched into L2 with o_proj's
+        once the projection is launched, where the batch runs the fused path (the chain after it
+        is latency-bound; :mod:`irminsul.kernels.prefetch`)."""
         if self.kernels and kv.layout is not None and kv.kernel_tokens is None and not (
                 kv.gathered or kv.masked):
-            return self._forward_fused(x, positions, kv)
+            return self._forward_fused(x, positions, kv, warm)
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
@@ -221,8 +225,8 @@ class MLAttention(nn.Module):
                                                   spans.positions)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV
-                       ) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
+                       warm: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
         short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
         and stores the new latent rows and writes the attention query (its rope columns
@@ -238,6 +242,12 @@ class MLAttention(nn.Module):
             both = self._joint_projection(x, joint)
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
+        if warm:
+            from ..kernels import prefetch
+
+            o_proj = self.o_proj.weight
+            own = (o_proj,) if prefetch.WITH_O_PROJ and type(self.o_proj) is nn.Linear else ()
+            prefetch.warm((*warm, *own))
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
         query = x.new_empty(tokens, self.heads, self.rank + self.rope_dim)

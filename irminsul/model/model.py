@@ -57,9 +57,13 @@ class DecoderLayer(nn.Module):
         (:meth:`settle` sums them elsewhere)."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
-        attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
-        if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
-                and self.mlp.dispatch is None):
+        moe = (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
+               and self.mlp.dispatch is None)
+        # A decode step's MoE finds its shared experts in L2: prefetched while the attention's
+        # chain of small launches leaves the memory idle.
+        warm = self.mlp.known_weights(x.shape[0]) if moe else ()
+        attended = self._summed(self.self_attn.forward_paged(h, positions, kv, warm))
+        if moe:
             # The norm's launch also writes its output widened to float32, which the router
             # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch

@@ -285,6 +285,24 @@ class MoE(nn.Module):
         return grouped_experts(rows, *self.dense_experts(rows.dtype), weights, ids,
                                first=self.expert_first)
 
+    def known_weights(self, tokens: int) -> tuple[torch.Tensor, ...]:
+        """The weights a forward of ``tokens`` rows reads whatever the router chooses, where
+        warming them into L2 ahead pays (kernels on, decode-sized batches: up to
+        :data:`~irminsul.kernels.prefetch.MAX_TOKENS`): the shared MLP's, read in place by the
+        fused kernel. Empty otherwise."""
+        if not self.kernels or self.dispatch is not None or self.expert_first is not None:
+            return ()
+        from ..kernels.prefetch import MAX_TOKENS  # needs triton: only with kernels
+
+        if not 0 < tokens <= MAX_TOKENS or not self._fused(tokens):
+            return ()
+        shared = self._shared_as_experts()
+        if shared is None:
+            return ()
+        from ..kernels.prefetch import WITH_DOWN
+
+        return (shared.gate, shared.up, shared.down) if WITH_DOWN else (shared.gate, shared.up)
+
     def _fused(self, tokens: int) -> bool:
         """Whether ``tokens`` rows run the fused Triton kernel rather than torch. FP8 experts take
         the kernel at every size: the torch path would dequantize every expert of the layer for
