@@ -307,12 +307,14 @@ def main() -> None:
     parser.add_argument("--shared-first", choices=["on", "off"], default="on",
                         help="route_aligned's shared experts sorted first and run beside the "
                         "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
-    parser.add_argument("--warm", nargs="+",
-                        choices=["off", "normal", "evict_last", "shared_only", "no_down"],
-                        default=["evict_last"],
-                        help="the shared experts prefetched into L2 during a decode step's "
-                        "attention (kernels.prefetch), and the prefetched lines' cache policy; "
-                        "several: each cell runs once per setting, in order (an A/B)")
+    parser.add_argument("--warm", nargs="+", default=["engine"],
+                        choices=["engine", "off", "normal", "evict_last", "shared_only",
+                                 "no_down"],
+                        help="the shared experts (and o_proj; shared_only: not it; no_down: "
+                        "not the shared down) prefetched into L2 during a decode step's "
+                        "attention (kernels.prefetch) with the lines' cache policy; engine: "
+                        "the engine's defaults; several: each cell runs once per setting, in "
+                        "order (an A/B)")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
     from irminsul.kernels import prefetch, router
@@ -328,10 +330,10 @@ def main() -> None:
         results["chain_us"] = chain_us(args.device)
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
     for context, batch, warm in itertools.product(args.contexts, args.batches, args.warm):
-        prefetch.MAX_TOKENS, prefetch.POLICY = (0, "normal") if warm == "off" else (
-            16, warm if warm in ("normal", "evict_last") else "evict_last")
-        prefetch.WITH_O_PROJ = warm != "shared_only"
-        prefetch.WITH_DOWN = warm != "no_down"
+        if warm != "engine":
+            prefetch.MAX_TOKENS, prefetch.POLICY = (0, "normal") if warm == "off" else (
+                16, warm if warm in ("normal", "evict_last") else "evict_last")
+            prefetch.WITH_O_PROJ, prefetch.WITH_DOWN = warm != "shared_only", warm != "no_down"
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
         cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
         cell["warm"] = warm
