@@ -309,9 +309,10 @@ def main() -> None:
                         "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
     parser.add_argument("--warm", nargs="+", default=["engine"],
                         choices=["engine", "off", "normal", "evict_last", "shared_only",
-                                 "no_down"],
+                                 "no_down", "following", "no_down_following"],
                         help="the shared experts (and o_proj; shared_only: not it; no_down: "
-                        "not the shared down) prefetched into L2 during a decode step's "
+                        "not the shared down; following: also the next layer's joint "
+                        "projection before the router) prefetched into L2 during a decode step's "
                         "attention (kernels.prefetch) with the lines' cache policy; engine: "
                         "the engine's defaults; several: each cell runs once per setting, in "
                         "order (an A/B)")
@@ -333,7 +334,9 @@ def main() -> None:
         if warm != "engine":
             prefetch.MAX_TOKENS, prefetch.POLICY = (0, "normal") if warm == "off" else (
                 16, warm if warm in ("normal", "evict_last") else "evict_last")
-            prefetch.WITH_O_PROJ, prefetch.WITH_DOWN = warm != "shared_only", warm != "no_down"
+            prefetch.WITH_O_PROJ = warm != "shared_only"
+            prefetch.WITH_DOWN = "no_down" not in warm
+            prefetch.FOLLOWING = "following" in warm
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
         cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
         cell["warm"] = warm

@@ -35,6 +35,8 @@ SLOTS = 4
 # are 43 MB).
 WITH_O_PROJ = True
 WITH_DOWN = True
+# The next layer's joint projection warmed by a launch before the router's (A/B switch).
+FOLLOWING = False
 # The cache policy of the prefetched lines: "evict_last" keeps them over lines loaded since,
 # "normal" is plain LRU. A switch for benchmarks' A/B.
 POLICY = "evict_last"

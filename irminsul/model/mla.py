@@ -125,6 +125,12 @@ class MLAttention(nn.Module):
                 return None
         return self._joint
 
+    def leading_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weight a fused forward reads first (the joint projection's, plain weights only),
+        for an earlier launch to warm into L2; empty otherwise."""
+        joint = self._joined() if self.kernels else None
+        return (joint["weight"],) if joint is not None and len(joint) == 1 else ()
+
     def _joint_projection(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> torch.Tensor:
         """x through the joint weight: [T, N_q + rank + rope]."""
         if "weight_scale_inv" not in joint:

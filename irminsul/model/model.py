@@ -48,13 +48,15 @@ class DecoderLayer(nn.Module):
         return self._mlp(x + self._summed(attn)), rows
 
     def forward_paged(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
-                      kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv: PagedKV, following: Sequence[torch.Tensor] = ()
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the pool: ``x`` is the residual stream before this layer, ``pending``
         the previous layer's MLP output not yet added to it (None before the first layer);
         returns the stream after attention and this layer's MLP output, pending in turn — so
         each residual add runs with the norm after it (one launch with kernels on). With kernels
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
-        (:meth:`settle` sums them elsewhere)."""
+        (:meth:`settle` sums them elsewhere). ``following``: the next layer's leading weights,
+        which a decode step's MoE may warm into L2 while it routes."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
         moe = (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
@@ -70,7 +72,7 @@ class DecoderLayer(nn.Module):
             # 1 on an H200).
             widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
             h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
-            return x, self.mlp(h, terms=True, widened=widened)
+            return x, self.mlp(h, terms=True, widened=widened, following=following)
         h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 
@@ -172,8 +174,12 @@ class MLAModel(nn.Module):
         """The last layer's hidden states [T, D] of a batch over the pool (inputs on the model's
         device): no host work that depends on the batch, so a CUDA graph can capture it."""
         x, pending = self.model.embed_tokens(token_ids), None
-        for layer in self.model.layers:
-            x, pending = layer.forward_paged(x, pending, positions, kv)
+        layers = self.model.layers
+        ahead = layers[0].kernels and _warms_following(token_ids.shape[0])
+        for i, layer in enumerate(layers):
+            following = (layers[i + 1].self_attn.leading_weights()
+                         if ahead and i + 1 < len(layers) else ())
+            x, pending = layer.forward_paged(x, pending, positions, kv, following)
         return x if pending is None else x + DecoderLayer.settle(pending)
 
     @torch.inference_mode()
@@ -224,6 +230,13 @@ class MLAModel(nn.Module):
         for layer in self.model.layers:
             x, _ = layer(x, positions, [None], [token_ids.shape[0]], None)
         return self.lm_head(self.model.norm(x[-1:])).float()[0]
+
+
+def _warms_following(tokens: int) -> bool:
+    """Whether a forward of ``tokens`` warms each next layer's leading weights (kernels on)."""
+    from ..kernels import prefetch  # needs triton: only with kernels
+
+    return prefetch.FOLLOWING and 0 < tokens <= prefetch.MAX_TOKENS
 
 
 def use_kernels(model: nn.Module, on: bool) -> None:

@@ -5,7 +5,7 @@ or experts, no host synchronisation) — in torch, or with kernels on in the fus
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -216,11 +216,14 @@ class MoE(nn.Module):
         return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
     def forward(self, x: torch.Tensor, terms: bool = False,
-                widened: torch.Tensor | None = None) -> torch.Tensor:
+                widened: torch.Tensor | None = None,
+                following: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """The block's output [T, D]; ``terms``: where the fused kernel runs with the shared MLP
         folded in, its terms [T, J, D] instead (each assignment's weighted expert output, J =
         top-k + shared widths), which sum to the output (the caller sums them). ``widened``:
-        ``x.float()``, already computed (the router reads it instead of casting x)."""
+        ``x.float()``, already computed (the router reads it instead of casting x).
+        ``following``: weights the next layer reads first, warmed into L2 before the router's
+        launch at decode sizes (:data:`~irminsul.kernels.prefetch.FOLLOWING`)."""
         routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
@@ -236,6 +239,11 @@ class MoE(nn.Module):
             shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             tiles = alignment = None
+            if following and self.known_weights(x.shape[0]):
+                from ..kernels import prefetch
+
+                if prefetch.FOLLOWING:
+                    prefetch.warm(following)
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
                                             self.gate.experts + count, x.dtype,
