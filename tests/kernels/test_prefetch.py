@@ -78,3 +78,53 @@ def test_decode_forwards_warm_every_moe_layer_and_compute_the_same(tmp_path, mon
     monkeypatch.setattr(prefetch, "MAX_TOKENS", 0)
     assert generate() == warmed
     assert calls == []
+
+
+def test_following_warms_the_next_layers_joint_projection(tmp_path, monkeypatch) -> None:
+    """With FOLLOWING on, each MoE layer but the last also hands the next layer's joint q/kv_a
+    weight to the prefetch (before its router); the last layer has none to hand."""
+    from irminsul.kernels import prefetch
+
+    build("v2_lite_like", tmp_path, layers=3)
+    model = load_model(tmp_path, device=DEVICE)
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(prefetch, "warm", lambda ts: calls.append(tuple(t.data_ptr() for t in ts)))
+    monkeypatch.setattr(prefetch, "MAX_TOKENS", 16)
+    monkeypatch.setattr(prefetch, "FOLLOWING", True)
+    engine = Engine(model, EngineConfig(slots=200, mode="off", kernels=True))
+    scheduler = Scheduler(engine, batch_tokens=64, chunk_tokens=64)
+    scheduler.add((torch.arange(30) % 97).numpy(), SamplingParams(max_tokens=3))
+    while scheduler.has_work():
+        scheduler.step()
+    layers = model.model.layers
+    joint = layers[2].self_attn._joined()
+    assert joint is not None  # kernels on join the two projections
+    assert (joint["weight"].data_ptr(),) in calls
+    singles = {c for c in calls if len(c) == 1}
+    assert singles == {(joint["weight"].data_ptr(),)}  # layer 1's MoE only: layer 2 is last
+
+
+def test_warm_rejects_what_it_cannot_prefetch() -> None:
+    from irminsul.kernels import prefetch
+
+    with pytest.raises(ValueError, match="up to 4 tensors"):
+        prefetch.warm([torch.zeros(4)] * 5)
+    with pytest.raises(ValueError, match="tensor 1 .* strides"):
+        prefetch.warm([torch.zeros(4), torch.zeros(4, 4).t()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefetches run on CUDA only")
+def test_warm_replays_from_a_graph_and_changes_nothing() -> None:
+    from irminsul.kernels import prefetch
+
+    tensors = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (3, 70_001, 1 << 20)]
+    before = [t.clone() for t in tensors]
+    prefetch.warm(tensors)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prefetch.warm(tensors)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
