@@ -308,14 +308,12 @@ def main() -> None:
                         help="route_aligned's shared experts sorted first and run beside the "
                         "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
     parser.add_argument("--warm", nargs="+", default=["engine"],
-                        choices=["engine", "off", "normal", "evict_last", "shared_only",
-                                 "no_down", "following", "no_down_following"],
-                        help="the shared experts (and o_proj; shared_only: not it; no_down: "
-                        "not the shared down; following: also the next layer's joint "
-                        "projection before the router) prefetched into L2 during a decode step's "
-                        "attention (kernels.prefetch) with the lines' cache policy; engine: "
-                        "the engine's defaults; several: each cell runs once per setting, in "
-                        "order (an A/B)")
+                        choices=["engine", "off", "bulk", "lines", "no_down", "following"],
+                        help="the shared experts and o_proj prefetched into L2 during a decode "
+                        "step's attention (kernels.prefetch): bulk or lines (its METHOD); "
+                        "no_down: bulk without the shared down; following: bulk, and the next "
+                        "layer's joint projection before the router; engine: the engine's "
+                        "defaults; several: each cell runs once per setting, in order (an A/B)")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
     from irminsul.kernels import prefetch, router
@@ -332,11 +330,9 @@ def main() -> None:
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
     for context, batch, warm in itertools.product(args.contexts, args.batches, args.warm):
         if warm != "engine":
-            prefetch.MAX_TOKENS, prefetch.POLICY = (0, "normal") if warm == "off" else (
-                16, warm if warm in ("normal", "evict_last") else "evict_last")
-            prefetch.WITH_O_PROJ = warm != "shared_only"
-            prefetch.WITH_DOWN = "no_down" not in warm
-            prefetch.FOLLOWING = "following" in warm
+            prefetch.MAX_TOKENS = 0 if warm == "off" else 16
+            prefetch.METHOD = "lines" if warm == "lines" else "bulk"
+            prefetch.WITH_DOWN, prefetch.FOLLOWING = warm != "no_down", warm == "following"
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
         cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
         cell["warm"] = warm
