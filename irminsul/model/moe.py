@@ -223,7 +223,7 @@ class MoE(nn.Module):
         top-k + shared widths), which sum to the output (the caller sums them). ``widened``:
         ``x.float()``, already computed (the router reads it instead of casting x).
         ``following``: weights the next layer reads first, warmed into L2 before the router's
-        launch at decode sizes (:data:`~irminsul.kernels.prefetch.FOLLOWING`)."""
+        launch (decode sizes, :data:`~irminsul.kernels.prefetch.FOLLOWING`)."""
         routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
@@ -239,11 +239,10 @@ class MoE(nn.Module):
             shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             tiles = alignment = None
-            if following and self.known_weights(x.shape[0]):
-                from ..kernels import prefetch
+            if following:
+                from ..kernels.prefetch import warm
 
-                if prefetch.FOLLOWING:
-                    prefetch.warm(following)
+                warm(following)
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
                                             self.gate.experts + count, x.dtype,
@@ -293,21 +292,16 @@ class MoE(nn.Module):
         return grouped_experts(rows, *self.dense_experts(rows.dtype), weights, ids,
                                first=self.expert_first)
 
-    def known_weights(self, tokens: int) -> tuple[torch.Tensor, ...]:
-        """The weights a forward of ``tokens`` rows reads whatever the router chooses, where
-        warming them into L2 ahead pays (kernels on, decode-sized batches: up to
-        :data:`~irminsul.kernels.prefetch.MAX_TOKENS`): the shared MLP's, read in place by the
-        fused kernel. Empty otherwise."""
+    def known_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights a decode-sized forward reads whatever the router chooses, for a launch
+        before it to warm into L2: the shared MLP's, where the fused kernel reads them in place
+        (kernels on, all experts here). Empty otherwise."""
         if not self.kernels or self.dispatch is not None or self.expert_first is not None:
-            return ()
-        from ..kernels.prefetch import MAX_TOKENS  # needs triton: only with kernels
-
-        if not 0 < tokens <= MAX_TOKENS or not self._fused(tokens):
             return ()
         shared = self._shared_as_experts()
         if shared is None:
             return ()
-        from ..kernels.prefetch import WITH_DOWN
+        from ..kernels.prefetch import WITH_DOWN  # needs triton: only with kernels
 
         return (shared.gate, shared.up, shared.down) if WITH_DOWN else (shared.gate, shared.up)
 

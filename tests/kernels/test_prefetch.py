@@ -22,20 +22,24 @@ def _moes(model) -> list[MoE]:
 
 def test_known_weights_are_the_shared_mlp_at_decode_sizes(tmp_path, monkeypatch) -> None:
     from irminsul.kernels import prefetch
+    from irminsul.model.model import warming
 
     monkeypatch.setattr(prefetch, "MAX_TOKENS", 16)
+    assert [warming(t) for t in (0, 1, 16, 17)] == [(False, False), (True, False),
+                                                      (True, False), (False, False)]
+    monkeypatch.setattr(prefetch, "FOLLOWING", True)
+    assert [warming(t) for t in (1, 17)] == [(True, True), (False, False)]
     build("v2_lite_like", tmp_path, layers=3)
     model = load_model(tmp_path, device=DEVICE)
     moe = _moes(model)[0]
     mlp = moe.shared_experts
-    assert moe.known_weights(1) == ()  # kernels off: the torch path reads weights its own way
+    assert moe.known_weights() == ()  # kernels off: the torch path reads weights its own way
     moe.kernels = True
+    got = moe.known_weights()
     want = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    for tokens in (1, prefetch.MAX_TOKENS):
-        got = moe.known_weights(tokens)
-        assert len(got) == 3 and all(g is w for g, w in zip(got, want))
-    assert moe.known_weights(0) == ()
-    assert moe.known_weights(prefetch.MAX_TOKENS + 1) == ()
+    assert len(got) == 3 and all(g is w for g, w in zip(got, want))
+    monkeypatch.setattr(prefetch, "WITH_DOWN", False)
+    assert moe.known_weights() == want[:2]
 
 
 def test_decode_forwards_warm_every_moe_layer_and_compute_the_same(tmp_path, monkeypatch) -> None:
