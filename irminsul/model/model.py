@@ -62,8 +62,9 @@ class DecoderLayer(nn.Module):
             self.input_layernorm, x, pending)
         moe = (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
                and self.mlp.dispatch is None)
-        # A decode step's MoE finds its shared experts in L2: prefetched while the attention's
-        # chain of small launches leaves the memory idle.
+        # With warming on (kernels.prefetch; off until a GPU A/B decides), a decode step's MoE
+        # finds its shared experts in L2: prefetched while the attention's chain of small
+        # launches leaves the memory idle.
         known = self.mlp.known_weights() if warm and moe else ()
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv, known))
         if moe:
