@@ -330,7 +330,8 @@ def main() -> None:
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
     for context, batch, warm in itertools.product(args.contexts, args.batches, args.warm):
         if warm != "engine":
-            prefetch.MAX_TOKENS = 0 if warm == "off" else 16
+            # On: the decode sizes the router's one-launch path serves.
+            prefetch.MAX_TOKENS = 0 if warm == "off" else router.ALIGNED_MAX_TOKENS
             prefetch.METHOD = "lines" if warm == "lines" else "bulk"
             prefetch.WITH_DOWN, prefetch.FOLLOWING = warm != "no_down", warm == "following"
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
