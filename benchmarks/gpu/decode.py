@@ -20,12 +20,15 @@ graph (:func:`launch_us`) — a small step's kernels each pay that ramp, whateve
 
     python benchmarks/gpu/decode.py --out docs/results/gpu-decode.json
     python benchmarks/gpu/decode.py --batches 64 --contexts 4096 --profile 64 4096 --out F
+    python benchmarks/gpu/decode.py --batches 1 8 --arms engine router.ALIGNED_WARPS=1 --out F
     python benchmarks/gpu/decode.py --device cpu --tiny --batches 1 2 --contexts 64 --out F
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import itertools
 import json
 import statistics
@@ -293,6 +296,58 @@ def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
 
 
+def _presets() -> dict[str, dict[str, Any]]:
+    """The named arms: the L2 warming of kernels.prefetch (on: the decode sizes the router's
+    one-launch path serves), the shared experts' order in the router's sort."""
+    from irminsul.kernels import router
+
+    on = {"prefetch.MAX_TOKENS": router.ALIGNED_MAX_TOKENS}
+    return {"engine": {},
+            "warm-off": {"prefetch.MAX_TOKENS": 0},
+            "warm-bulk": {**on, "prefetch.METHOD": "bulk"},
+            "warm-lines": {**on, "prefetch.METHOD": "lines"},
+            "warm-no-down": {**on, "prefetch.METHOD": "bulk", "prefetch.WITH_DOWN": False},
+            "warm-following": {**on, "prefetch.METHOD": "bulk", "prefetch.FOLLOWING": True},
+            "shared-last": {"router.SHARED_FIRST": False}}
+
+
+def _switch(name: str) -> tuple[Any, str]:
+    """The current value of switch ``MODULE.NAME`` of irminsul.kernels, and its module's name."""
+    module, _, attr = name.rpartition(".")
+    try:
+        owner = importlib.import_module(f"irminsul.kernels.{module}") if module else None
+    except ImportError:
+        owner = None
+    if owner is None or not attr.isupper() or not hasattr(owner, attr):
+        raise SystemExit(f"--arms: {name!r} is not a switch MODULE.NAME of irminsul.kernels "
+                         "(an upper-case module constant)")
+    return getattr(owner, attr), module
+
+
+def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
+    """(label, settings) of one ``--arms`` entry: a preset, or MODULE.NAME=VALUE[,...] with
+    each VALUE a Python literal of the switch's type (a bare word: a string)."""
+    presets = _presets()
+    if text in presets:
+        return text, presets[text]
+    settings: dict[str, Any] = {}
+    for item in text.split(","):
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--arms: {text!r} is neither a preset ({', '.join(presets)}) nor "
+                             "MODULE.NAME=VALUE[,...]")
+        default, _ = _switch(name)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        if default is not None and value is not None and type(value) is not type(default):
+            raise SystemExit(f"--arms: {name} is {type(default).__name__} "
+                             f"({default!r}); {raw!r} is not")
+        settings[name] = value
+    return text, settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -304,41 +359,34 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs=2, action="append", default=[],
                         metavar=("BATCH", "CONTEXT"),
                         help="also profile this cell's steps (torch.profiler table; repeatable)")
-    parser.add_argument("--shared-first", choices=["on", "off"], default="on",
-                        help="route_aligned's shared experts sorted first and run beside the "
-                        "routing (kernels.router.SHARED_FIRST; off: after it, for an A/B)")
-    parser.add_argument("--warm", nargs="+", default=["engine"],
-                        choices=["engine", "off", "bulk", "lines", "no_down", "following"],
-                        help="the shared experts and o_proj prefetched into L2 during a decode "
-                        "step's attention (kernels.prefetch): bulk or lines (its METHOD); "
-                        "no_down: bulk without the shared down; following: bulk, and the next "
-                        "layer's joint projection before the router; engine: the engine's "
-                        "defaults; several: each cell runs once per setting, in order (an A/B)")
+    parser.add_argument("--arms", nargs="+", default=["engine"], metavar="ARM",
+                        help="each cell runs once per arm, in order (an A/B): a preset ("
+                        + ", ".join(_presets()) + ") or MODULE.NAME=VALUE[,...] setting switches "
+                        "of irminsul.kernels modules (e.g. router.ALIGNED_WARPS=1); every "
+                        "switch any arm sets is back at its default before the next arm")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
-    from irminsul.kernels import prefetch, router
-
-    router.SHARED_FIRST = args.shared_first == "on"
+    arms = [parse_arm(text) for text in args.arms]
+    defaults = {name: _switch(name)[0] for _, settings in arms for name in settings}
     model = build_model(args.device, tiny=args.tiny)
     copy_gbps = roofline.copy_bandwidth(args.device)
     results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
-                               "shared_first": router.SHARED_FIRST, "cells": []}
+                               "arms": {label: settings for label, settings in arms},
+                               "cells": []}
     if args.device.startswith("cuda"):
         results["launch_us"] = launch_us(args.device)
         print(f"one-value kernel replayed from a graph: {results['launch_us']:.2f} µs", flush=True)
         results["chain_us"] = chain_us(args.device)
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
-    for context, batch, warm in itertools.product(args.contexts, args.batches, args.warm):
-        if warm != "engine":
-            # On: the decode sizes the router's one-launch path serves.
-            prefetch.MAX_TOKENS = 0 if warm == "off" else router.ALIGNED_MAX_TOKENS
-            prefetch.METHOD = "lines" if warm == "lines" else "bulk"
-            prefetch.WITH_DOWN, prefetch.FOLLOWING = warm != "no_down", warm == "following"
+    for context, batch, (arm, settings) in itertools.product(args.contexts, args.batches, arms):
+        for name, value in {**defaults, **settings}.items():
+            module, attr = name.rsplit(".", 1)
+            setattr(importlib.import_module(f"irminsul.kernels.{module}"), attr, value)
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
         cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
-        cell["warm"] = warm
+        cell["arm"] = arm
         results["cells"].append(cell)
-        print(f"warm {warm:>10}  "
+        print(f"{arm:>14}  "
               f"context {context:>6}  batch {batch:>4}: step {cell['step_ms']:8.2f} ms  "
               f"{cell['tokens_per_s']:9.0f} tok/s  floor {cell['floor_ms']:7.2f} ms  "
               f"step/floor {cell['step_over_floor']:5.2f}  experts/layer "

@@ -49,6 +49,10 @@ BLOCK_T = 16
 # over about this many programs.
 ALIGNED_MAX_TOKENS = 16
 GEMV_PROGRAMS = 32
+# That launch's warps: None, by the experts (4 up to 64 of them, else 8). Its last program
+# chooses and sorts alone, a chain of reductions that fewer warps run without shared-memory
+# round trips; a switch for benchmarks' A/B (benchmarks/gpu/decode.py --arms).
+ALIGNED_WARPS: int | None = None
 # route_aligned sorts the shared experts' blocks first and lets the fused MoE launch while it
 # routes, its shared-expert programs running beside the routing (Alignment.lead). A switch for
 # benchmarks' A/B; the sort is the same either way but for the order of the experts' runs.
@@ -310,7 +314,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: str,
                   groups: int, topk_group: int, norm: bool, scaling: float, block_m: int,
                   bias: torch.Tensor | None = None, shared: int = 0,
-                  experts_total: int | None = None, num_warps: int | None = None
+                  experts_total: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """:func:`route`, and its assignments sorted by expert into blocks of ``block_m`` rows for
     the fused MoE (``align_blocks(ids, experts_total + shared, block_m)``).
@@ -324,8 +328,7 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
     On that path the ``shared`` experts' runs are sorted first (the :class:`Alignment`'s
     ``lead``, while :data:`SHARED_FIRST`) and the launch releases the next one (the fused MoE)
     as soon as it starts: the shared experts' gate/up programs, whose rows that order fixes,
-    stream their weights while this launch still routes.
-    ``num_warps``: the one-launch path's warps (default by the experts; for benchmarks)."""
+    stream their weights while this launch still routes."""
     from .fused_moe import align_blocks
 
     experts_total = _check(x, weight, top_k, method, groups, topk_group, bias, shared,
@@ -356,5 +359,5 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
         experts_total, shape.blocks, BLOCK_T=block_t, PER_PROGRAM=per_program, BLOCK_D=block_d,
         BINS_P2=shape.e_p2, BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan,
         BLOCK_CHUNK=shape.block_chunk, LEAD=lead, **meta, **pdl_args(x.device),
-        num_warps=num_warps or (4 if meta["E_P2"] <= 64 else 8))
+        num_warps=ALIGNED_WARPS or (4 if meta["E_P2"] <= 64 else 8))
     return weights, ids, out

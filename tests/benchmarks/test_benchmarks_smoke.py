@@ -315,18 +315,44 @@ def _script(name: str, *args: str, tmp_path: Path) -> dict:
 
 
 def test_decode_steps_against_their_floor_run(tmp_path: Path) -> None:
-    """The decode benchmark on the tiny model: every cell timed, its floor counted from the
-    model's own parameter bytes (hand-checked: KV rows are layers × (rank + rope) × 4 bytes)."""
+    """The decode benchmark on the tiny model: every cell timed once per arm, in order, its
+    floor counted from the model's own parameter bytes (hand-checked: KV rows are layers ×
+    (rank + rope) × 4 bytes); each arm's settings recorded as given."""
     results = _script("decode", "--batches", "1", "4", "--contexts", "64", "--steps", "3",
-                      "--warmup", "1", tmp_path=tmp_path)
+                      "--warmup", "1", "--arms", "engine", "router.ALIGNED_WARPS=2",
+                      tmp_path=tmp_path)
     cells = results["cells"]
-    assert [(c["batch"], c["context"]) for c in cells] == [(1, 64), (4, 64)]
+    assert [(c["batch"], c["context"], c["arm"]) for c in cells] == [
+        (1, 64, "engine"), (1, 64, "router.ALIGNED_WARPS=2"), (4, 64, "engine"),
+        (4, 64, "router.ALIGNED_WARPS=2")]
+    assert results["arms"] == {"engine": {}, "router.ALIGNED_WARPS=2": {"router.ALIGNED_WARPS": 2}}
     layers, rank, rope = (TINY["num_hidden_layers"], TINY["kv_lora_rank"],
                           TINY["qk_rope_head_dim"])
     for c in cells:
         assert c["step_ms"] > 0 and c["floor_ms"] > 0
         rows = c["batch"] * (c["context"] + 1 + c["steps"])  # contexts, warm-up and timed steps
         assert c["bytes"]["kv"] == rows * layers * (rank + rope) * 4
+
+
+def test_decode_arms_parse() -> None:
+    """--arms: presets by name, switches as typed literals; a name that is no switch, or a
+    value of another type than the switch's, is refused with the entry named."""
+    import decode
+
+    from irminsul.kernels import prefetch, router
+
+    assert decode.parse_arm("warm-following")[1] == {
+        "prefetch.MAX_TOKENS": router.ALIGNED_MAX_TOKENS, "prefetch.METHOD": "bulk",
+        "prefetch.FOLLOWING": True}
+    assert decode.parse_arm("prefetch.METHOD=lines,router.SHARED_FIRST=False") == (
+        "prefetch.METHOD=lines,router.SHARED_FIRST=False",
+        {"prefetch.METHOD": "lines", "router.SHARED_FIRST": False})
+    assert prefetch.METHOD == "bulk" and router.SHARED_FIRST  # parsing sets nothing
+    for bad, says in [("warm-fast", "neither a preset"), ("router.NOPE=1", "router.NOPE"),
+                      ("nomodule.X=1", "nomodule.X"), ("router.SHARED_FIRST=1", "is bool"),
+                      ("prefetch.MAX_TOKENS=many", "is int")]:
+        with pytest.raises(SystemExit, match=says):
+            decode.parse_arm(bad)
 
 
 def test_chunked_prefill_run(tmp_path: Path) -> None:
