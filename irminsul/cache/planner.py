@@ -248,9 +248,15 @@ class Planner:
         return out
 
     def acquire(self, plan: Plan) -> None:
-        """Hold what the plan reuses so eviction cannot take it before commit/release."""
-        self.radix.lock(plan.prefix.node)
-        for entry in plan.reused():
+        """Hold what the plan reuses so eviction cannot take it before commit/release; all of
+        it or, where something was evicted since the plan was made (ValueError), none."""
+        entries = plan.reused()
+        stale = [e for e in entries if not e.registered]
+        if stale:
+            raise ValueError(f"{len(stale)} chunk(s) the plan reuses were evicted after it was "
+                             f"made (first {stale[0].fingerprint:#x}): plan it again")
+        self.radix.lock(plan.prefix.node)  # raises, holding nothing, on an evicted node
+        for entry in entries:
             self.registry.lock(entry)
 
     def release(self, plan: Plan) -> None:

@@ -323,7 +323,11 @@ class Registry:
             self._lru.move_to_end(entry)
 
     def lock(self, entry: ChunkEntry) -> None:
-        """Hold an entry (a running request uses its handles): it cannot be evicted."""
+        """Hold an entry (a running request uses its handles): it cannot be evicted. An entry
+        evicted already is refused: its handles may be another's by now."""
+        if not entry.registered:
+            raise ValueError(f"chunk {entry.fingerprint:#x} has been evicted: a plan that "
+                             "reuses it was made before the eviction")
         entry.refcount += 1
 
     def unlock(self, entry: ChunkEntry) -> None:

@@ -98,7 +98,9 @@ class CacheManager:
                              f"{self.context}")
         plan = self.planner.plan(prompt, resets, namespace=namespace)
         if fetch and self.store is not None and self.mode == "live" and self._from_store(plan):
-            plan = self.planner.plan(prompt, resets, namespace=namespace)  # now they are hits
+            # Planned again whatever the fetch came to: making room for it may have evicted
+            # what the first plan reuses (nothing holds it yet), and what it fetched is a hit.
+            plan = self.planner.plan(prompt, resets, namespace=namespace)
         self.planner.acquire(plan)
         seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
@@ -192,15 +194,19 @@ class CacheManager:
     def _from_store(self, plan: Plan) -> bool:
         """Register the whole chunks ``plan`` misses that the shared store holds (verified, and
         only when fetching beats prefilling them): their rows are written into fresh slots and
-        registered at their source position, as if prefilled here. Whether any were."""
+        registered at their source position, as if prefilled here. Whether the store held any:
+        then the indexes may have changed under ``plan`` (room made by evicting, chunks
+        registered), even where the rows could not be placed, and ``plan`` must be made again."""
         found = self.store.fetch(plan)  # never raises: a failing store holds nothing
         sizes = [f.tokens.size for f in found]
-        if not found or not self._try_room(sum(sizes)):
+        if not found:
             return False
+        if not self._try_room(sum(sizes)):
+            return True
         handles = self.pool.alloc(sum(sizes))
         if not self.store.write(handles, found, self.write_rows):
             self.pool.release(handles)
-            return False
+            return True
         for f, mine in zip(found, np.split(handles, np.cumsum(sizes)[:-1])):
             entry = self.planner.registry.register(plan.namespace, f.fingerprint, f.tokens, mine,
                                                    f.rows.p_source)

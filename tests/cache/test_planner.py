@@ -611,6 +611,27 @@ def test_acquire_protects_against_eviction():
     planner.radix.check_integrity()
 
 
+def test_acquire_refuses_a_plan_made_before_an_eviction_and_holds_nothing():
+    """A plan whose hits were evicted after it was made is refused whole (ValueError): no lock
+    is left on its prefix path or on its entries still registered, so they stay evictable."""
+    doc = _doc(6, 1500)
+    planner = Planner(ALGORITHM1)
+    a = np.concatenate([_header(40, 0), doc])
+    planner.commit(planner.plan(a, [40]), np.arange(a.size))
+    c = np.concatenate([a[:100], _header(10, 7000), doc[:600]])
+    plan = planner.plan(c, [110])
+    assert plan.prefix.length == 100 and len(plan.hits) >= 2
+    gone = plan.hits[-1].entry
+    planner.registry.touch(plan.hits[0].entry)  # the others are younger: only the last goes
+    while gone.registered:
+        planner.registry.evict(1)
+    kept = [s.entry for s in plan.hits if s.entry.registered]
+    with pytest.raises(ValueError, match="evicted"):
+        planner.acquire(plan)
+    assert all(e.refcount == 0 for e in kept)
+    assert planner.radix.evictable_tokens == planner.radix.total_tokens  # no path locked
+
+
 def test_evict_is_lru_across_both_indexes():
     """Eviction follows one timeline over the radix tree and the registry: a stale radix branch
     goes before a chunk reused since, and a stale chunk before a recently used prefix."""

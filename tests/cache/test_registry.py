@@ -282,6 +282,18 @@ def test_lru_eviction_hand_built():
     assert reg.total_tokens == 0 and reg.num_entries == 0 and reg.entries() == []
 
 
+def test_lock_evicted_entry_raises():
+    """An entry found before an eviction and locked after it is refused, as the radix tree
+    refuses a detached node: its handles may be given out again."""
+    reg = Registry()
+    entry = reg.register(0, 1, np.arange(10), np.arange(100, 110), 0)
+    assert reg.lookup(0, 1, np.arange(10)) is entry
+    assert [h.tolist() for h in reg.evict(1)] == [list(range(100, 110))]
+    with pytest.raises(ValueError, match="evicted"):
+        reg.lock(entry)
+    assert entry.refcount == 0
+
+
 def test_evict_to_capacity_stops_at_capacity():
     """evict_to_capacity frees the oldest entries until total <= capacity, and no more; an
     unbounded registry never evicts."""

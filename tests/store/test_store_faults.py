@@ -121,3 +121,65 @@ def test_corrupted_values_are_dropped_and_counted(redis_server, engines) -> None
     c = engines(redis_server.url)
     seq, _ = c.prefill(source, rs)
     assert seq.stats.pic_tokens >= 300 and c.cache.store.stats.errors["corrupt"] == 0
+
+
+class _Holding:
+    """A shared store that holds the chunks of ``document`` and fails to write their rows
+    (``write_rows`` raised on some rank): what it offers never reaches the pool."""
+
+    def __init__(self, document: list[int]) -> None:
+        self.document = np.asarray(document, dtype=np.int64).tobytes()
+
+    def fetch(self, plan):
+        from irminsul.store.shared import Fetched
+        from irminsul.store.value import Rows
+
+        return [Fetched(c.fingerprint, plan.tokens[c.start:c.end].copy(), Rows(100, None, None))
+                for c in plan.chunks if c.kind == "miss" and c.start >= max(32, plan.prefix.length)
+                and plan.tokens[c.start:c.end].astype(np.int64).tobytes() in self.document]
+
+    def write(self, handles, found, write_rows) -> bool:
+        return False
+
+    def publish(self, *args) -> None:
+        pass
+
+
+def test_a_fetch_that_evicts_and_fails_leaves_no_stale_plan(tmp_path) -> None:
+    """Making room for a fetch evicts what no plan holds yet, the first plan's own hits among
+    them. When the fetched rows then cannot be written, that plan must not be served: it would
+    lock an evicted entry and serve c_KV slots already back on the free list (given out again to
+    the same prompt's computed tokens). The request waits for room instead, and every slot's
+    reference count agrees with the free lists."""
+    from fixtures.tiny_models import build
+
+    from irminsul.config import EngineConfig
+    from irminsul.engine import Engine
+    from irminsul.model import load_model
+
+    build("v3_like", tmp_path)
+    engine = Engine(load_model(tmp_path), EngineConfig(slots=680, kr_slots=1200, mode="live"))
+    scheduler = Scheduler(engine)
+    rng = np.random.default_rng(0)
+    head, a, c = (rng.integers(0, 97, n).tolist() for n in (40, 200, 40))
+    first = scheduler.add(head + a, SamplingParams(max_tokens=1), resets=[40])
+    while any(r.id == first for r in scheduler.running + scheduler.waiting):
+        scheduler.step()
+    engine.cache.store = _Holding(c)
+    scheduler.add(rng.integers(0, 97, 400).tolist(), SamplingParams(max_tokens=20))
+    scheduler.step()
+    scheduler.step()  # decoding: its 400 rows are held
+    # The same document a behind a longer header: its entries are hits of the first plan, and
+    # the store's c needs room that only evicting them (and more) could make.
+    third = scheduler.add(head + [5] * 8 + a + c, SamplingParams(max_tokens=2),
+                          resets=[40, 48, 248])
+    outputs = scheduler.step()
+    assert not [o for o in outputs if o.request_id == third and o.error]
+    engine.check()  # reference counts agree with the free lists
+    for request in scheduler.running:
+        if request.id == third:  # admitted: only what is still registered is reused
+            assert all(h.entry.registered for h in request.prefill.plan.hits)
+    while scheduler.has_work():
+        outputs = scheduler.step()
+        assert not [o for o in outputs if o.error]
+    engine.check()
