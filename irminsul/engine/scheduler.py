@@ -234,9 +234,11 @@ class Scheduler:
         return Load(len(self.running), len(self.waiting), pool.capacity, pool.free,
                     self.engine.runner.graph_replays, self.failed, self.cache.healed_tokens)
 
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
+    def abort(self, request_id: str, reason: str = "abort", *, remember: bool = True) -> bool:
         """Stop a request wherever it is (a dropped client, a stop string seen by the caller)
-        and free its slots. Returns whether it was found."""
+        and free its slots. Returns whether it was found. ``remember``: keep its rows in the
+        prefix index, as a finished request's; False where they may not all have been written
+        (a step that failed part way)."""
         self._discard_prepared()
         for request in self.waiting:
             if request.id == request_id:
@@ -246,7 +248,7 @@ class Scheduler:
                 return True
         for request in self.running:
             if request.id == request_id:
-                self._finish(request, reason)
+                self._finish(request, reason, remember=remember)
                 return True
         return False
 

@@ -365,12 +365,13 @@ class AsyncEngine:
         self._post(deliveries)
 
     def _fail_running(self, err: Exception) -> None:
-        """A step raised: the batch's requests are lost. Abort them (freeing their slots) and
-        tell their consumers; waiting requests were untouched and keep their turn."""
+        """A step raised: the batch's requests are lost. Abort them (freeing their slots, and
+        keeping none of their rows: the step may have stopped before writing some) and tell
+        their consumers; waiting requests were untouched and keep their turn."""
         failed = []
         for request in list(self.scheduler.running):
             try:
-                self.scheduler.abort(request.id, "error")
+                self.scheduler.abort(request.id, "error", remember=False)
             except Exception:
                 log.exception("abort of %s after a failed step failed", request.id)
                 self.scheduler.drop(request.id)

@@ -92,6 +92,26 @@ def test_abort_frees_slots(model) -> None:
     assert not scheduler.abort("nope")
 
 
+def test_abort_without_remembering_keeps_no_rows(model) -> None:
+    """A decoding request aborted keeps its decoded rows in the prefix index beside its prompt's
+    (which its prefill committed): a later request that continues it matches them. Aborted
+    with remember=False, as after a failed step whose rows may be unwritten, it keeps only the
+    prompt's."""
+    prompt = _prompts(6, 1)[0]
+    for remember in (True, False):
+        engine = Engine(model, EngineConfig(slots=3000))
+        scheduler = Scheduler(engine)
+        request = scheduler.add(prompt, SamplingParams(max_tokens=50))
+        output: list[int] = []
+        while len(output) < 4:  # prefilled, then decoding
+            output += [t for o in scheduler.step() for t in o.new_tokens]
+        assert scheduler.abort(request, "error", remember=remember)
+        engine.check()
+        match = engine.cache.planner.radix.match_prefix(np.concatenate([prompt, output]))
+        # The last token's row is computed by the step after it: the rows end one before.
+        assert match.length == (prompt.size + len(output) - 1 if remember else prompt.size)
+
+
 def test_drop_leaves_the_queues_without_touching_the_engine(model) -> None:
     """drop (the server's last resort when abort raises) removes a request from both queues;
     its sequence stays in the engine, which check() still accounts for."""

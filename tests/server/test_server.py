@@ -12,11 +12,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from fixtures.openai_server import SLOTS, Server
@@ -337,6 +339,44 @@ def test_async_engine_generate_abort_and_shutdown(model_dir: Path) -> None:
     asyncio.run(main())
     engine.scheduler.check()  # the thread is gone: check from here
     assert not engine.scheduler.has_work()
+
+
+def test_a_failed_step_keeps_none_of_its_requests_decoded_rows(model_dir: Path) -> None:
+    """A step that raises outside the per-request handlers fails the running requests; their
+    decoded rows (the failed step may not have written them all) stay out of the prefix index:
+    a prompt continuing the failed request matches only its prompt, which its prefill
+    committed. Serving goes on."""
+    engine = AsyncEngine(Scheduler(Engine(load_model(model_dir), EngineConfig(slots=512))))
+    scheduler = engine.scheduler
+    real = scheduler.step
+    fail = threading.Event()  # set by the test, read by the engine's thread
+
+    def step():
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected step fault")
+        return real()
+
+    scheduler.step = step
+    prompt = list(range(10, 60))
+    engine.start()
+
+    async def main() -> list[int]:
+        output: list[int] = []
+        with pytest.raises(EngineError, match="injected step fault"):
+            async for out in engine.generate(prompt, SamplingParams(max_tokens=400)):
+                output += out.new_tokens
+                if len(output) >= 4:
+                    fail.set()
+        outs = [o async for o in engine.generate(list(range(70, 90)), SamplingParams(max_tokens=2))]
+        assert outs[-1].finish_reason == "length"
+        return output
+
+    output = asyncio.run(main())
+    engine.shutdown()
+    scheduler.check()
+    match = scheduler.engine.cache.planner.radix.match_prefix(np.array(prompt + output))
+    assert len(output) >= 4 and match.length == len(prompt)
 
 
 def test_detokenizer_and_stop_strings(model_dir: Path) -> None:
