@@ -202,7 +202,7 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
     @app.get("/irminsul/index")
     async def published_index(request: Request) -> Response:
         since = request.query_params.get("since")
-        if since is not None and not since.isdigit():
+        if since is not None and not (since.isascii() and since.isdigit()):
             raise RequestError(f"since must be a version number, got {since!r}", param="since",
                                code="invalid_value")
         try:

@@ -46,6 +46,11 @@ class StoreClient:
         except (redis.RedisError, OSError) as err:
             self.breaker.failure()
             raise StoreUnavailable(f"store {what}: {err!r}") from err
+        except BaseException:
+            # Anything else still ends the call: counted as a failure, so a half-open
+            # breaker's trial never stays open for good.
+            self.breaker.failure()
+            raise
         self.breaker.success()
         return result
 

@@ -64,5 +64,6 @@ def test_the_index_holds_the_served_prompt_and_polls_incrementally(replicas) -> 
     fresh = _index(url, generation="another", since=after["version"])
     assert fresh["full"] and set(chain) <= _set(fresh["prefix"]["added"])
 
-    bad = httpx.get(f"{url}/irminsul/index", params={"since": "latest"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+    for since in ("latest", "\u00b2", "\u0661"):  # a word, a superscript two, an Arabic one
+        bad = httpx.get(f"{url}/irminsul/index", params={"since": since})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"

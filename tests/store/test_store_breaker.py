@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from irminsul.store.breaker import CircuitBreaker
+from irminsul.store.client import StoreClient
 from irminsul.store.cost import CostModel
 
 
@@ -50,3 +53,24 @@ def test_cost_model_weighs_bytes_over_bandwidth_against_prefill() -> None:
         cost.observe(10 << 20, 1e-3 + (10 << 20) / 1e8)
     assert abs(cost.bandwidth / 1e8 - 1) < 0.01
     assert not cost.worth_fetching(1000, 20 << 20)
+
+
+def test_a_trial_call_that_raises_anything_counts_as_a_failure() -> None:
+    """A half-open breaker's one trial call that raises something other than a connection
+    error still ends the trial: the breaker opens again and, after the next cooldown, allows
+    another trial (it never stays refusing for good)."""
+    clock = Clock()
+    breaker = CircuitBreaker(1, 5.0, clock=clock)
+    client = StoreClient("redis://127.0.0.1:1/0", timeout=0.01, breaker=breaker)
+    assert breaker.allow()
+    breaker.failure()
+    clock.now = 5.1
+
+    def odd() -> None:
+        raise KeyError("not a redis error")
+
+    with pytest.raises(KeyError):
+        client._call("get", odd)
+    assert breaker.state == "open"
+    clock.now = 10.2
+    assert breaker.allow()
