@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 INT32_MAX, INT64 = 2**31 - 1, 2**63
+# Stop strings: OpenAI takes up to 4; up to this many are served, each at most this long, since
+# every output token's text is searched for each of them on the event loop.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512
 
 
 class RequestError(Exception):
@@ -69,6 +72,12 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: Any = None
+    top_logprobs: Any = None
+    # Declared to be refused unless neutral: the engine does not apply them, and a request
+    # asking for them would otherwise get another answer than it asked for.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
     cache_salt: str | None = None  # extension: a tenant's private cache namespace
     user: str | None = None
 
@@ -79,12 +88,45 @@ class _Sampling(_Strict):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value: Any) -> Any:
         if value not in (None, False, 0):
             raise ValueError("logprobs are not supported")
         return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: Any) -> Any:
+        if value not in (None, 0):
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: Any) -> Any:
+        if value not in (None, {}):
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are served, got "
+                             f"{len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string of {longest} characters is longer than the "
+                             f"{MAX_STOP_CHARS} served")
+        return stop
+
+    @model_validator(mode="after")
+    def _options_with_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @property
     def stop_strings(self) -> list[str]:
@@ -170,7 +212,25 @@ class Tool(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
+    # The tools are rendered into the prompt; the reply is text (no tool_calls are parsed from
+    # it), so a request that requires a call, or structured output, is refused.
+    tool_choice: Any = None
+    response_format: Any = None
     max_completion_tokens: MaxTokens | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _free_choice(cls, choice: Any) -> Any:
+        if choice not in (None, "auto", "none"):
+            raise ValueError("only tool_choice 'auto' or 'none' is supported")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, fmt: Any) -> Any:
+        if fmt is not None and fmt != {"type": "text"}:
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return fmt
 
     @property
     def token_limit(self) -> int | None:
@@ -181,6 +241,22 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: Any) -> Any:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Any) -> Any:
+        if suffix not in (None, ""):
+            raise ValueError("suffix is not supported")
+        return suffix
 
     @field_validator("prompt")
     @classmethod

@@ -203,6 +203,15 @@ def test_stop_token_ends_generation(server: Server) -> None:
     ({"top_p": 0}, "greater than 0 (top_p)"),
     ({"max_tokens": 0}, "greater than or equal to 1 (max_tokens)"),
     ({"n": 2}, "only n=1"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "at most 16 stop strings"),
+    ({"stop": "x" * 513}, "stop string of 513 characters"),
+    ({"presence_penalty": 2.0}, "penalties are not supported (only 0) (presence_penalty)"),
+    ({"frequency_penalty": -1}, "penalties are not supported (only 0) (frequency_penalty)"),
+    ({"logit_bias": {"65": 10}}, "logit_bias is not supported"),
+    ({"top_logprobs": 3}, "logprobs are not supported (top_logprobs)"),
+    ({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+    ({"tool_choice": "required"}, "only tool_choice 'auto' or 'none'"),
+    ({"response_format": {"type": "json_object"}}, "only response_format"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ])
@@ -213,6 +222,21 @@ def test_bad_requests_answer_400(server: Server, change: dict, needle: str) -> N
         server.client.chat.completions.create(**body)
     assert err.value.status_code == 400 and needle in err.value.message
     assert server.errors(400) == errors + 1
+
+
+def test_neutral_values_of_unsupported_fields_are_served(server: Server) -> None:
+    """What the engine does not apply is accepted at its neutral value: the answer is the same."""
+    reply = _chat(server, _messages(8), presence_penalty=0, frequency_penalty=0, logit_bias={},
+                  tool_choice="auto", response_format={"type": "text"},
+                  stop=[f"never{i}" for i in range(16)])
+    assert reply.choices[0].finish_reason == "length"
+    for change, needle in (({"best_of": 2}, "best_of=1"), ({"suffix": "end"}, "suffix")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            server.client.completions.create(model="tiny", prompt="hello", max_tokens=2,
+                                             **change)
+    assert server.client.completions.create(model="tiny", prompt="hello", max_tokens=2,
+                                            best_of=1).choices[0].finish_reason == "length"
+    server.check()
 
 
 def test_overlong_prompts_answer_400(server: Server) -> None:
