@@ -257,6 +257,10 @@ class Scheduler:
         :meth:`abort` itself raised, so the loop does not fail on it forever (its slots may
         leak; ``Engine.check`` would say so)."""
         self._discard_prepared()
+        for request in self.running + self.waiting:
+            if request.id == request_id:
+                # Finished: a step launched ahead for it neither samples nor emits it.
+                request.state, request.finish_reason = "finished", "error"
         self.running = [r for r in self.running if r.id != request_id]
         self.waiting = [r for r in self.waiting if r.id != request_id]
         self._left += 1

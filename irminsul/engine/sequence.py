@@ -150,11 +150,12 @@ class Prefill:
 
     def slots_to_come(self) -> tuple[int, int]:
         """(c_KV, k_r) slots the rest of this prefill allocates: a computed token one of each,
-        a reused one a k_r slot alone, the exact prefix none."""
+        a reused one a k_r slot alone, the radix match none (exact or derived: its rows are
+        the tree's, at their positions)."""
         served, ckv, kr = len(self.seq.handles), 0, 0
         for kind, start, end, _ in self.stretches:
             n = end - max(start, served)
-            if n > 0 and kind != "prefix":
+            if n > 0 and kind not in ("prefix", "derived"):
                 kr += n
                 ckv += n if kind == "compute" else 0
         return ckv, kr

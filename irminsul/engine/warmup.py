@@ -60,7 +60,8 @@ def warm_up(scheduler: Scheduler, seed: int = 0) -> WarmUpReport:
         raise RuntimeError("warm up an idle scheduler: requests are queued or running")
     start = time.perf_counter()
     limits = scheduler.limits
-    room = min(limits.context, limits.pool_capacity) // 4 - HEADER_TOKENS - REPLY_TOKENS
+    # At least one token: a pool of a few hundred slots still runs every path, with less.
+    room = max(1, min(limits.context, limits.pool_capacity) // 4 - HEADER_TOKENS - REPLY_TOKENS)
     body_tokens = max(1, min(scheduler.chunk_tokens + scheduler.chunk_tokens // 4, room))
     rng = np.random.default_rng(seed)
     body = rng.integers(0, limits.vocab_size, body_tokens)

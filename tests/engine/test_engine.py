@@ -319,6 +319,31 @@ def test_novel_spans_run_in_one_forward(models1) -> None:
 
 
 
+def test_slots_to_come_are_the_slots_a_prefill_allocates(model3) -> None:
+    """What admission reserves for a prefill (slots_to_come) is what serving it takes from the
+    free lists, counted there: a follow-up whose radix match runs over an earlier turn's reused
+    rows (a derived prefix, shared as the tree holds it) allocates for its new tokens alone."""
+    source, rs, target, rt, cont = shifted_docs(4)
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live"))
+    for prompt, resets in ((source, rs), (target, rt)):
+        seq, _ = engine.prefill(prompt, resets)
+        turn = seq.tokens.copy()
+        engine.finish(seq)
+    follow = np.concatenate([turn, cont])
+    prefill = engine.start_prefill(follow, rt + [len(turn)])
+    predicted = prefill.slots_to_come()
+    pool = engine.pool
+    free = (pool.ckv_slots.free, pool.kr_slots.free)
+    while (span := engine.advance(prefill, 10_000)) is not None:
+        engine.run_batch([(prefill.seq, *span)])
+    taken = (free[0] - pool.ckv_slots.free, free[1] - pool.kr_slots.free)
+    engine.complete_prefill(prefill)
+    assert prefill.seq.stats.derived_prefix_tokens > 300
+    assert predicted == taken == (len(cont), len(cont))
+    engine.finish(prefill.seq)
+    engine.check()
+
+
 def test_follow_up_of_a_reusing_turn_is_not_an_exact_prefix_hit(model3) -> None:
     """A turn that reused documents is inserted in the radix tree whole; its follow-up matches
     all of it, but only the rows before the first reused token are a full prefill's. Those are

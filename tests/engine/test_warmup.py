@@ -56,6 +56,15 @@ def test_warm_up_runs_its_paths_and_leaves_the_cache_empty(model) -> None:
     scheduler.check()
 
 
+def test_warm_up_fits_a_small_pool(model) -> None:
+    """A pool of a few hundred slots (a quarter of it shorter than the header and reply) still
+    warms up: the body, the tails and the short prompts shrink to what fits."""
+    scheduler = Scheduler(Engine(model, EngineConfig(mode="live", slots=250)), chunk_tokens=128)
+    report = warm_up(scheduler)
+    assert report.requests == 2 + len(TAILS) + SHORT_PROMPTS
+    scheduler.check()
+
+
 def test_outputs_after_warm_up_equal_a_cold_scheduler(model) -> None:
     rng = np.random.default_rng(5)
     doc = rng.integers(0, 97, 200)

@@ -490,6 +490,24 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
     want = runs[False][0][ids[0]]
     assert got[first] == want[:want.index(stop) + 1]
     assert got[other] == runs[False][0][ids[2]]
+    # A request dropped (the server's last resort when its abort raised) while a step was
+    # launched ahead for it: that step emits nothing for it, the other request goes on as if
+    # alone. Its third token would have finished it inside that step.
+    engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=True))
+    scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=64)
+    dropped = scheduler.add(prompts[0], SamplingParams(max_tokens=3))
+    other = scheduler.add(prompts[2], SamplingParams(max_tokens=8))
+    got = {dropped: [], other: []}
+    for _ in range(2):
+        for o in scheduler.step():
+            got[o.request_id] += o.new_tokens
+    assert scheduler.overlapped_steps >= 1  # the next step is on the device already
+    scheduler.drop(dropped)
+    while scheduler.has_work():
+        for o in scheduler.step():
+            got[o.request_id] += o.new_tokens
+    assert got[dropped] == runs[False][0][ids[0]][:2]
+    assert got[other] == runs[False][0][ids[2]]
 
 
 @pytest.mark.parametrize("splits,rows,rank", [(2, 17, 512), (5, 3, 64), (64, 16, 128),
