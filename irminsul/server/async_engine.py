@@ -378,6 +378,12 @@ class AsyncEngine:
             handle = self._handles.pop(request.id, None)
             if handle is not None:
                 failed.append((handle, EngineError(f"engine step failed: {err!r}")))
+        # A request the step finished before it raised left the queues, and its outputs went
+        # with the step: its consumer is told too, or it would wait forever.
+        queued = {r.id for r in self.scheduler.waiting}
+        for request_id in [i for i in self._handles if i not in queued]:
+            failed.append((self._handles.pop(request_id),
+                           EngineError(f"engine step failed: {err!r}")))
         self._post(failed)
 
     def _drain_after_stop(self) -> None:

@@ -403,6 +403,36 @@ def test_a_failed_step_keeps_none_of_its_requests_decoded_rows(model_dir: Path) 
     assert len(output) >= 4 and match.length == len(prompt)
 
 
+def test_a_request_finished_by_a_step_that_then_raised_is_not_left_waiting(
+        model_dir: Path) -> None:
+    """A step that finished a request (it left the queues) and then raised lost that request's
+    outputs with it: its consumer gets the step's error instead of waiting forever."""
+    engine = AsyncEngine(Scheduler(Engine(load_model(model_dir), EngineConfig(slots=512))))
+    scheduler = engine.scheduler
+    real = scheduler.step
+
+    def step():
+        outputs = real()
+        if any(o.finished for o in outputs):
+            raise RuntimeError("injected fault after finishing")
+        return outputs
+
+    scheduler.step = step
+    engine.start()
+
+    async def main() -> None:
+        async def consume() -> None:
+            async for _ in engine.generate(list(range(10, 40)), SamplingParams(max_tokens=1)):
+                pass
+
+        with pytest.raises(EngineError, match="injected fault after finishing"):
+            await asyncio.wait_for(consume(), timeout=30)
+
+    asyncio.run(main())
+    engine.shutdown()
+    scheduler.check()
+
+
 def test_detokenizer_and_stop_strings(model_dir: Path) -> None:
     tokenizer = ChatRenderer.from_dir(model_dir).tokenizer
     text = "Gate B7 ✈ départ à midi — 東京."
