@@ -304,6 +304,9 @@ class ServerConfig:
     max_request_bytes: int | None = None
     # Requests waiting for their first token beyond the engine's max_running; more get 429.
     max_waiting: int = 1024
+    # A request's body not all received in this many seconds gets 408: a stalled upload gives
+    # back its place among the waiting (taken before the body, which bounds the bodies held).
+    body_timeout_s: float = 30.0
     render_workers: int = 4  # threads that parse, render and tokenise requests off the event loop
     render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
     # On CUDA with engine.slots None: the KV pool takes this share of the GPU memory left once
@@ -322,6 +325,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.kv_memory < 1:
             raise ValueError(f"kv_memory must be in (0, 1), got {self.kv_memory}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         for name in ("max_request_bytes", "max_waiting", "render_workers", "render_memo_bytes",
                      "default_max_tokens"):
             value, least = getattr(self, name), 0 if name == "max_waiting" else 1

@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           dtype=args.dtype, device=args.device, keep_fp8=args.keep_fp8,
                           engine=engine, max_request_bytes=args.max_request_bytes,
-                          max_waiting=args.max_waiting, kv_memory=args.kv_memory,
+                          max_waiting=args.max_waiting, body_timeout_s=args.body_timeout,
+                          kv_memory=args.kv_memory,
                           gate=None if args.no_gate else SERVER.gate,
                           warmup=args.warmup,
                           store=StoreConfig(url=args.store,
@@ -199,6 +200,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-waiting", type=int, default=SERVER.max_waiting, metavar="N",
                        help="requests waiting for their first token beyond --max-running; "
                             "more get 429 with Retry-After")
+    serve.add_argument("--body-timeout", type=float, default=SERVER.body_timeout_s,
+                       metavar="S", help="a request body not all received in S seconds gets "
+                                         "408 (a stalled upload gives back its place)")
     serve.add_argument("--no-gate", action="store_true",
                        help="serve live PIC without the correctness gate (by default a live "
                             "server first runs irminsul gate on the checkpoint, cached per "

@@ -245,7 +245,8 @@ async def _handle(server: _Server, request: Request, *, chat: bool) -> Response:
     ticket = server.admit()
     streaming = False
     try:
-        raw = await read_body(request, server.max_request_bytes, "--max-request-bytes")
+        raw = await read_body(request, server.max_request_bytes, "--max-request-bytes",
+                              server.config.body_timeout_s)
         body, prompt = await asyncio.get_running_loop().run_in_executor(
             server.workers, _prepare, server, raw, chat)
         response = await _complete(server, request, body, prompt, ticket, chat)

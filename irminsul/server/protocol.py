@@ -9,6 +9,7 @@ silently answered differently.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -287,24 +288,39 @@ class CompletionRequest(_Sampling):
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-async def read_body(request: Request, limit: int, setting: str) -> bytes:
+async def read_body(request: Request, limit: int, setting: str,
+                    timeout_s: float | None = None) -> bytes:
     """A request's body, refused (413) as soon as it is known to exceed ``limit`` bytes: by its
-    declared length, else while it streams in; ``setting`` names what sets the limit."""
+    declared length, else while it streams in; ``setting`` names what sets the limit. Not all
+    received within ``timeout_s`` seconds (None: no limit): 408. A client gone before its body
+    is: 499 (nginx's "client closed request"), its own doing, not a server error."""
+    from starlette.requests import ClientDisconnect
 
     def too_large(size: int) -> RequestError:
         return RequestError(f"request body of {size} bytes or more exceeds the limit of {limit} "
                             f"bytes ({setting})", status=413, code="request_too_large")
 
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError as err:
+        raise RequestError(f"request body not received within {timeout_s:g} s",
+                           status=408, code="request_timeout") from err
+    except ClientDisconnect as err:
+        raise RequestError("the client disconnected before its request body arrived",
+                           status=499, code="client_disconnected") from err
 
 
 def decode_json(raw: bytes) -> Any:

@@ -141,6 +141,38 @@ def test_oversized_bodies_are_refused_before_parsing(server: Server) -> None:
     assert server.errors(413, "request_too_large") == errors + 2
 
 
+def test_stalled_and_abandoned_uploads_give_back_their_places(server: Server,
+                                                              monkeypatch) -> None:
+    """A body that stops arriving gets 408 once the body timeout passes, and its place among
+    the requests waiting for a first token is given back; a client that disconnects mid-body
+    is counted as its own doing (499), not as a server error."""
+    import dataclasses
+    import socket
+
+    state = server.app.state.server
+    monkeypatch.setattr(state, "config", dataclasses.replace(state.config, body_timeout_s=0.5))
+    url = urlparse(server.url)
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n{\"model\"").encode()
+    internal, gone = server.errors(500), server.errors(499, "client_disconnected")
+    with socket.create_connection((url.hostname, url.port), timeout=10) as stalled:
+        stalled.sendall(head)
+        start = time.monotonic()
+        reply = stalled.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 408") and "not received within 0.5 s" in reply
+        assert time.monotonic() - start < 5
+    assert state.unstarted == 0
+    with socket.create_connection((url.hostname, url.port), timeout=10) as abandoned:
+        abandoned.sendall(head)
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while server.errors(499, "client_disconnected") == gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.errors(499, "client_disconnected") == gone + 1
+    assert server.errors(500) == internal and state.unstarted == 0
+    assert httpx.post(f"{server.url}{CHAT}", json=_body()).status_code == 200
+
+
 def test_rendering_never_blocks_the_event_loop(server: Server, monkeypatch) -> None:
     """A request whose rendering takes long (a large prompt) leaves /health and other clients
     answering meanwhile: rendering runs on the worker pool."""
