@@ -218,8 +218,35 @@ def _pick(router: _Router, analysis: _Analysis, tried: set[str]) -> tuple[Backen
 
 
 async def _proxy(router: _Router, request: Request, path: str, *, chat: bool) -> Response:
+    """Forward a request to the best backend and relay its answer. A client that goes away
+    before the answer starts (a non-streaming reply comes whole at the end) cancels the
+    forwarding, which closes the backend's connection: the backend aborts the request, as it
+    does for a client of its own, instead of generating for nobody."""
     raw = await read_body(request, router.config.max_request_bytes,
                            "the router's RouterConfig.max_request_bytes")
+    forward = asyncio.ensure_future(_forward(router, request, path, raw, chat))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()  # a stream's own disconnect watch is Starlette's, from here on
+        if not forward.done():
+            forward.cancel()
+            await asyncio.gather(forward, return_exceptions=True)  # its counts put back
+    if forward.cancelled():
+        router.metrics.errors.labels("client_gone").inc()
+        return Response(status_code=499)  # nobody reads it
+    return forward.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (its body was read whole before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _forward(router: _Router, request: Request, path: str, raw: bytes,
+                   chat: bool) -> Response:
     start = time.perf_counter()
     chunkings = {b.view.chunking for b in router.backends if b.view.chunking is not None}
     session = request.headers.get(router.config.session_header) or None
@@ -236,10 +263,12 @@ async def _proxy(router: _Router, request: Request, path: str, *, chat: bool) ->
                 router.client.build_request("POST", backend.url + path, content=raw,
                                             headers=headers), stream=True)
             break
-        except httpx.HTTPError as err:
+        except BaseException as err:  # an HTTP error, or the client gone (cancelled)
             backend.in_flight -= 1
             if ticket is not None:
                 backend.view.done(ticket, time.monotonic(), failed=True)
+            if not isinstance(err, httpx.HTTPError):
+                raise
             if isinstance(err, httpx.ConnectError | httpx.ConnectTimeout):
                 backend.mark_down(f"connect: {err!r}", router.config)
                 tried.add(backend.url)
@@ -274,6 +303,9 @@ async def _proxy(router: _Router, request: Request, path: str, *, chat: bool) ->
         finish(failed=True)
         raise RequestError(f"backend {backend.url} broke off its answer: {err!r}", status=502,
                            kind="server_error", code="upstream_error") from err
+    except BaseException:  # the client gone (cancelled)
+        finish(failed=True)
+        raise
     finally:
         await upstream.aclose()
     finish(failed=failed)

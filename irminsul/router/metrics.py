@@ -33,7 +33,8 @@ class RouterMetrics:
                              "(ok, error, no_index)", ("backend", "outcome"), registry=r)
         self.errors = Counter("irminsul:router_errors", "Requests the router answered with an "
                               "error of its own, by code (no_backend, upstream_error, "
-                              "request_too_large) or broke off mid-stream (upstream_broken)",
+                              "request_too_large), broke off mid-stream (upstream_broken) or "
+                              "stopped forwarding for a client gone (client_gone)",
                               ("code",), registry=r)
         self.route_seconds = Histogram("irminsul:router_route_seconds", "Time from a request's "
                                        "body to its backend chosen (rendering, chunking, "

@@ -177,3 +177,43 @@ def test_with_no_backend_up_the_router_says_so() -> None:
         assert answer.status_code == 503
         error = answer.json()["error"]
         assert error["code"] == "no_backend" and dead in error["message"]
+
+
+def test_a_client_gone_before_its_answer_stops_the_backend_too(tmp_path) -> None:
+    """A non-streaming request whose client leaves while the backend generates: the router
+    stops forwarding it, closing the backend's connection, and the backend aborts it (as it
+    does for a client of its own) instead of generating to max_tokens for nobody; the router's
+    count of requests in flight there goes back to 0. (The tiny random model: it never picks
+    an end token greedily, so only an abort ends the request early.)"""
+    import socket
+    import time
+
+    from fixtures.openai_server import config, running
+    from fixtures.served_app import served
+    from fixtures.tiny_server_model import build
+
+    from irminsul.config import RouterConfig
+    from irminsul.router.app import build_router
+
+    model_dir = build(tmp_path)
+    with running(model_dir, config()) as server:
+        routed = build_router(RouterConfig(backends=(server.url,), poll_interval_s=0.05),
+                              model_dir)
+        with served(routed) as url:
+            body = json.dumps({"model": server.model, "prompt": "hello", "max_tokens": 2000,
+                               "temperature": 0}).encode()
+            before = server.metric('irminsul:requests_finished_total{reason="abort"}')
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as client:
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Type: application/json\r\n"
+                               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                time.sleep(0.5)  # the backend is generating
+            deadline = time.monotonic() + 10
+            while (server.metric('irminsul:requests_finished_total{reason="abort"}') == before
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            assert server.metric('irminsul:requests_finished_total{reason="abort"}') == before + 1
+            assert server.metric("irminsul:generation_tokens_total") < 2000
+            states = httpx.get(f"{url}/irminsul/backends").json()["backends"]
+            assert states[0]["in_flight"] == 0
