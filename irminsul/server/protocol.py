@@ -14,7 +14,15 @@ import json
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..engine import SamplingParams
 
@@ -25,6 +33,31 @@ INT32_MAX, INT64 = 2**31 - 1, 2**63
 # Stop strings: OpenAI takes up to 4; up to this many are served, each at most this long, since
 # every output token's text is searched for each of them on the event loop.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512
+# Fields the engine does not apply: accepted at their neutral values only, since a request
+# asking for more would otherwise get another answer than it asked for. Field: (neutral
+# values, the error).
+NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    "top_logprobs": ((None, False, 0), "logprobs are not supported"),
+    "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
+    "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    # The tools are rendered into the prompt; the reply is text (no tool_calls are parsed from
+    # it), so a request that requires a call, or structured output, is refused.
+    "tool_choice": ((None, "auto", "none"), "only tool_choice 'auto' or 'none' is supported"),
+    "response_format": ((None, {"type": "text"}),
+                        "only response_format {'type': 'text'} is supported"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "suffix": ((None, ""), "suffix is not supported"),
+}
+
+
+def _neutral(value: Any, info: ValidationInfo) -> Any:
+    """A field of :data:`NEUTRAL_ONLY` at one of its neutral values, else its error."""
+    allowed, error = NEUTRAL_ONLY[info.field_name]
+    if value not in allowed:
+        raise ValueError(error)
+    return value
 
 
 class RequestError(Exception):
@@ -72,10 +105,9 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    # NEUTRAL_ONLY's: refused unless neutral.
     logprobs: Any = None
     top_logprobs: Any = None
-    # Declared to be refused unless neutral: the engine does not apply them, and a request
-    # asking for them would otherwise get another answer than it asked for.
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -89,26 +121,9 @@ class _Sampling(_Strict):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: Any) -> Any:
-        if value not in (None, 0):
-            raise ValueError("penalties are not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: Any) -> Any:
-        if value not in (None, {}):
-            raise ValueError("logit_bias is not supported")
-        return value
+    # One name a class: a subclass's validator of the same name would replace this one.
+    _neutral_sampling = field_validator("logprobs", "top_logprobs", "presence_penalty",
+                                        "frequency_penalty", "logit_bias")(_neutral)
 
     @field_validator("stop")
     @classmethod
@@ -213,25 +228,11 @@ class Tool(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    # The tools are rendered into the prompt; the reply is text (no tool_calls are parsed from
-    # it), so a request that requires a call, or structured output, is refused.
-    tool_choice: Any = None
+    tool_choice: Any = None  # NEUTRAL_ONLY's, as the next
     response_format: Any = None
     max_completion_tokens: MaxTokens | None = None
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _free_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "auto", "none"):
-            raise ValueError("only tool_choice 'auto' or 'none' is supported")
-        return choice
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, fmt: Any) -> Any:
-        if fmt is not None and fmt != {"type": "text"}:
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return fmt
+    _neutral_chat = field_validator("tool_choice", "response_format")(_neutral)
 
     @property
     def token_limit(self) -> int | None:
@@ -242,22 +243,10 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    best_of: Any = None
+    best_of: Any = None  # NEUTRAL_ONLY's, as the next
     suffix: Any = None
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, best_of: Any) -> Any:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return best_of
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: Any) -> Any:
-        if suffix not in (None, ""):
-            raise ValueError("suffix is not supported")
-        return suffix
+    _neutral_completion = field_validator("best_of", "suffix")(_neutral)
 
     @field_validator("prompt")
     @classmethod
