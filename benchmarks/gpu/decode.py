@@ -34,6 +34,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -311,8 +312,8 @@ def _presets() -> dict[str, dict[str, Any]]:
             "shared-last": {"router.SHARED_FIRST": False}}
 
 
-def _switch(name: str) -> tuple[Any, str]:
-    """The current value of switch ``MODULE.NAME`` of irminsul.kernels, and its module's name."""
+def _switch(name: str) -> tuple[ModuleType, str]:
+    """(module, attribute) of switch ``MODULE.NAME`` of irminsul.kernels."""
     module, _, attr = name.rpartition(".")
     try:
         owner = importlib.import_module(f"irminsul.kernels.{module}") if module else None
@@ -321,7 +322,7 @@ def _switch(name: str) -> tuple[Any, str]:
     if owner is None or not attr.isupper() or not hasattr(owner, attr):
         raise SystemExit(f"--arms: {name!r} is not a switch MODULE.NAME of irminsul.kernels "
                          "(an upper-case module constant)")
-    return getattr(owner, attr), module
+    return owner, attr
 
 
 def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
@@ -336,7 +337,7 @@ def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
         if not sep:
             raise SystemExit(f"--arms: {text!r} is neither a preset ({', '.join(presets)}) nor "
                              "MODULE.NAME=VALUE[,...]")
-        default, _ = _switch(name)
+        default = getattr(*_switch(name))
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
@@ -367,7 +368,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()
     arms = [parse_arm(text) for text in args.arms]
-    defaults = {name: _switch(name)[0] for _, settings in arms for name in settings}
+    defaults = {name: getattr(*_switch(name)) for _, settings in arms for name in settings}
     model = build_model(args.device, tiny=args.tiny)
     copy_gbps = roofline.copy_bandwidth(args.device)
     results: dict[str, Any] = {"meta": run_metadata(args.device), "copy_gbps": copy_gbps,
@@ -380,8 +381,7 @@ def main() -> None:
         print(f"dependent kernel replayed from a graph: {results['chain_us']:.2f} µs", flush=True)
     for context, batch, (arm, settings) in itertools.product(args.contexts, args.batches, arms):
         for name, value in {**defaults, **settings}.items():
-            module, attr = name.rsplit(".", 1)
-            setattr(importlib.import_module(f"irminsul.kernels.{module}"), attr, value)
+            setattr(*_switch(name), value)
         profile = (f"{batch}x{context}" if [batch, context] in args.profile else None)
         cell = decode_cell(model, batch, context, args.steps, args.warmup, copy_gbps, profile)
         cell["arm"] = arm

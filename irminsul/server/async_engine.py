@@ -368,23 +368,17 @@ class AsyncEngine:
         """A step raised: the batch's requests are lost. Abort them (freeing their slots, and
         keeping none of their rows: the step may have stopped before writing some) and tell
         their consumers; waiting requests were untouched and keep their turn."""
-        failed = []
         for request in list(self.scheduler.running):
             try:
                 self.scheduler.abort(request.id, "error", remember=False)
             except Exception:
                 log.exception("abort of %s after a failed step failed", request.id)
                 self.scheduler.drop(request.id)
-            handle = self._handles.pop(request.id, None)
-            if handle is not None:
-                failed.append((handle, EngineError(f"engine step failed: {err!r}")))
-        # A request the step finished before it raised left the queues, and its outputs went
-        # with the step: its consumer is told too, or it would wait forever.
+        # Every consumer but the waiting requests': the running ones, and those the step
+        # finished before it raised (they left the queues; their outputs went with the step).
         queued = {r.id for r in self.scheduler.waiting}
-        for request_id in [i for i in self._handles if i not in queued]:
-            failed.append((self._handles.pop(request_id),
-                           EngineError(f"engine step failed: {err!r}")))
-        self._post(failed)
+        self._post([(self._handles.pop(i), EngineError(f"engine step failed: {err!r}"))
+                    for i in [i for i in self._handles if i not in queued]])
 
     def _drain_after_stop(self) -> None:
         """Answer what arrived with or after the stop command, so no caller waits forever."""
