@@ -57,6 +57,7 @@ from .protocol import (
     parse,
     read_body,
 )
+from .tool_calls import ToolCallDelta, ToolCallReader, ToolSyntax
 
 if TYPE_CHECKING:
     from ..quality import GateResult
@@ -81,6 +82,7 @@ class _Server:
     max_request_bytes: int
     max_unstarted: int  # requests without a first token, beyond which new ones get 429
     workers: ThreadPoolExecutor
+    tool_syntax: ToolSyntax | None  # how the template writes tool calls (None: it writes none)
     created: int = field(default_factory=lambda: int(time.time()))
     unstarted: int = 0  # requests accepted that have not had their first token (event loop only)
 
@@ -144,7 +146,11 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
                      config,
                      config.request_bytes_for(limits.context),
                      async_engine.scheduler.max_running + config.max_waiting,
-                     ThreadPoolExecutor(config.render_workers, thread_name_prefix="irminsul-render"))
+                     ThreadPoolExecutor(config.render_workers, thread_name_prefix="irminsul-render"),
+                     ToolSyntax.learn(renderer))
+    if server.tool_syntax is None:
+        log.info("the chat template writes no tool calls: replies to requests with tools are "
+                 "returned as text")
     if gate is not None:
         server.metrics.pic_gate(gate)
 
@@ -287,7 +293,8 @@ async def _complete(server: _Server, request: Request,
     if prompt.rendered is not None:  # accepted: its rendering is worth keeping
         server.renderer.remember(prompt.rendered)
     generation = Generation(handle, server.renderer.tokenizer, prompt.tokens,
-                            body.stop_strings, server.metrics, on_start=ticket.release)
+                            body.stop_strings, server.metrics, on_start=ticket.release,
+                            tool_calls=_tool_reader(server, body, request_id))
     shape = _Shape(request_id, server.model_name, int(time.time()), chat)
     if body.stream:
         return StreamingResponse(_sse(generation, shape, body.include_usage, server.metrics.error),
@@ -295,14 +302,25 @@ async def _complete(server: _Server, request: Request,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
     try:
-        text = "".join([piece async for piece in generation.text_deltas()])
+        text, calls = await generation.reply()
     except EngineError as err:
         raise RequestError(str(err), status=500, kind="server_error",
                            code="engine_error") from err
     finally:
         watcher.cancel()
     return JSONResponse(shape.response(text, generation.finish_reason,
-                                       generation.usage().to_json()))
+                                       generation.usage().to_json(), calls))
+
+
+def _tool_reader(server: _Server, body: ChatCompletionRequest | CompletionRequest,
+                 request_id: str) -> ToolCallReader | None:
+    """A reader of the reply's tool calls, for a chat request offering tools to call."""
+    if (server.tool_syntax is None or not isinstance(body, ChatCompletionRequest)
+            or not body.tools or body.tool_choice == "none"):
+        return None
+    return ToolCallReader(server.tool_syntax, server.renderer.tokenizer,
+                          [tool.function.name for tool in body.tools], server.stop_token_ids,
+                          request_id=request_id)
 
 
 async def _submit(server: _Server, prompt: PromptTokens, params: Any, salt: str | None,
@@ -345,21 +363,27 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def response(self, text: str, finish_reason: str | None, usage: dict) -> dict:
+    def response(self, text: str, finish_reason: str | None, usage: dict,
+                 tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"], message["tool_calls"] = text or None, tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason}
             out = self._envelope("chat.completion", choice)
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             out = self._envelope("text_completion", choice)
         return out | {"usage": usage}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *,
+    def chunk(self, text: str | ToolCallDelta | None, finish_reason: str | None = None, *,
               role: bool = False) -> dict:
         if self.chat:
-            delta: dict[str, str] = {"role": "assistant"} if role else {}
-            if text is not None:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if isinstance(text, ToolCallDelta):
+                delta["tool_calls"] = [text.to_json()]
+            elif text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
@@ -383,11 +407,11 @@ async def _sse(generation: Generation, shape: _Shape, include_usage: bool,
                count_error: Callable[[int, str | None], None]) -> AsyncIterator[str]:
     """The stream: (chat) a role chunk, text chunks, a finish chunk, optionally a usage chunk,
     then [DONE]. A failure mid-stream is sent as an error event (and counted). Cancellation (the
-    client left) propagates through ``text_deltas``, whose ``finally`` aborts the request."""
+    client left) propagates through ``deltas``, whose ``finally`` aborts the request."""
     try:
         if shape.chat:
             yield _event(shape.chunk("", role=True))
-        async for piece in generation.text_deltas():
+        async for piece in generation.deltas():
             yield _event(shape.chunk(piece))
         yield _event(shape.chunk(None if shape.chat else "", generation.finish_reason))
         if include_usage:
@@ -399,6 +423,6 @@ async def _sse(generation: Generation, shape: _Shape, include_usage: bool,
         count_error(error.status, error.code)
         yield _event(error.body())
     finally:
-        generation.handle.abort()  # also when the stream never reached text_deltas
+        generation.handle.abort()  # also when the stream never reached deltas
         generation.started()  # a stream that never reached its first token
     yield _event("[DONE]")

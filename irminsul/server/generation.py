@@ -1,8 +1,10 @@
-"""One request's token stream turned into text: detokenized, cut at stop strings, accounted.
+"""One request's token stream turned into text and tool calls: detokenized, cut at stop strings,
+accounted.
 
-Both endpoints, streaming or not, consume :meth:`Generation.text_deltas`; the non-streaming
-answer is the concatenation of what a stream would have sent, so the two are equal by
-construction. When a stop string appears the request is aborted with reason "stop" (its slots
+Both endpoints, streaming or not, consume :meth:`Generation.deltas`; the non-streaming answer is
+the concatenation of what a stream would have sent, so the two are equal by construction. A chat
+request with tools reads its calls out of the reply (:mod:`.tool_calls`); stop strings apply to
+the content before them. When a stop string appears the request is aborted with reason "stop" (its slots
 are freed at once, not after ``max_tokens``); when the consumer goes away (a disconnected client
 cancels it) the request is aborted too.
 """
@@ -19,6 +21,7 @@ from ..engine import ServeStats
 from .async_engine import EngineError, RequestHandle
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .metrics import ServerMetrics
+from .tool_calls import ToolCallDelta, ToolCallReader
 
 
 @dataclass
@@ -42,14 +45,16 @@ class Usage:
 
 
 class Generation:
-    """Iterate :meth:`text_deltas`; afterwards ``finish_reason`` and :meth:`usage` are set."""
+    """Iterate :meth:`deltas`; afterwards ``finish_reason`` and :meth:`usage` are set."""
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, prompt: Sequence[int],
                  stops: Sequence[str], metrics: ServerMetrics, *,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None,
+                 tool_calls: ToolCallReader | None = None) -> None:
         """``on_start`` is called once: at the first output, or when the generation ends
-        without one."""
+        without one. ``tool_calls`` reads calls out of the reply (None: the reply is text)."""
         self.handle = handle
+        self._calls = tool_calls
         self._on_start = on_start
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
@@ -68,8 +73,25 @@ class Generation:
     def usage(self) -> Usage:
         return Usage(self.handle.prompt_tokens, self._generated, self._stats)
 
-    async def text_deltas(self) -> AsyncIterator[str]:
-        """Non-empty pieces of the completion text, in order."""
+    async def reply(self) -> tuple[str, list[dict]]:
+        """The whole reply: its text, and its tool calls in the shape of a message's
+        ``tool_calls`` (the concatenation of what :meth:`deltas` streams)."""
+        text: list[str] = []
+        calls: list[dict] = []
+        async for piece in self.deltas():
+            if isinstance(piece, str):
+                text.append(piece)
+            elif piece.name is not None:
+                call = piece.to_json()
+                del call["index"]  # a stream's field, not a message's
+                calls.append(call)
+            else:
+                calls[piece.index]["function"]["arguments"] += piece.arguments
+        return "".join(text), calls
+
+    async def deltas(self) -> AsyncIterator[str | ToolCallDelta]:
+        """Non-empty pieces of the completion text and steps of its tool calls, in order."""
+        calls = self._calls
         try:
             async for out in self.handle:
                 self.started()
@@ -77,16 +99,26 @@ class Generation:
                     self._stats = out.stats
                     self._metrics.prompt_served(out.stats, out.ttft)
                 self._generated += len(out.new_tokens)
-                text = self._stops.push(self._detok.push(out.new_tokens))
-                if not self._stops.stopped and out.finished:
+                ids = out.new_tokens if calls is None else calls.push(out.new_tokens)
+                if calls is not None and out.finished:
+                    ids = [*ids, *calls.finish()]
+                text = self._stops.push(self._detok.push(ids)) if ids else ""
+                if not self._stops.stopped and (out.finished or calls is not None
+                                                and calls.reading):
+                    # The content ends here: at the reply's end, or where its calls open.
                     text += self._stops.push(self._detok.flush(), final=True)
                 if self._stops.stopped:
                     self.handle.abort("stop")  # frees the slots now, not at max_tokens
                     self.finish_reason = "stop"
                 elif out.finished:
                     self.finish_reason = out.finish_reason or "stop"
+                    if calls is not None and calls.calls and self.finish_reason == "stop":
+                        self.finish_reason = "tool_calls"
                 if text:
                     yield text
+                if calls is not None and not self._stops.stopped:
+                    for delta in calls.take():
+                        yield delta
                 if self.finish_reason is not None:
                     break
         except EngineError:

@@ -42,8 +42,8 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
-    # The tools are rendered into the prompt; the reply is text (no tool_calls are parsed from
-    # it), so a request that requires a call, or structured output, is refused.
+    # The tools are rendered into the prompt and calls read out of the reply, but nothing
+    # constrains decoding: a request that requires a call, or structured output, is refused.
     "tool_choice": ((None, "auto", "none"), "only tool_choice 'auto' or 'none' is supported"),
     "response_format": ((None, {"type": "text"}),
                         "only response_format {'type': 'text'} is supported"),

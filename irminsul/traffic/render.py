@@ -251,6 +251,13 @@ class ChatRenderer:
         return cls(Tokenizer.from_file(str(tok_file)), template, bos_token=special("bos_token"),
                    eos_token=special("eos_token"), name=path.name, memo_bytes=memo_bytes)
 
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    generation: bool = False) -> str:
+        """The template's text for ``messages`` (normalised as :meth:`render` normalises them),
+        remembering nothing."""
+        normalised = _Messages(messages)
+        return self._render(normalised.upto(len(messages) - 1), tools or None, generation)
+
     @cached_property
     def marker(self) -> np.ndarray:
         """Token ids of the S2 boundary marker's body in this tokenizer."""

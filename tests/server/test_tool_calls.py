@@ -1,0 +1,249 @@
+"""Tool calls read out of replies: the syntax learned from each chat template against the syntax
+written out by hand, and replies split into content and calls against hand-written answers,
+token by token and all at once (streamed and non-streamed must agree)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from irminsul.engine.scheduler import StepOutput
+from irminsul.server.async_engine import EngineSnapshot
+from irminsul.server.generation import Generation
+from irminsul.server.metrics import ServerMetrics
+from irminsul.server.tool_calls import ToolCallDelta, ToolCallReader, ToolSyntax
+from irminsul.traffic.render import ChatRenderer
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "irminsul" / "default_model"
+TOOLS = ("get_weather", "search")
+
+# A DeepSeek-V3.1-style template (written for this test): no type and no fence, the content
+# before the calls.
+V31_STYLE = (
+    "{{ bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' %}{{ '<｜Assistant｜>' + (m.content or '') }}"
+    "{%- if m.tool_calls %}{{ '<｜tool▁calls▁begin｜>' }}{%- for c in m.tool_calls %}"
+    "{{ '<｜tool▁call▁begin｜>' + c.function.name + '<｜tool▁sep｜>' + c.function.arguments"
+    " + '<｜tool▁call▁end｜>' }}{%- endfor %}{{ '<｜tool▁calls▁end｜>' }}{%- endif %}"
+    "{{ '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}")
+# Calls in plain text (no added tokens): the opening is recognised as its run of token ids.
+PLAIN = (
+    "{%- for m in messages %}{{ m.role + ': ' + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] %}{{ ' [[call ' + c.function.name + ']] '"
+    " + c.function.arguments + ' [[/call]]' }}{%- endfor %}{{ '\\n' }}{%- endfor %}")
+
+
+def _deepseek_tokenizer() -> Tokenizer:
+    return ChatRenderer.default().tokenizer
+
+
+@pytest.fixture(scope="module")
+def syntaxes() -> dict[str, tuple[ToolSyntax, Tokenizer]]:
+    embedded = ChatRenderer.from_dir(DEFAULT_MODEL)
+    v3 = ChatRenderer.default()
+    v31 = ChatRenderer(v3.tokenizer, V31_STYLE, bos_token="<｜begin▁of▁sentence｜>")
+    plain = ChatRenderer(v3.tokenizer, PLAIN)
+    out = {}
+    for name, renderer in (("embedded", embedded), ("v3", v3), ("v31", v31), ("plain", plain)):
+        syntax = ToolSyntax.learn(renderer)
+        assert syntax is not None, name
+        out[name] = (syntax, renderer.tokenizer)
+    return out
+
+
+def test_the_syntax_is_read_off_each_template(syntaxes) -> None:
+    """What each template writes around a call, against the templates read by hand."""
+    tokenizer = _deepseek_tokenizer()
+    expected = {
+        "embedded": ("", "<|tool_call|>", "\n", "", ""),
+        "v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+               "\n```json\n", "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+        "v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+        "plain": ("", " [[call ", "]] ", " [[/call]]", ""),
+    }
+    for name, (syntax, _) in syntaxes.items():
+        assert (syntax.begin, syntax.call_begin, syntax.name_end, syntax.call_end,
+                syntax.end) == expected[name], name
+    # The DeepSeek markers are added tokens: the first alone opens the calls.
+    assert syntaxes["v3"][0].trigger == (tokenizer.token_to_id("<｜tool▁calls▁begin｜>"),)
+    embedded = ChatRenderer.from_dir(DEFAULT_MODEL).tokenizer
+    assert syntaxes["embedded"][0].trigger == (embedded.token_to_id("<|tool_call|>"),)
+    # A plain-text opening: its ids but the last, which merges with the name after it.
+    assert syntaxes["plain"][0].trigger == tuple(tokenizer.encode(" [[call ").ids[:-1])
+    assert len(syntaxes["plain"][0].trigger) > 1
+
+
+def test_a_template_that_writes_no_calls_has_no_syntax() -> None:
+    renderer = ChatRenderer(_deepseek_tokenizer(),
+                            "{%- for m in messages %}{{ m.role + ': ' + m.content }}{%- endfor %}")
+    assert ToolSyntax.learn(renderer) is None
+
+
+def _reply(name: str, syntax: ToolSyntax, content: str, calls: list[tuple[str, str]]) -> str:
+    """A reply as the model would write it, in ``syntax``."""
+    parts = [content, syntax.begin]
+    for call_name, arguments in calls:
+        parts += [syntax.call_begin, call_name, syntax.name_end, arguments, syntax.call_end]
+    return "".join(parts + [syntax.end])
+
+
+def _stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """The end-of-reply ids of either tokenizer (the server's stop ids)."""
+    return [i for t in ("<|eos|>", "<｜end▁of▁sentence｜>")
+            if (i := tokenizer.token_to_id(t)) is not None]
+
+
+def _read(syntax: ToolSyntax, tokenizer: Tokenizer, ids: list[int], chunk: int
+          ) -> tuple[str, list[dict]]:
+    """Content text and calls of ``ids`` fed ``chunk`` ids at a time (content ids decoded as
+    the server decodes them, skipping special tokens)."""
+    reader = ToolCallReader(syntax, tokenizer, TOOLS, _stop_ids(tokenizer),
+                            request_id="chatcmpl-test")
+    content_ids: list[int] = []
+    steps: list[str | ToolCallDelta] = []
+    for i in range(0, len(ids), chunk):
+        content_ids += reader.push(ids[i:i + chunk])
+        steps += reader.take()
+    content_ids += reader.finish()
+    steps += reader.take()
+    text = tokenizer.decode(content_ids, skip_special_tokens=True)
+    calls: list[dict] = []
+    for step in steps:
+        if isinstance(step, str):
+            text += step
+        elif step.name is not None:
+            assert step.index == len(calls) and step.arguments == ""
+            calls.append({"name": step.name, "arguments": ""})
+        else:
+            calls[step.index]["arguments"] += step.arguments
+    return text, calls
+
+
+@pytest.mark.parametrize("name", ["embedded", "v3", "v31", "plain"])
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_replies_split_into_content_and_calls(syntaxes, name: str, chunk: int) -> None:
+    syntax, tokenizer = syntaxes[name]
+    args1, args2 = '{"city": "Paris", "unit": "C"}', '{"q": "trains to Lyon \\u00e9"}'
+    cases = [
+        ("Let me check.", [("get_weather", args1)]),
+        ("", [("get_weather", args1), ("search", args2)]),
+        ("Plain answer, no calls.", []),
+    ]
+    for content, calls in cases:
+        text = _reply(name, syntax, content, calls) if calls else content
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        got_text, got_calls = _read(syntax, tokenizer, ids, chunk)
+        assert got_text == content
+        # The arguments as generated; the embedded syntax has no call end, so its arguments
+        # run to the next call and are taken as written.
+        assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == \
+            [(n, json.loads(a)) for n, a in calls]
+
+
+@pytest.mark.parametrize("name", ["embedded", "v3", "v31", "plain"])
+def test_calls_that_break_the_syntax_come_back_as_content(syntaxes, name: str) -> None:
+    syntax, tokenizer = syntaxes[name]
+    args = '{"city": "Oslo"}'
+    # A name that is not one of the request's tools: the whole block is content.
+    text = _reply(name, syntax, "Hi. ", [("delete_everything", args)])
+    got_text, got_calls = _read(syntax, tokenizer, tokenizer.encode(text).ids, 2)
+    assert got_calls == []
+    assert got_text == "Hi. " + text[len("Hi. "):]
+    # A good first call and a bad second one: the first is a call, the rest content.
+    text = _reply(name, syntax, "", [("search", args), ("nope", args)])
+    got_text, got_calls = _read(syntax, tokenizer, tokenizer.encode(text).ids, 1)
+    assert [c["name"] for c in got_calls] == ["search"]
+    assert json.loads(got_calls[0]["arguments"]) == json.loads(args)
+    assert got_text.startswith(syntax.call_begin) and "nope" in got_text
+
+
+class _Handle:
+    """A request handle that replays scripted step outputs."""
+
+    def __init__(self, outputs: list[StepOutput]) -> None:
+        self.prompt_tokens = 3
+        self.aborted: list[str] = []
+        self._outputs = iter(outputs)
+
+    def abort(self, reason: str = "abort") -> None:
+        self.aborted.append(reason)
+
+    def __aiter__(self) -> _Handle:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        try:
+            return next(self._outputs)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+def _generation(ids: list[int], tokenizer: Tokenizer, syntax: ToolSyntax | None,
+                stops: list[str], reason: str = "stop") -> Generation:
+    outputs = [StepOutput("r", [t], i == len(ids) - 1, reason if i == len(ids) - 1 else None,
+                          None, 0.0) for i, t in enumerate(ids)]
+    reader = None if syntax is None else ToolCallReader(
+        syntax, tokenizer, TOOLS, _stop_ids(tokenizer), request_id="chatcmpl-x")
+    return Generation(_Handle(outputs), tokenizer, [], stops,
+                      ServerMetrics(lambda: EngineSnapshot()), tool_calls=reader)
+
+
+def _generate(ids: list[int], tokenizer: Tokenizer, syntax: ToolSyntax | None,
+              stops: list[str], reason: str = "stop") -> tuple[list, str | None]:
+    generation = _generation(ids, tokenizer, syntax, stops, reason)
+
+    async def run() -> list:
+        return [piece async for piece in generation.deltas()]
+
+    return asyncio.run(run()), generation.finish_reason
+
+
+def test_generation_streams_calls_and_ends_with_tool_calls(syntaxes) -> None:
+    syntax, tokenizer = syntaxes["embedded"]
+    eos = tokenizer.token_to_id("<|eos|>")
+    text = "Checking. " + _reply("embedded", syntax, "", [("get_weather", '{"city": "Rome"}')])
+    ids = tokenizer.encode(text).ids + [eos]
+    pieces, reason = _generate(ids, tokenizer, syntax, [])
+    assert reason == "tool_calls"
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Checking. "
+    steps = [p for p in pieces if isinstance(p, ToolCallDelta)]
+    assert steps[0].name == "get_weather" and steps[0].id and steps[0].arguments == ""
+    assert len(steps) > 2  # the arguments streamed in pieces, not at the end
+    assert json.loads("".join(s.arguments for s in steps)) == {"city": "Rome"}
+    # Without tools the same reply is text, as before: the marker (a special token) skipped.
+    pieces, reason = _generate(ids, tokenizer, None, [])
+    assert reason == "stop" and pieces and all(isinstance(p, str) for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_reply_cut_at_max_tokens_keeps_length_and_stop_strings_end_content(syntaxes) -> None:
+    syntax, tokenizer = syntaxes["embedded"]
+    text = _reply("embedded", syntax, "", [("search", '{"q": "a long query that is cut')])
+    pieces, reason = _generate(tokenizer.encode(text).ids, tokenizer, syntax, [], "length")
+    assert reason == "length"  # the call is there, cut short, as OpenAI returns it
+    assert [p.name for p in pieces if isinstance(p, ToolCallDelta)][0] == "search"
+    # A stop string in the content ends the reply before any call.
+    text = "Stop HERE now. " + _reply("embedded", syntax, "", [("search", '{"q": 1}')])
+    pieces, reason = _generate(tokenizer.encode(text).ids, tokenizer, syntax, ["HERE"])
+    assert reason == "stop" and "".join(pieces) == "Stop "
+
+
+def test_the_whole_reply_carries_the_calls_as_a_message_does(syntaxes) -> None:
+    syntax, tokenizer = syntaxes["v3"]
+    eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+    text = _reply("v3", syntax, "On it.", [("get_weather", '{"city": "Rome"}'),
+                                           ("search", '{"q": "Rome trains"}')])
+    generation = _generation(tokenizer.encode(text).ids + [eos], tokenizer, syntax, [])
+    content, calls = asyncio.run(generation.reply())
+    assert content == "On it." and generation.finish_reason == "tool_calls"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [("function", "get_weather", {"city": "Rome"}),
+                                ("function", "search", {"q": "Rome trains"})]
+    assert len({c["id"] for c in calls}) == 2 and all("index" not in c for c in calls)
