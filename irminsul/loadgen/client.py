@@ -4,8 +4,8 @@ The body is the logged request (messages, tools) with ``max_tokens`` the reply's
 temperature 0, ``stream`` and ``stream_options.include_usage``; it is encoded before the clock
 starts. Times, from the moment the request is handed to the connection:
 
-    TTFT   until the first chunk with non-empty content (a reply with none, one that stopped
-           at once, until the chunk that carries ``finish_reason``)
+    TTFT   until the first chunk with non-empty content or a tool call (a reply with neither,
+           one that stopped at once, until the chunk that carries ``finish_reason``)
     E2E    until the stream ends ([DONE])
     TPOT   (last token - first token) / (completion tokens - 1), the last token's time being
            that of the chunk that carries ``finish_reason`` (sent as soon as the last token is
@@ -101,7 +101,8 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
                     record.error = f"error event: {message}"
                     return record
                 for choice in event.get("choices") or ():
-                    if first is None and (choice.get("delta") or {}).get("content"):
+                    delta = choice.get("delta") or {}
+                    if first is None and (delta.get("content") or delta.get("tool_calls")):
                         first = now
                     if choice.get("finish_reason") is not None:
                         record.finish_reason, last = choice["finish_reason"], now

@@ -90,3 +90,14 @@ def test_failures_are_recorded() -> None:
     assert record.error == "error event: engine failed"
     record, _ = replay(sse(chunk("a"), chunk(None, "stop"), "[DONE]"), 200, clock(0, 1, 2, 3))
     assert "no usage" in record.error
+
+
+def test_a_reply_that_opens_with_a_tool_call_has_its_first_token_at_the_call() -> None:
+    call = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {
+        "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                        "function": {"name": "search", "arguments": ""}}]},
+        "finish_reason": None}]}
+    body = sse(chunk("", role=True), call, chunk(None, "tool_calls"),
+               {"choices": [], "usage": USAGE}, "[DONE]")
+    record, _ = replay(body, 200, clock(0, 1, 2, 5, 6, 7))
+    assert (record.ttft_ms, record.e2e_ms, record.finish_reason) == (2000, 7000, "tool_calls")
