@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -276,8 +276,17 @@ def _prepare(server: _Server, raw: bytes, chat: bool
     if body.model != server.model_name:
         raise RequestError(f"the model '{body.model}' does not exist; this server serves "
                            f"'{server.model_name}'", param="model", code="model_not_found")
-    prompt = (chat_prompt(server.renderer, body) if chat else
-              completion_prompt(server.renderer, body, server.limits.vocab_size))
+    if not chat:
+        return body, completion_prompt(server.renderer, body, server.limits.vocab_size)
+    prompt = chat_prompt(server.renderer, body)
+    if body.forced_call is not None:
+        if server.tool_syntax is None:
+            raise RequestError("this model's chat template writes no tool calls, so a call "
+                               "cannot be required", param="tool_choice", code="invalid_value")
+        # The prompt opens the call, so the reply is one (a name the model then writes that
+        # is not a tool's is returned as content: nothing constrains decoding).
+        opening = server.renderer.encode(server.tool_syntax.opening(body.forced_call))
+        prompt = replace(prompt, tokens=prompt.tokens + opening.tolist())
     return body, prompt
 
 
@@ -320,7 +329,7 @@ def _tool_reader(server: _Server, body: ChatCompletionRequest | CompletionReques
         return None
     return ToolCallReader(server.tool_syntax, server.renderer.tokenizer,
                           [tool.function.name for tool in body.tools], server.stop_token_ids,
-                          request_id=request_id)
+                          request_id=request_id, forced=body.forced_call)
 
 
 async def _submit(server: _Server, prompt: PromptTokens, params: Any, salt: str | None,

@@ -112,7 +112,10 @@ class Generation:
                     self.finish_reason = "stop"
                 elif out.finished:
                     self.finish_reason = out.finish_reason or "stop"
-                    if calls is not None and calls.calls and self.finish_reason == "stop":
+                    # OpenAI's word for a reply that called tools by choice; a reply made to
+                    # call a named tool stops as any other.
+                    if (calls is not None and calls.calls and not calls.named
+                            and self.finish_reason == "stop"):
                         self.finish_reason = "tool_calls"
                 if text:
                     yield text

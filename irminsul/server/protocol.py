@@ -42,9 +42,8 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
-    # The tools are rendered into the prompt and calls read out of the reply, but nothing
-    # constrains decoding: a request that requires a call, or structured output, is refused.
-    "tool_choice": ((None, "auto", "none"), "only tool_choice 'auto' or 'none' is supported"),
+    # Nothing constrains decoding, so structured output is refused. (A required tool call is
+    # served by opening the call in the prompt: see ChatCompletionRequest.tool_choice.)
     "response_format": ((None, {"type": "text"}),
                         "only response_format {'type': 'text'} is supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
@@ -225,14 +224,47 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class ToolName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one tool the reply must call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: ToolName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Any = None  # NEUTRAL_ONLY's, as the next
-    response_format: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: Any = None  # NEUTRAL_ONLY's
     max_completion_tokens: MaxTokens | None = None
 
-    _neutral_chat = field_validator("tool_choice", "response_format")(_neutral)
+    _neutral_chat = field_validator("response_format")(_neutral)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = {tool.function.name for tool in info.data.get("tools") or ()}
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{choice.function.name}', which is not among "
+                             "the tools")
+        return choice
+
+    @property
+    def forced_call(self) -> str | None:
+        """What the reply must begin with: a call of this tool, of any tool (''), or None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
 
     @property
     def token_limit(self) -> int | None:

@@ -103,6 +103,11 @@ class ToolSyntax:
                         opening_ids[:max(1, len(opening_ids) - 1)])
         return cls(begin, call_begin, name_end, call_end, close[len(call_end):], trigger)
 
+    def opening(self, name: str = "") -> str:
+        """The text that opens a reply's first call (of ``name``, if given, up to its
+        arguments): put at the end of the prompt, it makes the reply a call."""
+        return self.begin + self.call_begin + (name + self.name_end if name else "")
+
 
 @dataclass(frozen=True)
 class ToolCallDelta:
@@ -127,7 +132,10 @@ class ToolCallReader:
     after all (a block that does not follow the syntax, text after the block)."""
 
     def __init__(self, syntax: ToolSyntax, tokenizer: Tokenizer, names: Collection[str],
-                 stop_token_ids: Collection[int], *, request_id: str) -> None:
+                 stop_token_ids: Collection[int], *, request_id: str,
+                 forced: str | None = None) -> None:
+        """``forced``: the prompt ends with :meth:`ToolSyntax.opening` of this name (``''``:
+        the opening without a name), so the reply starts inside the call."""
         self._syntax, self._names, self._stops = syntax, frozenset(names), set(stop_token_ids)
         self._tokenizer = tokenizer
         self._request_id = request_id
@@ -139,6 +147,13 @@ class ToolCallReader:
         self._mark = 0  # where in _text the call being read began (content from here on a failure)
         self.calls = 0  # calls announced
         self._out: list[str | ToolCallDelta] = []
+        self.named = bool(forced)
+        if forced is not None:
+            self._raw = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+            self._state = "name"
+            if forced:
+                self._announce(forced)
+                self._state = "args"
 
     @property
     def reading(self) -> bool:
@@ -200,9 +215,7 @@ class ToolCallReader:
                 if name not in self._names:
                     self._fail()
                     return
-                self._out.append(ToolCallDelta(
-                    self.calls, name=name, id=f"call_{self._request_id[-24:]}_{self.calls}"))
-                self.calls += 1
+                self._announce(name)
                 self._consume(at + len(s.name_end), "args")
             elif self._state == "args":
                 ends = [s.call_end] if s.call_end else [e for e in (s.call_begin, s.end) if e]
@@ -231,6 +244,11 @@ class ToolCallReader:
         if self._buf:  # after the block (or a failure) the text is content again
             self._content(self._buf)
             self._buf = ""
+
+    def _announce(self, name: str) -> None:
+        self._out.append(ToolCallDelta(
+            self.calls, name=name, id=f"call_{self._request_id[-24:]}_{self.calls}"))
+        self.calls += 1
 
     def _consume(self, chars: int, state: str) -> None:
         self._buf, self._state = self._buf[chars:], state

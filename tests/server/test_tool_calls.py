@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures.tiny_server_model import build
 from tokenizers import Tokenizer
 
 from irminsul.engine.scheduler import StepOutput
@@ -247,3 +248,67 @@ def test_the_whole_reply_carries_the_calls_as_a_message_does(syntaxes) -> None:
             for c in calls] == [("function", "get_weather", {"city": "Rome"}),
                                 ("function", "search", {"q": "Rome trains"})]
     assert len({c["id"] for c in calls}) == 2 and all("index" not in c for c in calls)
+
+
+def test_a_required_call_opens_in_the_prompt_and_the_reply_names_the_tool(syntaxes) -> None:
+    syntax, tokenizer = syntaxes["v31"]
+    eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+    # tool_choice "required": the prompt ends with the opening; the reply starts at the name.
+    reply = "search" + syntax.name_end + '{"q": "x"}' + syntax.call_end + syntax.end
+    reader = ToolCallReader(syntax, tokenizer, TOOLS, [eos], request_id="r", forced="")
+    assert reader.reading
+    assert reader.push(tokenizer.encode(reply).ids + [eos]) == [] and reader.finish() == []
+    steps = reader.take()
+    assert steps[0].name == "search" and "".join(s.arguments for s in steps) == '{"q": "x"}'
+    # A named tool: the reply starts at the arguments, the call announced before any token.
+    reader = ToolCallReader(syntax, tokenizer, TOOLS, [eos], request_id="r", forced="search")
+    assert [s.name for s in reader.take()] == ["search"]
+    assert syntax.opening("search") == ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search"
+                                        "<｜tool▁sep｜>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The server tests' tiny model, its template writing calls as <|tool|>NAME\nARGS (the
+    shared fixture's writes none: other tests' prompts stay as they are)."""
+    directory = build(tmp_path_factory.mktemp("tiny-tool-model"))
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text("utf-8"))
+    config["chat_template"] = config["chat_template"].replace(
+        "{{ message.content }}", "{{ message.content }}{% for call in message.tool_calls or [] %}"
+        "<|tool|>{{ call.function.name }}\n{{ call.function.arguments }}{% endfor %}")
+    path.write_text(json.dumps(config), "utf-8")
+    return directory
+
+
+def _tool_request(server, **kw):
+    tools = [{"type": "function", "function": {"name": name, "description": "d",
+                                               "parameters": {"type": "object"}}}
+             for name in TOOLS]
+    return server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "weather in Oslo?"}],
+        tools=tools, max_tokens=12, temperature=0, **kw)
+
+
+def test_a_named_tool_choice_is_served_as_a_call_streamed_or_not(server) -> None:
+    """Over HTTP with the tiny model: the reply to a named tool_choice is that tool's call, its
+    arguments whatever the model wrote, the same streamed and not."""
+    choice = {"type": "function", "function": {"name": "search"}}
+    reply = _tool_request(server, tool_choice=choice)
+    message = reply.choices[0].message
+    assert message.content is None and reply.choices[0].finish_reason == "length"
+    [call] = message.tool_calls
+    assert call.function.name == "search" and call.type == "function" and call.id
+    assert call.function.arguments and reply.usage.completion_tokens == 12
+    chunks = list(_tool_request(server, tool_choice=choice, stream=True))
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert streamed[0].function.name == "search" and streamed[0].id.startswith("call_")
+    assert "".join(c.function.arguments or "" for c in streamed) == call.function.arguments
+    assert not any(chunk.choices[0].delta.content for chunk in chunks)
+    # tool_choice "none": the same request is answered in text, from a prompt without the
+    # call's opening.
+    plain = _tool_request(server, tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    opening = ChatRenderer.from_dir(server.model_dir).encode("<|tool|>search\n")
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens + len(opening)
+    server.check()
