@@ -175,6 +175,9 @@ def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on: a normal stop
         pass
+    except BaseException:  # the router did not start (its port taken: SystemExit) or crashed
+        ranks.kill()
+        raise
     if failed.is_set():
         ranks.kill()
         return 1

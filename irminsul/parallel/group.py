@@ -28,6 +28,10 @@ from ..config import ParallelConfig
 
 # The control group's wait for the leader's next step: the server may be idle for days.
 CONTROL_TIMEOUT = timedelta(days=365)
+# How long the ranks may take to meet at ``address`` (each starts an interpreter, imports torch,
+# initialises its device): not the collective timeout, which is for a peer that hangs. A rank
+# that dies before it joins is seen by the process that started it.
+JOIN_TIMEOUT = timedelta(minutes=10)
 
 
 class RankFailure(RuntimeError):
@@ -61,7 +65,12 @@ def init(rank: int, config: ParallelConfig, address: str, *,
     device = torch.device(device)
     backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=config.timeout_s)
-    dist.init_process_group(backend, init_method=address, rank=rank,
+    # The rendezvous's own store: init_process_group's tcp:// rendezvous would wait only
+    # ``timeout`` for every rank to arrive.
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), config.world_size, is_master=rank == 0,
+                          timeout=max(JOIN_TIMEOUT, timeout))
+    dist.init_process_group(backend, store=store, rank=rank,
                             world_size=config.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)

@@ -43,6 +43,7 @@ first.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import numpy as np
@@ -181,6 +182,16 @@ class LockstepRunner(ModelRunner):
             if self.on_failure is not None:
                 self.on_failure("a step", err)
             raise
+
+
+def rendezvous(group: ParallelGroup, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` until every rank gets here: before a rank's first lockstep step,
+    whose all-reduce waits only the collective timeout, while a rank's load of its share may
+    take minutes longer than another's (tensor parallel's first engine waits the same way).
+    Over the control group (gloo, no timeout of its own beyond this wait)."""
+    with guarded(group, "waiting for the other ranks to load"):
+        dist.all_reduce(torch.zeros(1), group=group.control_group, async_op=True).wait(
+            timedelta(seconds=timeout_s))
 
 
 def lockstep_engine(model: MLAModel, config: EngineConfig, group: ParallelGroup, *,

@@ -43,11 +43,13 @@ class RankServer(Follower):
 
         from ..server.launch import build_server
         from . import shard_model
-        from .lockstep import lockstep_engine
+        from .follower import STARTUP_TIMEOUT_S
+        from .lockstep import lockstep_engine, rendezvous
 
         spec = self.spec
         group, device = self._join()
         self.doing = "loading the checkpoint"
+        met = False  # the ranks met before this rank's first engine (their loads done)
 
         def load(path: Path, *, dtype: torch.dtype, device: str) -> MLAModel:
             return self._load(device)  # this rank's share alone
@@ -56,6 +58,10 @@ class RankServer(Follower):
                    runner: type[ModelRunner] = ModelRunner) -> Engine:
             self.doing = "running the PIC gate and starting the server (in step with the others)"
             shard_model(model, group, "data")  # joins the MoE layers (a share stays as it is)
+            nonlocal met
+            if not met:  # the others may still be loading: a step would wait only timeout_s
+                rendezvous(group, STARTUP_TIMEOUT_S)
+                met = True
             # A failed step leaves the ranks out of step: this rank ends (Follower.fail).
             return lockstep_engine(model, config, group, runner=runner,
                                    on_failure=lambda _, err: self.fail(err))

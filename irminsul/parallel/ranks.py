@@ -73,8 +73,11 @@ class Followers:
         """Start the follower of ``spec`` and hand it its spec; it runs until stopped."""
         env = os.environ | {"RANK": str(spec.rank), "LOCAL_RANK": str(spec.rank),
                             "WORLD_SIZE": str(spec.parallel.world_size)}
+        # A session of its own: a terminal's Ctrl-C (SIGINT to its foreground process group)
+        # reaches this process alone, which stops the ranks in order; a rank never outlives it
+        # anyway (its stdin pipe from here closes).
         process = subprocess.Popen([sys.executable, "-m", self.module],
-                                   stdin=subprocess.PIPE, env=env)
+                                   stdin=subprocess.PIPE, env=env, start_new_session=True)
         self.processes[spec.rank] = process
         write_spec(process.stdin, spec)
         log.info("%s parallel: rank %d of %d started (pid %d, %s)", spec.parallel.attention,

@@ -233,7 +233,10 @@ class Leader:
 
     def _release(self) -> int | None:
         """The normal stop; None where it fails (the caller then ends as after a failure)."""
-        if self._serving is not None and self._serving[0].alive:
+        # Not AsyncEngine.alive: that is False once shutdown() was called, while the engine
+        # thread may still be inside a step (shutdown's join gives up after 10 s), whose
+        # collectives a STOP broadcast now would cross.
+        if self._serving is not None and not self._serving[0].join(STOP_TIMEOUT_S):
             self._cause = "the engine thread did not stop (a step may still be running)"
             return None
         self._closing = True

@@ -87,6 +87,8 @@ def shard_weights(model: MLAModel, rank: int, world: int,
     becomes the heads this rank computes: the model runner sizes its attention kernel's layout
     from it."""
     config = model.config
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of {world} ranks")
     if model.shard is not None:  # split already (load_shard reads a rank's share directly)
         if model.shard != (rank, world) or model.attention_mode != attention:
             raise ValueError(f"the model is rank {model.shard[0]} of {model.shard[1]}'s share "

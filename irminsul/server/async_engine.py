@@ -176,6 +176,14 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closed
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` for the engine thread to end (after :meth:`shutdown`); True
+        when it is not running. Unlike :attr:`alive`, False while a step is still in flight
+        after shutdown was asked."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort whatever is in flight (waiters get EngineError) and stop the thread."""
         if self._closed:
