@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -169,6 +170,11 @@ def started(kind: type[F]) -> F:
 
 def main() -> None:
     """The process: read the spec from stdin, then run the follower until the leader stops."""
+    # A stop is the leader's to make: a terminal's Ctrl-C or systemd's SIGTERM reaches every
+    # process, and a follower ending on it would end mid-broadcast. It ends when the leader
+    # releases it, or when the leader's process ends (its pipe closes).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     follower = started(Follower)
     try:
         forwards = follower.run()

@@ -72,21 +72,29 @@ def _slow_rank(**env: str) -> dict[str, str]:
         "PYTHONPATH")])])}
 
 
-def test_ctrl_c_to_the_process_group_is_a_normal_stop(model_dir: Path, tmp_path: Path) -> None:
-    """Followers used to share the server's process group: Ctrl-C reached them mid-broadcast,
-    and the server exited 1 with an error."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_every_process_is_a_normal_stop(model_dir: Path, tmp_path: Path,
+                                                     sig: signal.Signals) -> None:
+    """A terminal's Ctrl-C sends SIGINT to the foreground process group, systemd's stop SIGTERM
+    to every process of the service: followers used to get it too, mid-broadcast, and the
+    server exited 1 with an error. They now stop only when the leader releases them."""
     port, log = free_port(), tmp_path / "serve.log"
     process = _start(["--model", str(model_dir), "--tensor-parallel", "2",
                       "--host", "127.0.0.1", "--port", str(port)], log)
     try:
         _wait_healthy(process, port, log)
-        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: SIGINT to the foreground group
+        for pid in [process.pid, *_children(process.pid)]:  # every process, as systemd does
+            os.kill(pid, sig)
         status = process.wait(90)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     text = log.read_text("utf-8", "replace")
     assert status == 0 and "ERROR" not in text, text[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def test_a_follower_slower_to_start_than_the_collective_timeout(model_dir: Path,
