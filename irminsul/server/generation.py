@@ -59,6 +59,7 @@ class Generation:
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
         self._stops = StopStrings(stops)
+        self._after = StopStrings(stops)  # over the content the tool-call reader returns
         self._metrics = metrics
         self._generated = 0
         self._stats: ServeStats | None = None
@@ -107,7 +108,19 @@ class Generation:
                                                 and calls.reading):
                     # The content ends here: at the reply's end, or where its calls open.
                     text += self._stops.push(self._detok.flush(), final=True)
-                if self._stops.stopped:
+                steps: list[str | ToolCallDelta] = []
+                if calls is not None and not self._stops.stopped:
+                    # Text the reader returns as content (after the block, or a block that
+                    # broke the syntax) is content: stop strings apply to it too.
+                    for step in calls.take():
+                        if isinstance(step, str):
+                            step = self._after.push(step)
+                        steps.append(step)
+                        if self._after.stopped:
+                            break
+                    if out.finished and not self._after.stopped:
+                        steps.append(self._after.push("", final=True))
+                if self._stops.stopped or self._after.stopped:
                     self.handle.abort("stop")  # frees the slots now, not at max_tokens
                     self.finish_reason = "stop"
                 elif out.finished:
@@ -119,9 +132,9 @@ class Generation:
                         self.finish_reason = "tool_calls"
                 if text:
                     yield text
-                if calls is not None and not self._stops.stopped:
-                    for delta in calls.take():
-                        yield delta
+                for step in steps:
+                    if step:
+                        yield step
                 if self.finish_reason is not None:
                     break
         except EngineError:

@@ -77,6 +77,9 @@ class ToolSyntax:
             parts2 = _split(after_content(2), [_NAMES[0], _ARGS[0], _NAMES[1], _ARGS[1]])
         except (TemplateError, ValueError):  # no calls written, or not around the sentinels
             return None
+        except Exception:  # noqa: BLE001 - a template that cannot take the sentinel call (one
+            # that iterates arguments as a mapping raises TypeError): it writes none we can read
+            return None
         opening, name_end, close = parts
         between = parts2[2]
         if not (name_end and close.endswith(tail) and parts2[0] == opening
@@ -86,16 +89,28 @@ class ToolSyntax:
         # call_begin is what the first call's opening and the second's share at their ends;
         # compared in tokens, so a marker is never cut inside its text.
         tokenizer = renderer.tokenizer
+        added = tokenizer.get_added_tokens_decoder()
         shared = _common_suffix(_ids(tokenizer, opening), _ids(tokenizer, between))
         call_begin = tokenizer.decode(shared, skip_special_tokens=False) if shared else ""
         if not call_begin or not opening.endswith(call_begin) or not between.endswith(call_begin):
             return None
+        # Whitespace before a marker is not the opening's: Qwen3's template writes "\n" before
+        # <tool_call> only after content, and a reply merges it with the text before ("check.\n"
+        # is one token), so a trigger starting with it is never seen.
+        stripped = opening.lstrip()
+        if stripped != opening and stripped and _ids(tokenizer, stripped)[0] in added:
+            opening = stripped
+            if len(call_begin) > len(opening):
+                call_begin = opening
         begin = opening[:len(opening) - len(call_begin)]
         call_end = between[:len(between) - len(call_begin)]
         if not close.startswith(call_end):
-            return None
+            # Whitespace between calls (DeepSeek-V3 writes "\n" before all but the first): the
+            # call ends before it.
+            if call_end.rstrip() == call_end or not close.startswith(call_end.rstrip()):
+                return None
+            call_end = call_end.rstrip()
         opening_ids = _ids(tokenizer, opening)
-        added = tokenizer.get_added_tokens_decoder()
         # A marker opens the calls alone. A plain-text opening is its run of ids but the last,
         # which may merge with the name that follows (" [[call " + "search" tokenises as
         # " [[", "call", " search"); the text read after it must then follow the syntax.
@@ -232,12 +247,16 @@ class ToolCallReader:
                 else:  # the next call's opening, or the block's end
                     self._consume(at + (len(end) if end == s.end else 0),
                                   "after" if end == s.end else "between")
-            else:  # between calls
-                if buf.startswith(s.call_begin):
-                    self._consume(len(s.call_begin), "name")
-                elif s.end and buf.startswith(s.end):
-                    self._consume(len(s.end), "after")
-                elif not final and (s.call_begin.startswith(buf) or s.end.startswith(buf)):
+            else:  # between calls (whitespace between them skipped)
+                texts = [buf] if buf == buf.lstrip() else [buf, buf.lstrip()]
+                skip = {t: len(buf) - len(t) for t in texts}
+                if (t := next((t for t in texts if t.startswith(s.call_begin)), None)) is not None:
+                    self._consume(skip[t] + len(s.call_begin), "name")
+                elif s.end and (t := next((t for t in texts if t.startswith(s.end)), None)) \
+                        is not None:
+                    self._consume(skip[t] + len(s.end), "after")
+                elif not final and any(s.call_begin.startswith(t) or s.end.startswith(t)
+                                       for t in texts):
                     return
                 else:
                     self._state = "after"

