@@ -329,7 +329,8 @@ def _tool_reader(server: _Server, body: ChatCompletionRequest | CompletionReques
         return None
     return ToolCallReader(server.tool_syntax, server.renderer.tokenizer,
                           [tool.function.name for tool in body.tools], server.stop_token_ids,
-                          request_id=request_id, forced=body.forced_call)
+                          request_id=request_id, forced=body.forced_call,
+                          max_calls=1 if body.parallel_tool_calls is False else None)
 
 
 async def _submit(server: _Server, prompt: PromptTokens, params: Any, salt: str | None,

@@ -123,6 +123,9 @@ class Generation:
                 if self._stops.stopped or self._after.stopped:
                     self.handle.abort("stop")  # frees the slots now, not at max_tokens
                     self.finish_reason = "stop"
+                elif calls is not None and calls.done:  # the calls asked for are complete
+                    self.handle.abort("stop")
+                    self.finish_reason = "stop" if calls.named else "tool_calls"
                 elif out.finished:
                     self.finish_reason = out.finish_reason or "stop"
                     # OpenAI's word for a reply that called tools by choice; a reply made to

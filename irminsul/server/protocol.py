@@ -243,6 +243,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: the reply ends after its first call
     response_format: Any = None  # NEUTRAL_ONLY's
     max_completion_tokens: MaxTokens | None = None
 

@@ -148,9 +148,11 @@ class ToolCallReader:
 
     def __init__(self, syntax: ToolSyntax, tokenizer: Tokenizer, names: Collection[str],
                  stop_token_ids: Collection[int], *, request_id: str,
-                 forced: str | None = None) -> None:
+                 forced: str | None = None, max_calls: int | None = None) -> None:
         """``forced``: the prompt ends with :meth:`ToolSyntax.opening` of this name (``''``:
-        the opening without a name), so the reply starts inside the call."""
+        the opening without a name), so the reply starts inside the call. ``max_calls``: the
+        reading is :attr:`done` once that many calls are complete (OpenAI's
+        ``parallel_tool_calls: false`` is 1); None: no limit."""
         self._syntax, self._names, self._stops = syntax, frozenset(names), set(stop_token_ids)
         self._tokenizer = tokenizer
         self._request_id = request_id
@@ -163,12 +165,18 @@ class ToolCallReader:
         self.calls = 0  # calls announced
         self._out: list[str | ToolCallDelta] = []
         self.named = bool(forced)
+        self._max_calls = max_calls
         if forced is not None:
             self._raw = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
             self._state = "name"
             if forced:
                 self._announce(forced)
                 self._state = "args"
+
+    @property
+    def done(self) -> bool:
+        """``max_calls`` calls are complete: the rest of the reply is not wanted."""
+        return self._state == "done"
 
     @property
     def reading(self) -> bool:
@@ -210,7 +218,9 @@ class ToolCallReader:
         self._text += text
         self._buf += text
         s = self._syntax
-        while self._state not in ("failed", "after"):
+        if self._state == "done":
+            return
+        while self._state not in ("failed", "after", "done"):
             buf = self._buf
             if self._state == "begin":
                 opening = s.begin + s.call_begin
@@ -260,7 +270,9 @@ class ToolCallReader:
                     return
                 else:
                     self._state = "after"
-        if self._buf:  # after the block (or a failure) the text is content again
+        if self._state == "done":
+            self._buf = ""
+        elif self._buf:  # after the block (or a failure) the text is content again
             self._content(self._buf)
             self._buf = ""
 
@@ -273,6 +285,8 @@ class ToolCallReader:
         self._buf, self._state = self._buf[chars:], state
         if state == "between":  # the next call, if any, starts here
             self._mark = len(self._text) - len(self._buf)
+            if self._max_calls is not None and self.calls >= self._max_calls:
+                self._state = "done"
 
     def _arguments(self, text: str) -> None:
         if text:

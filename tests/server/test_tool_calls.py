@@ -410,3 +410,23 @@ def test_stop_strings_apply_to_text_the_reader_returns_as_content(syntaxes) -> N
     generation = _generation(tokenizer.encode(text).ids + [eos], tokenizer, syntax, ["STOP"])
     content, calls = asyncio.run(generation.reply())
     assert [c["function"]["name"] for c in calls] == ["search"] and content == "Done. "
+
+
+@pytest.mark.parametrize("name", ["embedded", "v3"])
+def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call(syntaxes,
+                                                                         name: str) -> None:
+    syntax, tokenizer = syntaxes[name]
+    text = _reply(name, syntax, "Two calls.", [("search", '{"q": 1}'), ("get_weather", '{}')])
+    ids = tokenizer.encode(text).ids + _stop_ids(tokenizer)[:1]
+    outputs = [StepOutput("r", [t], i == len(ids) - 1, "stop" if i == len(ids) - 1 else None,
+                          None, 0.0) for i, t in enumerate(ids)]
+    handle = _Handle(outputs)
+    reader = ToolCallReader(syntax, tokenizer, TOOLS, _stop_ids(tokenizer), request_id="r",
+                            max_calls=1)
+    generation = Generation(handle, tokenizer, [], [], ServerMetrics(lambda: EngineSnapshot()),
+                            tool_calls=reader)
+    content, calls = asyncio.run(generation.reply())
+    assert content == "Two calls." and generation.finish_reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("search", {"q": 1})]
+    assert "stop" in handle.aborted  # the rest of the reply is not generated
