@@ -20,7 +20,7 @@ graph (:func:`launch_us`) — a small step's kernels each pay that ramp, whateve
 
     python benchmarks/gpu/decode.py --out docs/results/gpu-decode.json
     python benchmarks/gpu/decode.py --batches 64 --contexts 4096 --profile 64 4096 --out F
-    python benchmarks/gpu/decode.py --batches 1 8 --arms engine router.ALIGNED_WARPS=1 --out F
+    python benchmarks/gpu/decode.py --batches 1 8 --arms engine shared-last launch.MODE=0 --out F
     python benchmarks/gpu/decode.py --device cpu --tiny --batches 1 2 --contexts 64 --out F
 """
 
@@ -298,18 +298,9 @@ def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
 
 
 def _presets() -> dict[str, dict[str, Any]]:
-    """The named arms: the L2 warming of kernels.prefetch (on: the decode sizes the router's
-    one-launch path serves), the shared experts' order in the router's sort."""
-    from irminsul.kernels import router
-
-    on = {"prefetch.MAX_TOKENS": router.ALIGNED_MAX_TOKENS}
-    return {"engine": {},
-            "warm-off": {"prefetch.MAX_TOKENS": 0},
-            "warm-bulk": {**on, "prefetch.METHOD": "bulk"},
-            "warm-lines": {**on, "prefetch.METHOD": "lines"},
-            "warm-no-down": {**on, "prefetch.METHOD": "bulk", "prefetch.WITH_DOWN": False},
-            "warm-following": {**on, "prefetch.METHOD": "bulk", "prefetch.FOLLOWING": True},
-            "shared-last": {"router.SHARED_FIRST": False}}
+    """The named arms: the engine as it ships, and the shared experts' order in the router's
+    sort."""
+    return {"engine": {}, "shared-last": {"router.SHARED_FIRST": False}}
 
 
 def _switch(name: str) -> tuple[ModuleType, str]:
@@ -363,7 +354,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=["engine"], metavar="ARM",
                         help="each cell runs once per arm, in order (an A/B): a preset ("
                         + ", ".join(_presets()) + ") or MODULE.NAME=VALUE[,...] setting switches "
-                        "of irminsul.kernels modules (e.g. router.ALIGNED_WARPS=1); every "
+                        "of irminsul.kernels modules (e.g. launch.MODE=0); every "
                         "switch any arm sets is back at its default before the next arm")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args()

@@ -49,10 +49,6 @@ BLOCK_T = 16
 # over about this many programs.
 ALIGNED_MAX_TOKENS = 16
 GEMV_PROGRAMS = 32
-# That launch's warps: None, by the experts (4 up to 64 of them, else 8). Its last program
-# chooses and sorts alone, a chain of reductions that fewer warps run without shared-memory
-# round trips; a switch for benchmarks' A/B (benchmarks/gpu/decode.py --arms).
-ALIGNED_WARPS: int | None = None
 # route_aligned sorts the shared experts' blocks first and lets the fused MoE launch while it
 # routes, its shared-expert programs running beside the routing (Alignment.lead). A switch for
 # benchmarks' A/B; the sort is the same either way but for the order of the experts' runs.
@@ -359,5 +355,5 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
         experts_total, shape.blocks, BLOCK_T=block_t, PER_PROGRAM=per_program, BLOCK_D=block_d,
         BINS_P2=shape.e_p2, BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan,
         BLOCK_CHUNK=shape.block_chunk, LEAD=lead, **meta, **pdl_args(x.device),
-        num_warps=ALIGNED_WARPS or (4 if meta["E_P2"] <= 64 else 8))
+        num_warps=4 if meta["E_P2"] <= 64 else 8)
     return weights, ids, out

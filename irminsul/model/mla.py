@@ -125,12 +125,6 @@ class MLAttention(nn.Module):
                 return None
         return self._joint
 
-    def leading_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weight a fused forward reads first (the joint projection's, plain weights only),
-        for an earlier launch to warm into L2; empty otherwise."""
-        joint = self._joined() if self.kernels else None
-        return (joint["weight"],) if joint is not None and len(joint) == 1 else ()
-
     def _joint_projection(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> torch.Tensor:
         """x through the joint weight: [T, N_q + rank + rope]."""
         if "weight_scale_inv" not in joint:
@@ -192,17 +186,13 @@ class MLAttention(nn.Module):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
 
-    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
-                      warm: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
         new rows are stored first; then the kernel's spans attend in one launch reading the pool
-        in place, and each other span attends in torch to its context gathered from the pool.
-        ``warm``: weights the layer reads next (up to three), prefetched into L2 with o_proj's
-        once the projection is launched, where the batch runs the fused path (the chain after it
-        is latency-bound; :mod:`irminsul.kernels.prefetch`)."""
+        in place, and each other span attends in torch to its context gathered from the pool."""
         if self.kernels and kv.layout is not None and kv.kernel_tokens is None and not (
                 kv.gathered or kv.masked):
-            return self._forward_fused(x, positions, kv, warm)
+            return self._forward_fused(x, positions, kv)
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
@@ -231,8 +221,8 @@ class MLAttention(nn.Module):
                                                   spans.positions)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
-                       warm: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV
+                       ) -> torch.Tensor:
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
         short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
         and stores the new latent rows and writes the attention query (its rope columns
@@ -248,12 +238,6 @@ class MLAttention(nn.Module):
             both = self._joint_projection(x, joint)
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
-        if warm:
-            from ..kernels import prefetch
-
-            o_proj = self.o_proj.weight
-            own = (o_proj,) if prefetch.WITH_O_PROJ and type(self.o_proj) is nn.Linear else ()
-            prefetch.warm((*warm, *own))
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
         query = x.new_empty(tokens, self.heads, self.rank + self.rope_dim)

@@ -48,33 +48,25 @@ class DecoderLayer(nn.Module):
         return self._mlp(x + self._summed(attn)), rows
 
     def forward_paged(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
-                      kv: PagedKV, warm: bool = False, following: Sequence[torch.Tensor] = ()
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the pool: ``x`` is the residual stream before this layer, ``pending``
         the previous layer's MLP output not yet added to it (None before the first layer);
         returns the stream after attention and this layer's MLP output, pending in turn — so
         each residual add runs with the norm after it (one launch with kernels on). With kernels
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
-        (:meth:`settle` sums them elsewhere). ``warm``: the MoE's known weights warmed into L2
-        during the attention; ``following``: the next layer's leading weights, warmed before
-        the router (:mod:`irminsul.kernels.prefetch`; decode-sized forwards)."""
+        (:meth:`settle` sums them elsewhere)."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending)
-        moe = (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
-               and self.mlp.dispatch is None)
-        # With warming on (kernels.prefetch; off until a GPU A/B decides), a decode step's MoE
-        # finds its shared experts in L2: prefetched while the attention's chain of small
-        # launches leaves the memory idle.
-        known = self.mlp.known_weights() if warm and moe else ()
-        attended = self._summed(self.self_attn.forward_paged(h, positions, kv, known))
-        if moe:
+        attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
+        if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
+                and self.mlp.dispatch is None):
             # The norm's launch also writes its output widened to float32, which the router
             # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
             # 1 on an H200).
             widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
             h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
-            return x, self.mlp(h, terms=True, widened=widened, following=following)
+            return x, self.mlp(h, terms=True, widened=widened)
         h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 
@@ -176,13 +168,8 @@ class MLAModel(nn.Module):
         """The last layer's hidden states [T, D] of a batch over the pool (inputs on the model's
         device): no host work that depends on the batch, so a CUDA graph can capture it."""
         x, pending = self.model.embed_tokens(token_ids), None
-        layers = self.model.layers
-        # Decided once a forward: per layer it would be host time on every prefill.
-        warm, ahead = warming(token_ids.shape[0]) if layers[0].kernels else (False, False)
-        for i, layer in enumerate(layers):
-            following = (layers[i + 1].self_attn.leading_weights()
-                         if ahead and i + 1 < len(layers) else ())
-            x, pending = layer.forward_paged(x, pending, positions, kv, warm, following)
+        for layer in self.model.layers:
+            x, pending = layer.forward_paged(x, pending, positions, kv)
         return x if pending is None else x + DecoderLayer.settle(pending)
 
     @torch.inference_mode()
@@ -233,15 +220,6 @@ class MLAModel(nn.Module):
         for layer in self.model.layers:
             x, _ = layer(x, positions, [None], [token_ids.shape[0]], None)
         return self.lm_head(self.model.norm(x[-1:])).float()[0]
-
-
-def warming(tokens: int) -> tuple[bool, bool]:
-    """Whether a forward of ``tokens`` (kernels on) warms each MoE layer's known weights into L2,
-    and each next layer's leading weights: :mod:`irminsul.kernels.prefetch`'s switches."""
-    from ..kernels import prefetch  # needs triton: only with kernels
-
-    on = 0 < tokens <= prefetch.MAX_TOKENS
-    return on, on and prefetch.FOLLOWING
 
 
 def use_kernels(model: nn.Module, on: bool) -> None:

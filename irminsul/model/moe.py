@@ -5,7 +5,7 @@ or experts, no host synchronisation) — in torch, or with kernels on in the fus
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -216,14 +216,11 @@ class MoE(nn.Module):
         return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
     def forward(self, x: torch.Tensor, terms: bool = False,
-                widened: torch.Tensor | None = None,
-                following: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                widened: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output [T, D]; ``terms``: where the fused kernel runs with the shared MLP
         folded in, its terms [T, J, D] instead (each assignment's weighted expert output, J =
         top-k + shared widths), which sum to the output (the caller sums them). ``widened``:
-        ``x.float()``, already computed (the router reads it instead of casting x).
-        ``following``: weights the next layer reads first, warmed into L2 before the router's
-        launch (decode sizes, :data:`~irminsul.kernels.prefetch.FOLLOWING`)."""
+        ``x.float()``, already computed (the router reads it instead of casting x)."""
         routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
@@ -239,10 +236,6 @@ class MoE(nn.Module):
             shared = self._shared_as_experts() if self.expert_first is None else None
             count = 0 if shared is None else shared.count(x.shape[1], self.w2.shape[2])
             tiles = alignment = None
-            if following:
-                from ..kernels.prefetch import warm
-
-                warm(following)
             if self.expert_first is None:  # the router's launch sorts the assignments too
                 tiles = MoETiles.for_tokens(x.shape[0], self.gate.k + count,
                                             self.gate.experts + count, x.dtype,
@@ -291,19 +284,6 @@ class MoE(nn.Module):
                                  routed=self.gate.experts)
         return grouped_experts(rows, *self.dense_experts(rows.dtype), weights, ids,
                                first=self.expert_first)
-
-    def known_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weights a decode-sized forward reads whatever the router chooses, for a launch
-        before it to warm into L2: the shared MLP's, where the fused kernel reads them in place
-        (kernels on, all experts here). Empty otherwise."""
-        if not self.kernels or self.dispatch is not None or self.expert_first is not None:
-            return ()
-        shared = self._shared_as_experts()
-        if shared is None:
-            return ()
-        from ..kernels.prefetch import WITH_DOWN  # needs triton: only with kernels
-
-        return (shared.gate, shared.up, shared.down) if WITH_DOWN else (shared.gate, shared.up)
 
     def _fused(self, tokens: int) -> bool:
         """Whether ``tokens`` rows run the fused Triton kernel rather than torch. FP8 experts take

@@ -319,13 +319,14 @@ def test_decode_steps_against_their_floor_run(tmp_path: Path) -> None:
     floor counted from the model's own parameter bytes (hand-checked: KV rows are layers ×
     (rank + rope) × 4 bytes); each arm's settings recorded as given."""
     results = _script("decode", "--batches", "1", "4", "--contexts", "64", "--steps", "3",
-                      "--warmup", "1", "--arms", "engine", "router.ALIGNED_WARPS=2",
+                      "--warmup", "1", "--arms", "engine", "router.GEMV_PROGRAMS=16",
                       tmp_path=tmp_path)
     cells = results["cells"]
     assert [(c["batch"], c["context"], c["arm"]) for c in cells] == [
-        (1, 64, "engine"), (1, 64, "router.ALIGNED_WARPS=2"), (4, 64, "engine"),
-        (4, 64, "router.ALIGNED_WARPS=2")]
-    assert results["arms"] == {"engine": {}, "router.ALIGNED_WARPS=2": {"router.ALIGNED_WARPS": 2}}
+        (1, 64, "engine"), (1, 64, "router.GEMV_PROGRAMS=16"), (4, 64, "engine"),
+        (4, 64, "router.GEMV_PROGRAMS=16")]
+    assert results["arms"] == {"engine": {},
+                               "router.GEMV_PROGRAMS=16": {"router.GEMV_PROGRAMS": 16}}
     layers, rank, rope = (TINY["num_hidden_layers"], TINY["kv_lora_rank"],
                           TINY["qk_rope_head_dim"])
     for c in cells:
@@ -339,18 +340,16 @@ def test_decode_arms_parse() -> None:
     value of another type than the switch's, is refused with the entry named."""
     import decode
 
-    from irminsul.kernels import prefetch, router
+    from irminsul.kernels import launch, router
 
-    assert decode.parse_arm("warm-following")[1] == {
-        "prefetch.MAX_TOKENS": router.ALIGNED_MAX_TOKENS, "prefetch.METHOD": "bulk",
-        "prefetch.FOLLOWING": True}
-    assert decode.parse_arm("prefetch.METHOD=lines,router.SHARED_FIRST=False") == (
-        "prefetch.METHOD=lines,router.SHARED_FIRST=False",
-        {"prefetch.METHOD": "lines", "router.SHARED_FIRST": False})
-    assert prefetch.METHOD == "bulk" and router.SHARED_FIRST  # parsing sets nothing
+    assert decode.parse_arm("shared-last")[1] == {"router.SHARED_FIRST": False}
+    assert decode.parse_arm("launch.MODE=0,router.SHARED_FIRST=False") == (
+        "launch.MODE=0,router.SHARED_FIRST=False",
+        {"launch.MODE": 0, "router.SHARED_FIRST": False})
+    assert launch.MODE == 1 and router.SHARED_FIRST  # parsing sets nothing
     for bad, says in [("warm-fast", "neither a preset"), ("router.NOPE=1", "router.NOPE"),
                       ("nomodule.X=1", "nomodule.X"), ("router.SHARED_FIRST=1", "is bool"),
-                      ("prefetch.MAX_TOKENS=many", "is int")]:
+                      ("launch.MODE=many", "is int")]:
         with pytest.raises(SystemExit, match=says):
             decode.parse_arm(bad)
 
