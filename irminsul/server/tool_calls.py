@@ -6,6 +6,7 @@ as text. The syntax differs per model:
     DeepSeek-V3     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
                     ```json\\nARGS\\n```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>
     DeepSeek-V3.1   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>…
+    Qwen style      <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>
     embedded model  <|tool_call|>NAME\\nARGS<|tool_call|>NAME\\nARGS
 
 The chat template is the definition: it writes an assistant message's ``tool_calls`` into the
@@ -18,13 +19,14 @@ content (the server detokenizes them and applies stop strings as for any reply).
 recognised by its token ids: its first token alone where that is one of the tokenizer's added
 tokens (a marker, as in every template above), else the opening's ids as the tokenizer encodes
 it alone, but the last (a plain-text opening is only found where the model's reply tokenises it
-the same way). From there the reply is
-decoded with special tokens kept and read as calls, streamed as OpenAI streams them: a call is
-announced once its whole name has arrived, and its arguments follow as they are generated
-(held back only where they could be the start of the call's end). Arguments are not checked
-to be JSON, as OpenAI does not check them without ``strict``; a name that is not one of the
-request's tools, or text that does not follow the syntax, ends the reading and the rest of the
-reply (from the opening, or from the broken call on) is returned as content, so nothing is lost.
+the same way). From there the reply is decoded with special tokens kept and read as calls,
+streamed as OpenAI streams them: a call is announced once its whole name has arrived, and its
+arguments follow as they are generated (held back only where they could be the start of the
+call's end). Whitespace a template writes around calls (before the first only after content, or
+between calls) is not part of the syntax. Arguments are not checked to be JSON, as OpenAI does
+not check them without ``strict``; a name that is not one of the request's tools, or text that
+does not follow the syntax, ends the reading and the rest of the reply (from the opening, or
+from the broken call on) is returned as content, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from ..traffic.render import ChatRenderer, TemplateError
+from ..traffic.render import ChatRenderer
 from .detokenizer import IncrementalDetokenizer
 
 # Sentinels rendered through the template to find the syntax around them.
@@ -75,10 +77,10 @@ class ToolSyntax:
             tail = after_content(0)  # what ends the message
             parts = _split(after_content(1), [_NAMES[0], _ARGS[0]])
             parts2 = _split(after_content(2), [_NAMES[0], _ARGS[0], _NAMES[1], _ARGS[1]])
-        except (TemplateError, ValueError):  # no calls written, or not around the sentinels
-            return None
-        except Exception:  # noqa: BLE001 - a template that cannot take the sentinel call (one
-            # that iterates arguments as a mapping raises TypeError): it writes none we can read
+        # No calls written, or not around the sentinels (ValueError); or a template that cannot
+        # take the sample call at all (one iterating arguments as a mapping raises TypeError):
+        # either way the server serves on, returning replies as text.
+        except Exception:  # noqa: BLE001
             return None
         opening, name_end, close = parts
         between = parts2[2]
