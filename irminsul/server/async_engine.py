@@ -385,8 +385,9 @@ class AsyncEngine:
         # Every consumer but the waiting requests': the running ones, and those the step
         # finished before it raised (they left the queues; their outputs went with the step).
         queued = {r.id for r in self.scheduler.waiting}
+        failed = [i for i in self._handles if i not in queued]
         self._post([(self._handles.pop(i), EngineError(f"engine step failed: {err!r}"))
-                    for i in [i for i in self._handles if i not in queued]])
+                    for i in failed])
 
     def _drain_after_stop(self) -> None:
         """Answer what arrived with or after the stop command, so no caller waits forever."""

@@ -92,7 +92,8 @@ class ToolSyntax:
         # compared in tokens, so a marker is never cut inside its text.
         tokenizer = renderer.tokenizer
         added = tokenizer.get_added_tokens_decoder()
-        shared = _common_suffix(_ids(tokenizer, opening), _ids(tokenizer, between))
+        shared = _common_suffix(renderer.encode(opening).tolist(),
+                                renderer.encode(between).tolist())
         call_begin = tokenizer.decode(shared, skip_special_tokens=False) if shared else ""
         if not call_begin or not opening.endswith(call_begin) or not between.endswith(call_begin):
             return None
@@ -100,7 +101,7 @@ class ToolSyntax:
         # <tool_call> only after content, and a reply merges it with the text before ("check.\n"
         # is one token), so a trigger starting with it is never seen.
         stripped = opening.lstrip()
-        if stripped != opening and stripped and _ids(tokenizer, stripped)[0] in added:
+        if stripped != opening and stripped and int(renderer.encode(stripped)[0]) in added:
             opening = stripped
             if len(call_begin) > len(opening):
                 call_begin = opening
@@ -112,7 +113,7 @@ class ToolSyntax:
             if call_end.rstrip() == call_end or not close.startswith(call_end.rstrip()):
                 return None
             call_end = call_end.rstrip()
-        opening_ids = _ids(tokenizer, opening)
+        opening_ids = renderer.encode(opening).tolist()
         # A marker opens the calls alone. A plain-text opening is its run of ids but the last,
         # which may merge with the name that follows (" [[call " + "search" tokenises as
         # " [[", "call", " search"); the text read after it must then follow the syntax.
@@ -217,11 +218,11 @@ class ToolCallReader:
         return held
 
     def _read(self, text: str, *, final: bool = False) -> None:
+        if self._state == "done":  # the rest of the reply is not wanted
+            return
         self._text += text
         self._buf += text
         s = self._syntax
-        if self._state == "done":
-            return
         while self._state not in ("failed", "after", "done"):
             buf = self._buf
             if self._state == "begin":
@@ -316,10 +317,6 @@ def _split(text: str, pieces: list[str]) -> list[str]:
         at = i + len(piece)
     out.append(text[at:])
     return out
-
-
-def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def _common_suffix(a: list[int], b: list[int]) -> list[int]:
