@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreted
-from .launch import pdl_args, wait_for_previous
+from .launch import pdl_args, release_next, wait_for_previous
 from .rotate import pair_layout
 
 # A normed row is held whole in one program's registers (one pass: read once, write once).
@@ -58,8 +58,10 @@ def _round(x, DTYPE: tl.constexpr, BY_HAND: tl.constexpr):
 def _add_rms_norm_kernel(DELTA, RESIDUAL, WEIGHT, NORMED, SUMMED, NORMED_FLOAT, dim, delta_s0,
                          delta_s1, delta_s2, residual_s0, residual_s1, eps, TERMS: tl.constexpr,
                          FLOAT: tl.constexpr, BLOCK: tl.constexpr, BY_HAND: tl.constexpr,
-                         PDL: tl.constexpr):
+                         RELEASE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
+    if RELEASE:
+        release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -200,8 +202,8 @@ def _check_cis(cis: torch.Tensor, tokens: int, rope: int) -> None:
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, normed_float: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, normed_float: torch.Tensor | None = None, *,
+                 release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed): ``summed = residual + delta`` rounded to their dtype, and ``normed =
     F.rms_norm(summed, (D,), weight.to(summed.dtype), eps)`` — statistics in float32 over the
     rounded sum, times the weight, rounded once. Both new contiguous [T, D] tensors.
@@ -211,7 +213,9 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     outputs, summed here rather than by a launch of their own. ``residual``: [T, D] of the same
     floating dtype; both any strides. ``weight``: [D], any floating dtype. D up to
     :data:`MAX_NORM_DIM`. ``normed_float``: a contiguous float32 [T, D] that also receives
-    ``normed.float()`` (the MoE router's input, which reads in float32: no cast launch)."""
+    ``normed.float()`` (the MoE router's input, which reads in float32: no cast launch).
+    ``release``: let the next launch start once this one's programs have waited, for a next
+    launch that reads its weights before its own wait (:mod:`.gemv`)."""
     if delta.dim() not in (2, 3) or (delta.shape[0], delta.shape[-1]) != residual.shape \
             or residual.dim() != 2:
         raise ValueError(f"delta {tuple(delta.shape)} must be [T, D] or [T, J, D] and residual "
@@ -243,7 +247,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         terms, residual, weight.contiguous(), normed, summed,
         normed if normed_float is None else normed_float, dim, *terms.stride(),
         *residual.stride(), eps, TERMS=terms.shape[1], FLOAT=normed_float is not None,
-        BLOCK=block, BY_HAND=interpreted(), **pdl_args(residual.device),
+        BLOCK=block, BY_HAND=interpreted(), RELEASE=release, **pdl_args(residual.device),
         num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return normed, summed
 

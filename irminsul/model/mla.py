@@ -228,14 +228,15 @@ class MLAttention(nn.Module):
         and stores the new latent rows and writes the attention query (its rope columns
         rotated, its latent part absorbed through W_UK); W_UV writes the o_proj's input layout
         directly; the same arithmetic as the torch ops they replace."""
-        from ..kernels import paged_mla_attention, store_latent
+        from ..kernels import gemv, paged_mla_attention, store_latent
 
         tokens = x.shape[0]
         joint = self._joined()
         if joint is None:
             q, latent_in = self._projected(x), self.kv_a_proj_with_mqa(x)
         else:
-            both = self._joint_projection(x, joint)
+            both = (gemv.gemv(x, joint["weight"]) if self._joint_gemv(x, joint)
+                    else self._joint_projection(x, joint))
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
         cis = self.rotary.phasors(positions, x.device)
@@ -252,8 +253,33 @@ class MLAttention(nn.Module):
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale)
         out = x.new_empty(tokens, self.heads, self.v_dim)
-        torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return self.o_proj(out.view(tokens, self.heads * self.v_dim))
+        heads = latent.transpose(0, 1)
+        out = out.view(tokens, self.heads * self.v_dim)
+        o_proj = self.o_proj
+        o_gemv = (type(o_proj) is nn.Linear and o_proj.bias is None
+                  and gemv.fits(out, o_proj.weight))
+        if gemv.fits(heads, w_uv):  # it lets o_proj's launch read its weight meanwhile
+            gemv.gemv(heads, w_uv, out=out.view(tokens, self.heads, self.v_dim).transpose(0, 1),
+                      release=o_gemv)
+        else:
+            torch.bmm(heads, w_uv.transpose(1, 2),
+                      out=out.view(tokens, self.heads, self.v_dim).transpose(0, 1))
+        return gemv.gemv(out, o_proj.weight) if o_gemv else o_proj(out)
+
+    def _joint_gemv(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> bool:
+        """Whether the joint projection of ``x`` runs as :func:`~irminsul.kernels.gemv.gemv`
+        (kernels on, a decode-sized batch, a plain weight of x's dtype)."""
+        from ..kernels import gemv
+
+        return "weight_scale_inv" not in joint and gemv.fits(x, joint["weight"])
+
+    def reads_ahead(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward_paged`'s first launch over ``x`` reads its weight before
+        waiting for the launch before it (the joint projection as a GEMV), so that launch may
+        release it early. A guess at most costs time: a released launch that waits first only
+        sits resident sooner."""
+        joint = self._joined() if self.kernels else None
+        return joint is not None and self._joint_gemv(x, joint)
 
     def _attend_masked(self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
         (:meth:`settle` sums them elsewhere)."""
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
-            self.input_layernorm, x, pending)
+            self.input_layernorm, x, pending, release=self.self_attn.reads_ahead(x))
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
         if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
                 and self.mlp.dispatch is None):
@@ -76,14 +76,17 @@ class DecoderLayer(nn.Module):
         return pending.sum(1) if pending.dim() == 3 else pending
 
     def _add_norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor,
-                  widened: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  widened: torch.Tensor | None = None, *, release: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta), the sum rounded to x's dtype before the norm reads it;
         ``delta`` [T, D], or [T, J, D] terms summed first; ``widened``: a float32 [T, D] that
-        also receives the normed output as float32."""
+        also receives the normed output as float32; ``release``: the kernel lets the next
+        launch start early (one that reads its weights first)."""
         if self.kernels:
             from ..kernels import add_rms_norm  # needs triton: only with kernels
 
-            return add_rms_norm(delta, x, norm.weight, norm.eps, normed_float=widened)
+            return add_rms_norm(delta, x, norm.weight, norm.eps, normed_float=widened,
+                                release=release)
         x = x + self.settle(delta)
         h = norm(x)
         if widened is not None:

@@ -1,0 +1,126 @@
+"""A decode step's projections whose weights are read before the launch before them ends.
+
+At decode sizes a projection is a read of its weight: a V2-Lite layer's joint q/kv_a projection
+is 15 MB, o_proj 8 MB, W_UV 2 MB, for one to a few rows of x. cuBLAS reads them well once it
+runs, but it launches plainly: it starts only after the kernel before it has finished and
+flushed, and its weight stream starts cold after that (in the step each call takes ~6.8 µs for
+~5 µs of bytes on an H100). The weight depends on nothing the step computes, so here each
+program loads its whole weight tile (``BLOCK_N`` output columns × all of K, ≤ 64 KB, held in
+registers) *before* ``griddepcontrol.wait``, and reads x only after it. Launched with
+programmatic dependent launch, its programs become resident as the previous grid drains; where
+that grid releases this one early (:func:`~.launch.release_next`, as the residual add + norm
+before the joint projection does, and as W_UV's launch does for o_proj), they stream the weight
+while it still runs — what the MoE's shared experts do beside the router.
+
+``y = x · wᵀ`` per batch entry: ``x`` [B, T, K], ``w`` [B, N, K], ``y`` [B, T, N], any strides
+(a head-major view of the attention output, a strided output buffer: no copies). Products and
+sums in float32, rounded once to the output's dtype: what cuBLAS computes, in another order of
+summation. Only shapes whose tile fits (:func:`tiles`) run here; the caller keeps cuBLAS for
+the rest (DeepSeek-V3's 7168-wide K, prefill sizes).
+
+:data:`MAX_TOKENS` and :data:`PRELOAD` are switches a benchmark flips for an A/B.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import sm_count
+from .fused_norm import _round
+from .interpreter import interpreted
+from .launch import pdl_args, release_next, wait_for_previous
+
+MAX_TOKENS = 0  # batches of up to this many tokens project here (0: cuBLAS always)
+PRELOAD = True  # load the weight tile before waiting for the previous grid (False: after)
+TILE_BYTES = 64 * 1024  # the most weight one program holds in registers
+MAX_ROWS = 16  # rows of x one launch takes (a decode batch's tokens)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, rows, n, sxb, sxt, sxk, swb, swn, swk, syb, syt, syn,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                 PRELOAD: tl.constexpr, RELEASE: tl.constexpr, BY_HAND: tl.constexpr,
+                 PDL: tl.constexpr):
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K)
+    ok = cols < n
+    ws = W + b * swb + cols[:, None].to(tl.int64) * swn + ks[None, :] * swk
+    if PRELOAD:  # nothing the previous grids write: read it while they run
+        w = tl.load(ws, mask=ok[:, None], other=0.0)
+    wait_for_previous(PDL)
+    if RELEASE:
+        release_next(PDL)
+    if not PRELOAD:
+        w = tl.load(ws, mask=ok[:, None], other=0.0)
+    for t in tl.static_range(ROWS):
+        if t < rows:
+            x = tl.load(X + b * sxb + t * sxt + ks * sxk).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+            tl.store(Y + b * syb + t * syt + cols * syn,
+                     _round(y, Y.dtype.element_ty, BY_HAND), mask=ok)
+
+
+def tiles(n: int, k: int, batch: int, dtype: torch.dtype, device: torch.device
+          ) -> tuple[int, int] | None:
+    """(output columns a program, warps) of a launch over ``batch`` [N, K] weights, or None
+    where no tile fits: K not a power of two, or 16 columns of K over :data:`TILE_BYTES`. The
+    widest tile (up to 64 columns) that still gives every SM a program, so the weight is read
+    by as many programs at once as the device holds."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if k < 16 or k & (k - 1) or 16 * k * size > TILE_BYTES:
+        return None
+    block = 64
+    while block > 16 and (block * k * size > TILE_BYTES
+                          or triton.cdiv(n, block) * batch < sm_count(device)):
+        block //= 2
+    return block, 8 if block * k * size >= 32 * 1024 else 4
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` takes ``x`` [T, K] or [B, T, K] with ``w`` [N, K] or [B, N, K]:
+    at most :data:`MAX_TOKENS` (and :data:`MAX_ROWS`) rows, one floating dtype, a tile that
+    fits."""
+    rows = x.shape[-2]
+    return (0 < rows <= min(MAX_TOKENS, MAX_ROWS) and x.dtype == w.dtype
+            and x.dtype.is_floating_point and x.dim() == w.dim()
+            and tiles(w.shape[-2], w.shape[-1], w.shape[0] if w.dim() == 3 else 1, w.dtype,
+                      w.device) is not None)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+         release: bool = False) -> torch.Tensor:
+    """``x · wᵀ``: ``x`` [T, K] with ``w`` [N, K] (a linear's weight) gives [T, N]; ``x``
+    [B, T, K] with ``w`` [B, N, K] gives [B, T, N] (``torch.bmm(x, w.transpose(1, 2))``). Any
+    strides. ``out``: where to write (the result's shape, any strides); returned. ``release``:
+    let the next launch start as soon as this one's programs have waited (for a next launch
+    that, like this one, reads its weights first). Raises ValueError where :func:`fits` is
+    False."""
+    batched = x.dim() == 3
+    if x.dim() not in (2, 3) or w.dim() != x.dim() or (batched and w.shape[0] != x.shape[0]):
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: want [T, K] and [N, K], "
+                         "or [B, T, K] and [B, N, K]")
+    rows, k = x.shape[-2:]
+    n = w.shape[-2]
+    if w.shape[-1] != k:
+        raise ValueError(f"x has {k} columns and w rows of {w.shape[-1]}: they must match")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} and w on {w.device}")
+    if not fits(x, w):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} and w {w.dtype} {tuple(w.shape)}: want "
+                         f"1..{min(MAX_TOKENS, MAX_ROWS)} rows, one floating dtype, K a power "
+                         f"of two with 16 rows of K within {TILE_BYTES} bytes")
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != shape or out.device != x.device:
+        raise ValueError(f"out is {tuple(out.shape)} on {out.device}, want {shape} on {x.device}")
+    x3, w3, y3 = (x, w, out) if batched else (x[None], w[None], out[None])
+    block, warps = tiles(n, k, w3.shape[0], w.dtype, w.device)
+    _gemv_kernel[(triton.cdiv(n, block), w3.shape[0])](
+        x3, w3, y3, rows, n, *x3.stride(), *w3.stride(), *y3.stride(),
+        K=k, BLOCK_N=block, ROWS=triton.next_power_of_2(rows), PRELOAD=PRELOAD, RELEASE=release,
+        BY_HAND=interpreted(), **pdl_args(x.device), num_warps=warps)
+    return out

@@ -1,0 +1,140 @@
+"""The decode projections' GEMV (irminsul.kernels.gemv) against float64 matmuls, its tile rule
+against hand-worked V2-Lite and V3 shapes, and its refusals.
+
+Runs on CUDA, or on a CPU under Triton's interpreter (tests/conftest.py switches it on without
+CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from irminsul.kernels import gemv as gemv_module
+from irminsul.kernels.gemv import fits, gemv, tiles
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch) -> None:
+    """The GEMV takes up to 16 rows here, whatever the engine's default."""
+    monkeypatch.setattr(gemv_module, "MAX_TOKENS", 16)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ in float64 (batched when 3-D)."""
+    return x.double() @ w.double().transpose(-1, -2)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32 sums in another order; bf16: one rounding of the output (8 bits of mantissa).
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.double(), want.to(got.device), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_linear_shape_matches_float64(dtype: torch.dtype, rows: int) -> None:
+    """[T, K] · [N, K]ᵀ with N no multiple of any tile (the last program's columns masked)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g).to(DEVICE, dtype)
+    w = torch.randn(200, 256, generator=g).to(DEVICE, dtype)
+    check(gemv(x, w), reference(x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("release", [False, True])
+def test_batched_strided_views_match_bmm(dtype: torch.dtype, release: bool) -> None:
+    """W_UV's use: a head-major view of the attention output [T, H, R] times w_uv [H, V, R],
+    written into a transposed view of [T, H, V] (the o_proj's input), rows outside untouched."""
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, rank, v = 5, 4, 128, 24
+    latent = torch.randn(tokens, heads, rank, generator=g).to(DEVICE, dtype)
+    w_uv = torch.randn(heads, v, rank, generator=g).to(DEVICE, dtype)
+    out = torch.full((tokens + 1, heads, v), 7.0, device=DEVICE, dtype=dtype)
+    gemv(latent.transpose(0, 1), w_uv, out=out[:tokens].transpose(0, 1), release=release)
+    want = reference(latent.transpose(0, 1), w_uv).transpose(0, 1)
+    check(out[:tokens], want, dtype)
+    assert bool((out[tokens] == 7.0).all())
+
+
+def test_transposed_weight_reads_by_strides() -> None:
+    """A weight stored [K, N] and passed transposed (W_UK's layout) needs no copy."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, generator=g).to(DEVICE)
+    w = torch.randn(2, 64, 40, generator=g).to(DEVICE)  # [B, K, N]
+    check(gemv(x, w.transpose(1, 2)), reference(x, w.transpose(1, 2)), torch.float32)
+
+
+def test_preload_switch_gives_the_same_result(monkeypatch) -> None:
+    """Loading the weight before or after the wait changes nothing but timing."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 128, generator=g).to(DEVICE)
+    w = torch.randn(96, 128, generator=g).to(DEVICE)
+    first = gemv(x, w)
+    monkeypatch.setattr(gemv_module, "PRELOAD", False)
+    assert torch.equal(gemv(x, w), first)
+
+
+def test_tiles_of_real_shapes() -> None:
+    """Worked by hand for 132 SMs and bf16: V2-Lite's joint projection (3,648 × 2,048) and
+    o_proj (2,048 × 2,048) take 16 columns (64 KB a program, 8 warps: 228 and 128 programs);
+    W_UV (16 heads of 128 × 512) 16 columns (16 KB, 4 warps: 128 programs); a small weight
+    keeps 64 columns when that already gives every SM a program; DeepSeek-V3's 7,168-wide K
+    does not fit (16 rows would be 224 KB), nor does a K that is no power of two."""
+    if DEVICE == "cuda" and torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("worked for 132 SMs")
+    bf16, at = torch.bfloat16, torch.device(DEVICE)
+    assert tiles(3648, 2048, 1, bf16, at) == (16, 8)
+    assert tiles(2048, 2048, 1, bf16, at) == (16, 8)
+    assert tiles(128, 512, 16, bf16, at) == (16, 4)
+    assert tiles(512 * 132, 128, 1, bf16, at) == (64, 4)  # 64 × 128 × 2 = 16 KB, 1,056 programs
+    assert tiles(2112, 7168, 1, bf16, at) is None
+    assert tiles(2048, 1536, 1, bf16, at) is None
+    assert tiles(2048, 4096, 1, torch.float32, at) is None  # 16 × 4096 × 4 = 256 KB
+
+
+def test_refusals_name_what_is_wrong(monkeypatch) -> None:
+    x = torch.zeros(17, 64, device=DEVICE)
+    w = torch.zeros(32, 64, device=DEVICE)
+    assert not fits(x, w)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="must match"):
+        gemv(x[:2], torch.zeros(32, 48, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x[:2], w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out is"):
+        gemv(x[:2], w, out=torch.zeros(2, 31, device=DEVICE))
+    monkeypatch.setattr(gemv_module, "MAX_TOKENS", 0)  # the switch turns it off
+    assert not fits(x[:1], w)
+
+
+def test_engine_decode_through_the_gemv_equals_cublas_path(tmp_path, monkeypatch) -> None:
+    """The attention's projections at decode (joint, W_UV, o_proj) through the GEMV give the
+    logits of the path without it; the GEMV ran three times a layer per decode step."""
+    import numpy as np
+    from fixtures.tiny_models import build
+
+    from irminsul.config import EngineConfig
+    from irminsul.engine import Engine
+    from irminsul.model import load_model
+
+    build("v2_lite_like", tmp_path, layers=2)
+    model = load_model(tmp_path, device=DEVICE)
+    prompt = np.arange(3, 43) % model.config.vocab_size
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = {}
+    for limit in (0, 16):
+        monkeypatch.setattr(gemv_module, "MAX_TOKENS", limit)
+        engine = Engine(model, EngineConfig(slots=200, mode="off", kernels=True))
+        seq, first = engine.prefill(prompt)
+        steps = [first] + [engine.extend(seq, [token])[-1] for token in (5, 9, 2)]
+        engine.finish(seq, remember=False)
+        engine.check()
+        logits[limit] = torch.stack(steps)
+    assert len(calls) == 3 * 2 * 3  # three projections, two layers, three steps
+    torch.testing.assert_close(logits[16], logits[0], rtol=1e-4, atol=1e-4)
