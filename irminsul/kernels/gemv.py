@@ -32,8 +32,10 @@ from .fused_norm import _round
 from .interpreter import interpreted
 from .launch import pdl_args, release_next, wait_for_previous
 
-MAX_TOKENS = 1  # batches of up to this many tokens project here (0: cuBLAS always; H100:
-# one token 2.82 -> 2.71 ms a step at 4K, eight 7.67 -> 8.18: docs/results/gpu-decode-gemv-h100.json)
+# Batches of up to this many tokens project here (0: cuBLAS always). H100, a step at 4K: one
+# token 2.82 -> 2.71 ms, two 3.87 -> 3.86, four 5.32 -> 5.46, eight 7.67 -> 8.18 (each row is
+# another pass over the tile: docs/results/gpu-decode-gemv-*.json).
+MAX_TOKENS = 1
 PRELOAD = True  # load the weight tile before waiting for the previous grid (False: after)
 TILE_BYTES = 64 * 1024  # the most weight one program holds in registers
 MAX_ROWS = 16  # rows of x one launch takes (a decode batch's tokens)
