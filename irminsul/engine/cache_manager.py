@@ -102,6 +102,11 @@ class CacheManager:
             # what the first plan reuses (nothing holds it yet), and what it fetched is a hit.
             plan = self.planner.plan(prompt, resets, namespace=namespace)
         self.planner.acquire(plan)
+        try:  # repair's check forward runs here: if it fails, the plan holds nothing
+            stretches = self._stretches(plan)
+        except BaseException:
+            self.planner.release(plan)
+            raise
         seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
         seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
@@ -112,7 +117,7 @@ class CacheManager:
         awaited = (sum(n for ns, fp, n in misses if self._in_flight[ns, fp])
                    if self.mode == "live" else 0)
         self._in_flight.update((ns, fp) for ns, fp, _ in misses)
-        return Prefill(seq, plan, prompt, self._stretches(plan), awaited)
+        return Prefill(seq, plan, prompt, stretches, awaited)
 
     def advance(self, prefill: Prefill, budget: int) -> tuple[Span | None, list[Reuse]]:
         """Serve the prefill's cached stretches and give its next ``budget`` tokens fresh slots.
