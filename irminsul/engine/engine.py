@@ -223,12 +223,16 @@ class Engine:
         stop_ids = set(stop)
         seq, logits = self.prefill(tokens, resets, namespace=namespace)
         out: list[int] = []
-        while len(out) < max_tokens:
-            token = int(logits.argmax())
-            out.append(token)
-            if token in stop_ids or len(out) == max_tokens:
-                break
-            logits = self.extend(seq, [token])[-1]
+        try:
+            while len(out) < max_tokens:
+                token = int(logits.argmax())
+                out.append(token)
+                if token in stop_ids or len(out) == max_tokens:
+                    break
+                logits = self.extend(seq, [token])[-1]
+        except BaseException:
+            self.finish(seq, remember=False)  # its slots back, as a failed prefill's
+            raise
         self.finish(seq)
         return out, seq
 

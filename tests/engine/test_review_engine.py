@@ -79,3 +79,21 @@ def test_a_failing_repair_check_holds_nothing_and_blocks_no_one(model) -> None:
     engine.cache.clear()
     engine.check()
     assert engine.pool.free == engine.pool.capacity
+
+
+def test_generate_that_runs_out_of_slots_gives_them_back(model) -> None:
+    """Engine.generate whose decode runs out of slots raises PoolExhausted and, like a failed
+    prefill, gives back every slot it took: no sequence is left holding them."""
+    from irminsul.engine import PoolExhausted
+
+    engine = Engine(model, EngineConfig(slots=64, mode="off"))
+    prompt = np.random.default_rng(7).integers(0, V, 62)
+    with pytest.raises(PoolExhausted):
+        engine.generate(prompt, 8)
+    engine.check()
+    assert engine.sequences == []
+    engine.cache.clear()
+    assert engine.pool.free == engine.pool.capacity
+    # The engine serves the same prompt once it asks for what fits.
+    out, _ = engine.generate(prompt, 2)
+    assert out == _greedy(model, prompt, 2)
