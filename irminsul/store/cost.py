@@ -13,6 +13,9 @@ import threading
 
 SMOOTHING = 0.2  # weight of each new measurement in the averages
 MIN_BANDWIDTH_BYTES = 64 << 10  # a smaller fetch measures the round trip, not the bandwidth
+# Batches declined in a row after which one is fetched anyway: the averages learn only from
+# fetches, so without a trial a link that was slow for a while would never be measured again.
+PROBE_AFTER = 32
 
 
 class CostModel:
@@ -23,6 +26,7 @@ class CostModel:
         self.bandwidth, self.round_trip = float(bandwidth), float(round_trip)
         self.prefill_rate = float(prefill_tokens_per_second)
         self._lock = threading.Lock()
+        self._declined = 0  # batches declined in a row
 
     def fetch_seconds(self, nbytes: int) -> float:
         return self.round_trip + nbytes / self.bandwidth
@@ -31,8 +35,17 @@ class CostModel:
         return tokens / self.prefill_rate
 
     def worth_fetching(self, tokens: int, nbytes: int) -> bool:
-        """Whether fetching ``nbytes`` of rows beats prefilling those ``tokens``."""
-        return self.fetch_seconds(nbytes) < self.prefill_seconds(tokens)
+        """Whether fetching ``nbytes`` of rows beats prefilling those ``tokens`` (or, after
+        ``PROBE_AFTER`` declined batches in a row, whether to fetch one anyway to measure the
+        link again)."""
+        if self.fetch_seconds(nbytes) < self.prefill_seconds(tokens):
+            self._declined = 0
+            return True
+        self._declined += 1
+        if self._declined >= PROBE_AFTER:
+            self._declined = 0
+            return True
+        return False
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A round trip that brought ``nbytes`` back in ``seconds``."""
