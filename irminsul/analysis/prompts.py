@@ -27,7 +27,7 @@ import numpy as np
 
 from ..traffic.logs import LogError, parse_line, read_lines, read_requests
 from ..traffic.prompt import Prompt, render_prompt
-from ..traffic.render import ChatRenderer
+from ..traffic.render import ChatRenderer, TemplateError
 from .characterize import ROLES
 
 BATCH = 16  # prompts per message from a worker
@@ -46,7 +46,13 @@ def default_workers() -> int:
 
 
 def _render(renderer: ChatRenderer, request) -> tuple[Prompt, np.ndarray]:
-    prompt = render_prompt(renderer, request.messages, request.tools, session=request.session)
+    """A request's prompt and role codes; a LogError naming its line if it cannot be rendered
+    (a field of a shape the template cannot take)."""
+    try:
+        prompt = render_prompt(renderer, request.messages, request.tools,
+                               session=request.session)
+    except TemplateError as err:
+        raise LogError(request.source, f"cannot render the request: {err}") from None
     roles = np.fromiter(map(_ROLE_CODES.__getitem__, [m["role"] for m in request.messages]),
                         dtype=np.int8, count=len(request.messages))
     # The rendered request is dropped: the analyses need tokens, resets and roles only.
@@ -76,13 +82,11 @@ def _worker(path: str, renderer: ChatRenderer, strict: bool, worker: int, worker
             for line, raw in read_lines(path):
                 if _owner(raw, workers) == worker:
                     try:
-                        request = parse_line(path, line, raw)
+                        batch.append((line, *_render(renderer, parse_line(path, line, raw))))
                     except LogError as err:
                         if strict:
                             raise
                         errors.append((line, err.source, err.problem))
-                    else:
-                        batch.append((line, *_render(renderer, request)))
                 if len(batch) == BATCH or line - told >= PROGRESS:
                     conn.send(("lines", line, batch, errors))
                     batch, errors, told = [], [], line
@@ -112,7 +116,14 @@ def rendered_prompts(path: str | os.PathLike, renderer: ChatRenderer, *, strict:
     path = os.fspath(path)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         for request in read_requests(path, strict=strict, on_error=on_error):
-            yield _render(renderer, request)
+            try:
+                rendered = _render(renderer, request)
+            except LogError as err:
+                if strict:
+                    raise
+                _report(err, on_error)
+                continue
+            yield rendered
         return
     context = multiprocessing.get_context("fork")
     conns, procs = [], []
@@ -178,7 +189,12 @@ def rendered_prompts(path: str | os.PathLike, renderer: ChatRenderer, *, strict:
             conn.close()
     found = [LogError(source, problem) for _, source, problem in sorted(errors)]
     for err in found + ([LogError(*stream)] if stream else []):
-        if on_error is not None:
-            on_error(err)
-        else:
-            logging.getLogger(read_requests.__module__).warning("%s", err)
+        _report(err, on_error)
+
+
+def _report(err: LogError, on_error: Callable[[LogError], None] | None) -> None:
+    """A malformed line to ``on_error``, or (None) a logging WARNING as read_requests does."""
+    if on_error is not None:
+        on_error(err)
+    else:
+        logging.getLogger(read_requests.__module__).warning("%s", err)

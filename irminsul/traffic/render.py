@@ -121,7 +121,11 @@ def _text(content: object) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        bad = next((t for t in texts if not isinstance(t, str)), "")
+        if not isinstance(bad, str):
+            raise TemplateError(f"a content part's 'text' is {type(bad).__name__}, not a string")
+        return "".join(texts)
     return json.dumps(content, ensure_ascii=False)
 
 
@@ -132,9 +136,15 @@ def _normalise(message: dict) -> dict:
         if message.get(key) is not None:
             out[key] = message[key]
     if message.get("tool_calls"):
+        if not isinstance(message["tool_calls"], list) or not all(
+                isinstance(call, dict) for call in message["tool_calls"]):
+            raise TemplateError("'tool_calls' is not a list of objects")
         calls = []
         for call in message["tool_calls"]:
-            fn = dict(call.get("function") or {})
+            fn = call.get("function") or {}
+            if not isinstance(fn, dict):
+                raise TemplateError("a tool call's 'function' is not an object")
+            fn = dict(fn)
             if not isinstance(fn.get("arguments", ""), str):
                 fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
             calls.append({**call, "function": fn})
@@ -159,7 +169,10 @@ class _Messages:
     def __getitem__(self, i: int) -> dict:
         message = self._normalised.get(i)
         if message is None:
-            message = self._normalised[i] = _normalise(self._raw[i])
+            try:
+                message = self._normalised[i] = _normalise(self._raw[i])
+            except TemplateError as err:
+                raise TemplateError(f"messages[{i}]: {err}") from None
         return message
 
     def upto(self, last: int) -> list[dict]:
