@@ -29,7 +29,7 @@ import numpy as np
 
 from ..cache.markers import assemble
 from .logs import Request
-from .render import ChatRenderer
+from .render import ChatRenderer, _text
 
 PATTERNS = ("agent_meta", "sysvar", "compact", "rerank", "tool_variants")
 AGENTS = 4  # distinct agent personas in agent_meta
@@ -103,10 +103,11 @@ def _variable(rng: np.random.Generator, j: int) -> str:
 
 
 def _system_prompt(messages: list[dict]) -> str:
-    """The system prompt's text, adding an empty system message if the request has none."""
+    """The system prompt's text (of its text parts, when given as content parts), adding an
+    empty system message if the request has none."""
     if not messages or messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": ""})
-    return messages[0].get("content") or ""
+    return _text(messages[0].get("content"))
 
 
 def _insert_variable(system: str, stamp: str, depth_tokens: int, pool: TextPool,
@@ -127,6 +128,5 @@ def _compact(messages: list[dict]) -> None:
     """Compact every tool result but the newest few, as forward-iterating compaction does."""
     tool_turns = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
     for i in tool_turns[:-KEEP_TOOL_RESULTS] if len(tool_turns) > KEEP_TOOL_RESULTS else []:
-        text = messages[i].get("content") or ""
-        text = text if isinstance(text, str) else str(text)
+        text = _text(messages[i].get("content"))
         messages[i]["content"] = f"[compacted tool result, {len(text)} chars] {text[:160]}"

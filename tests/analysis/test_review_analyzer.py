@@ -40,3 +40,40 @@ def test_unrenderable_line_is_skipped_and_named(tmp_path: Path, renderer: ChatRe
     assert report["malformed_lines"][0].startswith(f"{log}:2: ")
     with pytest.raises(LogError, match=f"{log}:2: "):
         analyze_log(log, renderer, progress=False, workers=workers, strict=True)
+
+
+# -- partition-shift workloads built from logs whose messages carry content parts -----------------
+
+def _parts(text: str) -> list[dict]:
+    return [{"type": "text", "text": text}]
+
+
+@pytest.mark.parametrize("pattern", ["agent_meta", "sysvar"])
+def test_workload_keeps_a_system_prompt_given_as_content_parts(renderer: ChatRenderer,
+                                                               pattern: str) -> None:
+    from irminsul.traffic.logs import Request
+    from irminsul.traffic.workloads import TextPool, build_workload
+
+    pool = TextPool(["word " * 600], renderer)
+    system = "You are a travel agent. Follow the policy.\nBe brief."
+    body = Request("s", 0, [{"role": "system", "content": _parts(system)},
+                            {"role": "user", "content": "hi"}], None, source="x:1")
+    built = next(iter(build_workload(pattern, [body], pool, requests=1, header_tokens=4)))
+    content = built["messages"][0]["content"]
+    if pattern == "agent_meta":  # header, request line, then the system prompt
+        assert content.endswith("\n\n" + system)
+    else:  # the system prompt with the request line on its own line inside it
+        lines = content.split("\n")
+        assert "\n".join(line for line in lines if not line.startswith("request-id")) == system
+
+
+def test_compacted_tool_result_given_as_content_parts(renderer: ChatRenderer) -> None:
+    from irminsul.traffic.logs import Request
+    from irminsul.traffic.workloads import KEEP_TOOL_RESULTS, TextPool, build_workload
+
+    pool = TextPool(["word " * 600], renderer)
+    tool = [{"role": "tool", "content": _parts(f"result {i}"), "tool_call_id": str(i)}
+            for i in range(KEEP_TOOL_RESULTS + 1)]
+    body = Request("s", 0, [{"role": "user", "content": "hi"}, *tool], None, source="x:1")
+    built = next(iter(build_workload("compact", [body], pool, requests=1)))
+    assert built["messages"][1]["content"] == "[compacted tool result, 8 chars] result 0"
