@@ -20,6 +20,7 @@ BAD = {
     "tool_call_str": {"messages": [{"role": "assistant", "content": "x", "tool_calls": ["f"]}]},
     "tool_without_function": {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]},
+    "lone_surrogate": {"messages": [{"role": "user", "content": "\ud800"}]},
 }
 
 
