@@ -129,9 +129,18 @@ def _text(content: object) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
+# The fields every template reads; any other a message carries (``reasoning_content``, which
+# Qwen3's and DeepSeek-R1's templates render, ...) is handed to the template as it is.
+_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+
+
 def _normalise(message: dict) -> dict:
-    """The fields a template reads, with content as text and tool-call arguments as JSON text."""
+    """The message's fields (those set), with content as text and tool-call arguments as JSON
+    text."""
     out = {"role": message["role"], "content": _text(message.get("content"))}
+    for key, value in message.items():
+        if key not in _FIELDS and value is not None:
+            out[key] = value
     for key in ("name", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = message[key]
@@ -154,8 +163,10 @@ def _normalise(message: dict) -> dict:
 
 def _message_key(message: dict) -> tuple:
     calls = message.get("tool_calls")
+    other = {key: value for key, value in message.items() if key not in _FIELDS}
+    # key order shows through tojson: keep it
     return (message["role"], message["content"], message.get("name"), message.get("tool_call_id"),
-            json.dumps(calls) if calls else None)  # key order shows through tojson: keep it
+            json.dumps(calls) if calls else None, json.dumps(other) if other else None)
 
 
 class _Messages:
@@ -181,12 +192,14 @@ class _Messages:
 
     def key(self, i: int) -> tuple:
         """Message i's memo key, ``_message_key`` of it normalised: read off the raw message when
-        normalising changes nothing the key holds (text content, no tool calls)."""
+        normalising changes nothing the key holds (text content, no tool calls, no other
+        fields)."""
         message = self._raw[i]
         content = message.get("content")
-        if (content is None or type(content) is str) and not message.get("tool_calls"):
+        if ((content is None or type(content) is str) and not message.get("tool_calls")
+                and message.keys() <= _FIELDS):
             return (message["role"], content or "", message.get("name"),
-                    message.get("tool_call_id"), None)
+                    message.get("tool_call_id"), None, None)
         return _message_key(self[i])
 
 

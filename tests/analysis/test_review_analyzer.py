@@ -78,3 +78,28 @@ def test_compacted_tool_result_given_as_content_parts(renderer: ChatRenderer) ->
     body = Request("s", 0, [{"role": "user", "content": "hi"}, *tool], None, source="x:1")
     built = next(iter(build_workload("compact", [body], pool, requests=1)))
     assert built["messages"][1]["content"] == "[compacted tool result, 8 chars] result 0"
+
+
+# -- message fields a model's own chat template reads --------------------------------------------
+
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_sees_the_message_fields_it_reads(renderer: ChatRenderer) -> None:
+    """A template that renders assistant ``reasoning_content`` (as Qwen3's and DeepSeek-R1's
+    do) gets it: the prompt is the template's text, and two messages that differ only there
+    are not one memo entry."""
+    custom = ChatRenderer(renderer.tokenizer, REASONING_TEMPLATE, name="reasoning")
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
+                {"role": "user", "content": "and 3+3?"}]
+    expected = ("<user>2+2?</user><assistant><think>two and two</think>4</assistant>"
+                "<user>and 3+3?</user><assistant>")
+    assert custom.render_text(messages, generation=True) == expected
+    assert custom.tokenizer.decode(custom.render(messages).tokens.tolist()) == expected
+    other = [messages[0], {**messages[1], "reasoning_content": "2 + 2"}, messages[2]]
+    assert "<think>2 + 2</think>" in custom.tokenizer.decode(custom.render(other).tokens.tolist())
