@@ -84,11 +84,15 @@ def tiles(n: int, k: int, batch: int, dtype: torch.dtype, device: torch.device
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`gemv` takes ``x`` [T, K] or [B, T, K] with ``w`` [N, K] or [B, N, K]:
-    at most :data:`MAX_TOKENS` (and :data:`MAX_ROWS`) rows, one floating dtype, a tile that
-    fits."""
-    rows = x.shape[-2]
-    return (0 < rows <= min(MAX_TOKENS, MAX_ROWS) and x.dtype == w.dtype
-            and x.dtype.is_floating_point and x.dim() == w.dim()
+    :func:`takes` of its rows and dtype, and as many dimensions as ``w``."""
+    return x.dim() == w.dim() and takes(x.shape[-2], x.dtype, w)
+
+
+def takes(rows: int, dtype: torch.dtype, w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` takes ``rows`` rows of ``dtype`` times ``w``: at most
+    :data:`MAX_TOKENS` (and :data:`MAX_ROWS`) rows, one floating dtype, a tile that fits."""
+    return (0 < rows <= min(MAX_TOKENS, MAX_ROWS) and dtype == w.dtype
+            and dtype.is_floating_point
             and tiles(w.shape[-2], w.shape[-1], w.shape[0] if w.dim() == 3 else 1, w.dtype,
                       w.device) is not None)
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..device import SMS, sm_count, upload
-from .launch import pdl_args, wait_for_previous
+from .launch import pdl_args, release_next, wait_for_previous
 
 SM_TARGET = 2 * SMS  # programs to aim for: two waves over an H100/H200's 132 SMs
 LOG2E = 1.4426950408889634
@@ -52,6 +52,9 @@ MERGE_ROWS, MERGE_BY_ROW_UP_TO = 16, 0
 # at 16K keys 116 -> 43 µs, at 32K 226 -> 64; N new tokens at the end of 4K-32K keys 1.2-2.8x
 # faster at every N measured (8 to 512); decode steps unchanged.
 SHORT_FORWARD = 512
+# A split launch's merge releases the next launch early when asked (paged_mla_attention's
+# ``release``: W_UV's GEMV, which reads its weight before its wait). A switch for an A/B.
+MERGE_RELEASES = True
 
 
 @triton.jit
@@ -477,12 +480,15 @@ class TileConfig:
 
 def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
                         layout: PagedLayout, scale: float,
-                        tiles: TileConfig | None = None) -> torch.Tensor:
+                        tiles: TileConfig | None = None, *, release: bool = False
+                        ) -> torch.Tensor:
     """Absorbed attention of queries q [T, H, rank + rope] (q̃_nope | q_rope) over the pool's
     rows ckv [slots, rank] / kr [slots, rope] named by ``layout``; returns [T, H, rank] in q's
     dtype (the latent-space output, before W_UV); q_rope and the k_r rows are rotated already, in the
     same pair layout. ``tiles`` overrides the default tile sizes
-    (split lengths are multiples of 64 keys: a block_n above 64 masks the rest of its last step)."""
+    (split lengths are multiples of 64 keys: a block_n above 64 masks the rest of its last step).
+    ``release``: a split launch's merge lets the next launch start once its programs have
+    waited (for a next launch that reads its weights first, :mod:`.gemv`)."""
     tokens, heads, width = q.shape
     rank, rope = ckv.shape[1], kr.shape[1]
     if width != rank + rope or rank & (rank - 1) or rank < 16:
@@ -514,7 +520,7 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
-        out = merge_splits(out, lse, q.dtype)
+        out = merge_splits(out, lse, q.dtype, release=release and MERGE_RELEASES)
     return out.view(tokens, heads, rank)
 
 
@@ -551,13 +557,15 @@ def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: Pag
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
-                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 tiles: tuple[int, int, int] | None = None, *, release: bool = False
+                 ) -> torch.Tensor:
     """The rows' outputs [rows, rank] in ``dtype`` from the key splits' partial outputs
     [splits, rows, rank] and base-2 log-sum-exps [splits, rows]: weights 2^(lse_s − max); a
     split of lse −inf (it saw no key) weighs 0 and its partial output is not read (the
     attention kernel does not write one), so splits past a short request's keys cost only
     their log-sum-exps. ``tiles``: (rows, columns, warps) per program, overriding the
-    default (a benchmark's sweep).
+    default (a benchmark's sweep). ``release``: let the next launch start once this one's
+    programs have waited.
 
     One launch: in torch this was a softmax, a product, a sum and a cast — four kernels per
     layer, ~12 µs of a batch-1 decode step's ~160 µs per layer on an H200."""
@@ -569,7 +577,7 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
     grid = (triton.cdiv(rows, block_r), triton.cdiv(rank, block_d))
     _merge_kernel[grid](out, lse, merged, rows, rank, SPLITS=splits,
                         S_P2=triton.next_power_of_2(splits), BLOCK_R=block_r, BLOCK_D=block_d,
-                        **pdl_args(out.device), num_warps=warps)
+                        RELEASE=release, **pdl_args(out.device), num_warps=warps)
     return merged
 
 
@@ -587,9 +595,11 @@ def merge_tiles(splits: int, rank: int) -> tuple[int, int, int]:
 
 @triton.jit(do_not_specialize=["rows"])
 def _merge_kernel(OUT, LSE, DST, rows, rank, SPLITS: tl.constexpr, S_P2: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, RELEASE: tl.constexpr,
                   PDL: tl.constexpr):
     wait_for_previous(PDL)
+    if RELEASE:
+        release_next(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok, d_ok = r < rows, d < rank

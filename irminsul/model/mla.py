@@ -250,15 +250,16 @@ class MLAttention(nn.Module):
                      self.rotary.interleaved, kv.ckv[self.layer], kv.kr[self.layer], kv.new_ckv,
                      kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:],
                      q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank])
+        uv_gemv = gemv.takes(tokens, x.dtype, w_uv)  # the merge lets it read W_UV meanwhile
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
-                                     self.scale)
+                                     self.scale, release=uv_gemv)
         out = x.new_empty(tokens, self.heads, self.v_dim)
         heads = latent.transpose(0, 1)
         out = out.view(tokens, self.heads * self.v_dim)
         o_proj = self.o_proj
         o_gemv = (type(o_proj) is nn.Linear and o_proj.bias is None
                   and gemv.fits(out, o_proj.weight))
-        if gemv.fits(heads, w_uv):  # it lets o_proj's launch read its weight meanwhile
+        if uv_gemv:  # it lets o_proj's launch read its weight meanwhile
             gemv.gemv(heads, w_uv, out=out.view(tokens, self.heads, self.v_dim).transpose(0, 1),
                       release=o_gemv)
         else:

@@ -118,6 +118,28 @@ def test_route_aligned_routes_and_sorts(case: str, count: int, shared_first: boo
         assert int(module._counter(x.device)) == 0
 
 
+@pytest.mark.parametrize("count", [1, 8])
+def test_route_aligned_over_a_wide_hidden_size(count: int, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A hidden size of 1,040: one token reads each program's weight rows in one pass, before
+    the launch's wait; eight tokens step over D in 512s, the last step masked."""
+    import sys
+
+    from irminsul.kernels import router as module
+
+    this = sys.modules[__name__]
+    monkeypatch.setattr(this, "DIM", 1040)
+    assert module.reads_ahead(count, 16, 1040) == (count == 1)
+    router = make_router("greedy_norm")
+    x = tokens(count, torch.float32)
+    weights, ids, aligned = module.route_aligned(
+        x, router.weight, top_k=router.k, method=router.method, groups=router.groups,
+        topk_group=router.topk_group, norm=router.norm, scaling=router.scaling, shared=0,
+        block_m=16)
+    check(router, x, weights, ids)
+    check_alignment(ids, router.experts, 16, aligned.rows, aligned.block_expert, aligned.used, 0)
+
+
 @pytest.mark.parametrize("case", ["greedy_norm", "noaux_tc"])
 def test_shared_columns(case: str) -> None:
     router = make_router(case)
