@@ -53,9 +53,6 @@ GEMV_PROGRAMS = 32
 # routes, its shared-expert programs running beside the routing (Alignment.lead). A switch for
 # benchmarks' A/B; the sort is the same either way but for the order of the experts' runs.
 SHARED_FIRST = True
-# route_aligned reads its weight rows before waiting for the previous launch where one pass
-# over D covers them (a decode step of a few tokens). A switch for benchmarks' A/B.
-READ_AHEAD = True
 
 
 @triton.jit
@@ -181,34 +178,25 @@ def _route_aligned_kernel(X, W, LOGITS, COUNTER, BIAS, WEIGHTS, IDS, SORTED, BLO
                           BLOCK_T: tl.constexpr, PER_PROGRAM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BINS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                           CHUNK: tl.constexpr, SCAN: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
-                          LEAD: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+                          LEAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    if LEAD > 0:  # the fused MoE's shared-expert programs need only x: let them start now
+        release_next(PDL)
     # 1. Each program: the logits of PER_PROGRAM experts for every token (float32 products of
     # the widened x and the float32 weight, as the Router's F.linear).
     rows = tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
     mine = tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
     mine_ok = mine < E
-    if ONE_PASS:  # the weight rows whole (no launch writes them): read before the wait
-        d = tl.arange(0, BLOCK_D)
-        w = tl.load(W + mine[:, None].to(tl.int64) * dim + d[None, :],
-                    mask=mine_ok[:, None] & (d < dim)[None, :], other=0.0)
-    wait_for_previous(PDL)
-    if LEAD > 0:  # the fused MoE's shared-expert programs need only x: let them start now
-        release_next(PDL)
     acc = tl.zeros([BLOCK_T, PER_PROGRAM], tl.float32)
-    if ONE_PASS:
+    for d0 in range(0, dim, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < dim
         x = tl.load(X + rows[:, None].to(tl.int64) * x_s0 + d[None, :],
-                    mask=row_ok[:, None] & (d < dim)[None, :], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + mine[:, None].to(tl.int64) * dim + d[None, :],
+                    mask=mine_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-    else:
-        for d0 in range(0, dim, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < dim
-            x = tl.load(X + rows[:, None].to(tl.int64) * x_s0 + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(W + mine[:, None].to(tl.int64) * dim + d[None, :],
-                        mask=mine_ok[:, None] & d_ok[None, :], other=0.0)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     tl.store(LOGITS + rows[:, None] * E + mine[None, :], acc,
              mask=row_ok[:, None] & mine_ok[None, :])
     # The last program to finish does the rest: every thread's logits stored (the barrier),
@@ -356,31 +344,16 @@ def route_aligned(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, method: 
     lead = shared if SHARED_FIRST else 0
     out = shape.empty(x.device, block_m, bins, lead)
     meta = _choice_meta(experts, top_k, method, groups, topk_group, norm, shared)
-    block_t, per_program, block_d = _logit_tiles(tokens, experts, dim)
+    block_t = triton.next_power_of_2(tokens)
+    # Programs of 2+ experts each, about GEMV_PROGRAMS of them; the [tokens, experts, D-step]
+    # products within 8K lanes.
+    per_program = max(2, triton.next_power_of_2(triton.cdiv(experts, GEMV_PROGRAMS)))
+    block_d = min(triton.next_power_of_2(dim), max(16, 8192 // (block_t * per_program)))
     _route_aligned_kernel[(triton.cdiv(experts, per_program),)](
         x, weight, logits, _counter(x.device), logits if bias is None else bias, weights, ids,
         out.rows, out.block_expert, out.used, tokens, dim, x.stride(0), float(scaling),
         experts_total, shape.blocks, BLOCK_T=block_t, PER_PROGRAM=per_program, BLOCK_D=block_d,
         BINS_P2=shape.e_p2, BLOCK_M=block_m, CHUNK=shape.chunk, SCAN=shape.scan,
-        BLOCK_CHUNK=shape.block_chunk, LEAD=lead, ONE_PASS=READ_AHEAD and block_d >= dim, **meta,
-        **pdl_args(x.device),
+        BLOCK_CHUNK=shape.block_chunk, LEAD=lead, **meta, **pdl_args(x.device),
         num_warps=4 if meta["E_P2"] <= 64 else 8)
     return weights, ids, out
-
-
-def _logit_tiles(tokens: int, experts: int, dim: int) -> tuple[int, int, int]:
-    """(token rows, experts a program, D step) of route_aligned's logits: programs of 2+
-    experts each, about GEMV_PROGRAMS of them; the [tokens, experts, D-step] products within 8K
-    lanes."""
-    block_t = triton.next_power_of_2(tokens)
-    per_program = max(2, triton.next_power_of_2(triton.cdiv(experts, GEMV_PROGRAMS)))
-    return block_t, per_program, min(triton.next_power_of_2(dim),
-                                     max(16, 8192 // (block_t * per_program)))
-
-
-def reads_ahead(tokens: int, experts: int, dim: int) -> bool:
-    """Whether :func:`route_aligned` over ``tokens`` tokens reads its weight rows before waiting
-    for the launch before it (one pass over D: a decode step of a few tokens), so that launch
-    may release it early."""
-    return (READ_AHEAD and 0 < tokens <= ALIGNED_MAX_TOKENS
-            and _logit_tiles(tokens, experts, dim)[2] >= dim)

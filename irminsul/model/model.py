@@ -65,8 +65,7 @@ class DecoderLayer(nn.Module):
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
             # 1 on an H200).
             widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened,
-                                  release=self.mlp.reads_ahead(x))
+            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
             return x, self.mlp(h, terms=True, widened=widened)
         h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))

@@ -285,18 +285,6 @@ class MoE(nn.Module):
         return grouped_experts(rows, *self.dense_experts(rows.dtype), weights, ids,
                                first=self.expert_first)
 
-    def reads_ahead(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward`'s first launch over ``x`` (the router's one launch at decode
-        sizes) reads its weight before waiting for the launch before it, so that launch may
-        release it early. A guess at most costs time: a released launch that waits first only
-        sits resident sooner."""
-        if not (self._fused(x.shape[0]) and self.gate.kernels and self.dispatch is None
-                and self.expert_first is None):
-            return False
-        from ..kernels.router import reads_ahead  # needs triton: only with kernels
-
-        return reads_ahead(x.shape[0], *self.gate.weight.shape)
-
     def _fused(self, tokens: int) -> bool:
         """Whether ``tokens`` rows run the fused Triton kernel rather than torch. FP8 experts take
         the kernel at every size: the torch path would dequantize every expert of the layer for

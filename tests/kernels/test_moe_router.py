@@ -121,15 +121,14 @@ def test_route_aligned_routes_and_sorts(case: str, count: int, shared_first: boo
 @pytest.mark.parametrize("count", [1, 8])
 def test_route_aligned_over_a_wide_hidden_size(count: int, monkeypatch: pytest.MonkeyPatch
                                                ) -> None:
-    """A hidden size of 1,040: one token reads each program's weight rows in one pass, before
-    the launch's wait; eight tokens step over D in 512s, the last step masked."""
+    """A hidden size of 1,040: one token reads each program's weight rows in one pass; eight
+    tokens step over D in 512s, the last step masked."""
     import sys
 
     from irminsul.kernels import router as module
 
     this = sys.modules[__name__]
     monkeypatch.setattr(this, "DIM", 1040)
-    assert module.reads_ahead(count, 16, 1040) == (count == 1)
     router = make_router("greedy_norm")
     x = tokens(count, torch.float32)
     weights, ids, aligned = module.route_aligned(
