@@ -38,7 +38,12 @@ def load(directory: Path, parts: dict[str, Any]) -> dict[str, Any] | None:
         stored = json.loads(path.read_text("utf-8"))
     except (OSError, ValueError):
         return None
-    return stored.get("measurement") if stored.get("key") == parts else None
+    # The parts as JSON reads them back (a tuple, such as the shard, is a list there).
+    return stored.get("measurement") if stored.get("key") == _as_json(parts) else None
+
+
+def _as_json(parts: dict[str, Any]) -> Any:
+    return json.loads(json.dumps(parts))
 
 
 def save(directory: Path, parts: dict[str, Any], measurement: dict[str, Any]) -> Path:
