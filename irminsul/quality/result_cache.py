@@ -38,6 +38,8 @@ def load(directory: Path, parts: dict[str, Any]) -> dict[str, Any] | None:
         stored = json.loads(path.read_text("utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(stored, dict):  # valid JSON, but not a file save() wrote
+        return None
     # The parts as JSON reads them back (a tuple, such as the shard, is a list there).
     return stored.get("measurement") if stored.get("key") == _as_json(parts) else None
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from irminsul.quality import result_cache
 
@@ -21,3 +24,15 @@ def test_a_tensor_parallel_key_is_found_again(tmp_path: Path) -> None:
     assert result_cache.load(tmp_path, parts) == measurement
     # and a different shard is still a different key
     assert result_cache.load(tmp_path, _parts(shard=(1, 2))) is None
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3", '"x"', '{"key": 1, "measurement": []}'])
+def test_a_cache_file_of_another_shape_counts_as_absent(tmp_path: Path, text: str) -> None:
+    """A cache file that parses as JSON but is not the dict save() writes (a hand edit, another
+    tool's file) is absent: the gate measures again rather than failing (which a server takes
+    as a refusal of live PIC at every start)."""
+    parts = _parts()
+    path = result_cache.save(tmp_path, parts, [])
+    path.write_text(text, "utf-8")
+    assert result_cache.load(tmp_path, parts) is None
+    json.loads(text)  # it is valid JSON: only its shape is wrong
