@@ -11,8 +11,9 @@ The two engines are persistent so that each request sees the caches left by ever
 as in serving. Each engine prefills the prompt and forks it: one fork is teacher-forced along c,
 so p_x is compared with p_full on the same context at every step (KL(p_full || p_x), argmax-match
 against c); the other decodes greedily until it first leaves c (the first-divergence position, N if
-never). A request whose prompt got no registry hit is served exactly like full recomputation up
-to float noise, so the metrics are reported over the requests with hits and over all requests.
+never). A request whose prompt reused nothing (no registry hit, and no derived prefix: an earlier
+turn's rows computed over reused content) is served exactly like full recomputation up to float
+noise, so the metrics are reported over the requests that reused content and over all requests.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ class NaiveReuseRunner(ModelRunner):
         self.kr[:, upload(reuse.dst, device)] = self.kr[:, upload(reuse.src, device)]
 
 
+def _reused(served: dict) -> bool:
+    """Whether a path served the request reused content: registry hits, or a derived prefix
+    (an earlier turn's rows computed over reused content, matched in the radix tree)."""
+    return bool(served["pic_tokens"] or served["derived_prefix_tokens"])
+
+
 def _means(rows: list[dict], suffix: str = "") -> dict:
     """Per-path metric means over requests (each request has exactly N teacher-forced steps, so
     the mean of per-request means is the mean over tokens); None when there are no requests."""
@@ -140,14 +147,14 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
     """Run the study over ``requests`` in order; returns the JSON report.
 
     Top-level metrics (``kl_pic``, ``argmax_naive``, ``first_divergence_pic``, ...) are over the
-    requests where either engine served prompt tokens from the registry; the same with an ``_all``
-    suffix are over every request. ``num_slots`` sizes each engine's KV pool; by default it holds
-    the whole workload (capped at MAX_SLOTS), so nothing is evicted. ``heal``: after each
-    request each engine heals what it reused (:meth:`~irminsul.engine.Engine.heal`), as a
-    server with ``CacheConfig.heal`` does in the idle time between an agent's turns; without
-    it (the default, as the server's), later requests build on reused rows. ``cache``: the
-    planner config both live engines serve with (default :class:`CacheConfig`'s), ``heal``
-    set on it.
+    requests where either engine served reused content (registry hits or a derived prefix);
+    the same with an ``_all`` suffix are over every request. ``num_slots`` sizes each engine's
+    KV pool; by default it holds the whole workload (capped at MAX_SLOTS), so nothing is
+    evicted. ``heal``: after each request each engine heals what it reused
+    (:meth:`~irminsul.engine.Engine.heal`), as a server with ``CacheConfig.heal`` does in the
+    idle time between an agent's turns; without it (the default, as the server's), later
+    requests build on reused rows. ``cache``: the planner config both live engines serve with
+    (default :class:`CacheConfig`'s), ``heal`` set on it.
     """
     if tokens < 1:
         raise ValueError(f"need at least one continuation token, got {tokens}")
@@ -179,14 +186,14 @@ def consistency(model: MLAModel, renderer: ChatRenderer, requests: Iterable[Requ
         rows.append(row)
     for engine in engines.values():
         engine.check()  # the study doubles as an end-to-end check of the slot accounting
-    hit = [r for r in rows if any(r[path]["pic_tokens"] for path in PATHS)]
+    hit = [r for r in rows if any(_reused(r[path]) for path in PATHS)]
     prompt_tokens = sum(r["prompt_tokens"] for r in rows)
     served = {path: {key: sum(r[path][key] for r in rows)
                      for key in ("pic_tokens", "prefix_tokens", "derived_prefix_tokens",
                                  "prefilled_tokens")}
               for path in PATHS}
     for path in PATHS:
-        served[path]["requests_with_hits"] = sum(bool(r[path]["pic_tokens"]) for r in rows)
+        served[path]["requests_with_hits"] = sum(_reused(r[path]) for r in rows)
     return {
         "tokens": tokens,
         "requests": len(rows),

@@ -36,3 +36,35 @@ def test_a_cache_file_of_another_shape_counts_as_absent(tmp_path: Path, text: st
     path.write_text(text, "utf-8")
     assert result_cache.load(tmp_path, parts) is None
     json.loads(text)  # it is valid JSON: only its shape is wrong
+
+
+def test_consistency_counts_a_derived_prefix_as_reuse(tmp_path: Path) -> None:
+    """A follow-up whose prefix is an earlier turn's PIC-served rows (a derived prefix, no new
+    registry hit) was served reused content: `irminsul consistency`'s figures over the requests
+    that reused content include it, as the gate's do; only a request served nothing reused is
+    left out."""
+    from fixtures.tiny_chat_model import build, sentences, workload
+
+    from irminsul.analysis.consistency import consistency
+    from irminsul.model import load_model
+    from irminsul.traffic.logs import Request
+    from irminsul.traffic.render import ChatRenderer
+
+    directory = build(tmp_path / "model", layers=2)
+    first, moved = workload()[0], workload()[2]  # moved: first's documents behind sys_b
+    follow_up = dict(moved, call=1, messages=moved["messages"] + [
+        {"role": "assistant", "content": sentences(1, seed=21)[0]},
+        {"role": "user", "content": sentences(1, seed=22)[0]}])
+    requests = [Request(r["session"], r["call"], r["messages"], None, f"r{i}")
+                for i, r in enumerate([first, moved, follow_up])]
+    report = consistency(load_model(directory), ChatRenderer.from_dir(directory), requests,
+                         tokens=4)
+    rows = report["per_request"]
+    # What the case needs: moved got registry hits, its follow-up only a derived prefix.
+    assert rows[1]["pic"]["pic_tokens"] > 0
+    assert rows[2]["pic"]["pic_tokens"] == 0 and rows[2]["pic"]["derived_prefix_tokens"] > 0
+    assert rows[0]["pic"]["kl"] < 1e-12 < 1e-6 < rows[2]["pic"]["kl"]  # not float noise
+    assert report["requests_with_hits"] == 2
+    for path in ("pic", "naive"):
+        want = (rows[1][path]["kl"] + rows[2][path]["kl"]) / 2
+        assert report[f"kl_{path}"] == pytest.approx(want, rel=1e-12)
