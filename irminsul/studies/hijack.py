@@ -254,14 +254,17 @@ def serve_victim(engine: Engine, prompt: Prompt, namespace: int, continuation: l
             "pic_tokens": seq.stats.pic_tokens, "prefix_tokens": seq.stats.prefix_tokens}
 
 
-def conditions(settings: HijackSettings) -> list[tuple[str, str, CacheConfig, bool]]:
-    """(name, registering prompt, cache config, salted) per condition."""
+def conditions(settings: HijackSettings,
+               layers: int = 2) -> list[tuple[str, str, CacheConfig, bool]]:
+    """(name, registering prompt, cache config, salted) per condition, on a model of ``layers``
+    layers: CacheBlend-style repair checks c_KV at layer 1, which a one-layer model lacks (its
+    rows depend on no context), so its conditions are left out there."""
     out = [("benign", "benign", CacheConfig(), False), ("hijack", "attacker", CacheConfig(), False),
            ("salted", "attacker", CacheConfig(), True)]
     out += [(f"epic_k{k}", "attacker", CacheConfig(recompute_head=k), False)
             for k in settings.heads]
     out += [(f"cacheblend_r{round(100 * r)}", "attacker", CacheConfig(recompute_share=r), False)
-            for r in settings.shares]
+            for r in settings.shares if layers > CacheConfig().recompute_check_layer]
     return out
 
 
@@ -301,6 +304,7 @@ def hijack_study(model: MLAModel, renderer: ChatRenderer, settings: HijackSettin
     namespaces = {"shared": shared, "attacker": request_namespace(model_name, "attacker"),
                   "victim": request_namespace(model_name, "victim")}
     result = HijackResult(model_name, settings, namespaces)
+    layers = model.config.num_hidden_layers
     cases = [make_case(renderer, text, i) for i, text in enumerate(documents(renderer, settings))]
     for case in cases:
         for prompt in (case.attacker, case.victim):
@@ -325,7 +329,7 @@ def hijack_study(model: MLAModel, renderer: ChatRenderer, settings: HijackSettin
                                                                case.target)}
         attacked_greedy = greedy(model, attacked, settings.tokens)
         slots = 2 * (case.attacker.size + case.victim.size + settings.tokens + case.target.size)
-        for name, source, cache, salted in conditions(settings):
+        for name, source, cache, salted in conditions(settings, layers):
             engine = Engine(model, EngineConfig(slots=slots, mode="live", cache=cache))
             registering = case.attacker if source == "attacker" else case.benign
             seq, _ = engine.prefill(registering.tokens, registering.resets,
@@ -352,7 +356,7 @@ def hijack_study(model: MLAModel, renderer: ChatRenderer, settings: HijackSettin
     result.references = {key: float(np.mean([r[key] for r in rows]))
                          for key in ("kl_clean_attacked", "argmax_attacked",
                                      "target_logprob_clean", "target_logprob_attacked")}
-    for name, *_ in conditions(settings):
+    for name, *_ in conditions(settings, layers):
         means = {key: float(np.mean([r[name][key] for r in rows]))
                  for key in rows[0][name] if key != "carried"}
         # A ratio of means: a case where the preamble itself barely moves the output would

@@ -68,3 +68,24 @@ def test_consistency_counts_a_derived_prefix_as_reuse(tmp_path: Path) -> None:
     for path in ("pic", "naive"):
         want = (rows[1][path]["kl"] + rows[2][path]["kl"]) / 2
         assert report[f"kl_{path}"] == pytest.approx(want, rel=1e-12)
+
+
+def test_hijack_study_runs_on_a_one_layer_model(tmp_path: Path) -> None:
+    """`irminsul study hijack --model DIR` on a one-layer checkpoint: CacheBlend-style repair
+    has no layer to check there (its check layer is 1), so its conditions are left out rather
+    than the study failing. With one layer a reused row depends on its token and position only,
+    so the victim served the attacker's rows gets the clean prompt's output (KL ~ 0)."""
+    from fixtures.tiny_chat_model import random_model, write_tokenizer
+
+    from irminsul.model import load_model
+    from irminsul.studies.hijack import HijackSettings, hijack_study
+    from irminsul.traffic.render import ChatRenderer
+
+    directory = tmp_path / "model"
+    size = write_tokenizer(directory)
+    random_model(size, layers=1, max_position_embeddings=1 << 16).save_pretrained(directory)
+    settings = HijackSettings(documents=1, tokens=2, min_doc_tokens=16, max_doc_tokens=4000)
+    result = hijack_study(load_model(directory), ChatRenderer.from_dir(directory), settings)
+    assert set(result.conditions) == {"benign", "hijack", "salted", "epic_k16", "epic_k32"}
+    assert result.conditions["hijack"]["pic_tokens"] > 0
+    assert result.conditions["hijack"]["kl_clean"] < 1e-9
