@@ -196,6 +196,11 @@ class CacheManager:
         self._landed(prefill)
         self.finish(prefill.seq, remember=False)
 
+    def forget_prefill(self, prefill: Prefill) -> None:
+        """The prefill will never complete (its request was dropped): what it missed is no
+        longer in flight, so no plan waits for it. Touches nothing else."""
+        self._landed(prefill)
+
     def _from_store(self, plan: Plan) -> bool:
         """Register the whole chunks ``plan`` misses that the shared store holds (verified, and
         only when fetching beats prefilling them): their rows are written into fresh slots and
@@ -228,7 +233,11 @@ class CacheManager:
 
     def _landed(self, prefill: Prefill) -> None:
         """The prefill is no longer in flight: its missed chunks are registered or never
-        will be."""
+        will be. Once per prefill: a second call (a drop after an abort that raised) counts
+        nothing."""
+        if prefill.landed:
+            return
+        prefill.landed = True
         namespace = prefill.seq.namespace
         for chunk in prefill.plan.chunks:
             if chunk.kind == "miss":

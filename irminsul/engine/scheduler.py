@@ -259,6 +259,11 @@ class Scheduler:
         self._discard_prepared()
         for request in self.running + self.waiting:
             if request.id == request_id:
+                if request.state == "prefill" and request.prefill is not None:
+                    # Its missed chunks will never land: requests awaiting them must not wait
+                    # on (they are planned again once a prefill lands).
+                    self.cache.forget_prefill(request.prefill)
+                    self._landed += 1
                 # Finished: a step launched ahead for it neither samples nor emits it.
                 request.state, request.finish_reason = "finished", "error"
         self.running = [r for r in self.running if r.id != request_id]

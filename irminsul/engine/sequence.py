@@ -147,6 +147,7 @@ class Prefill:
     # Tokens of chunks this plan missed that prefills already in flight are computing and will
     # register: waiting for them would turn these into hits.
     awaited: int = 0
+    landed: bool = False  # no longer in flight (completed, aborted or dropped)
 
     def slots_to_come(self) -> tuple[int, int]:
         """(c_KV, k_r) slots the rest of this prefill allocates: a computed token one of each,
