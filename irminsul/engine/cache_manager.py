@@ -186,20 +186,30 @@ class CacheManager:
             if self.store is not None:  # off the request path: rows handed to a thread
                 self.store.publish(prefill.plan, self.planner.registry, self.pool)
         finally:
+            prefill.released = True
             self.planner.release(prefill.plan)
             self._landed(prefill)
 
     def abort_prefill(self, prefill: Prefill) -> None:
         """Give up a prefill: drop its references, keep the indexes as they were."""
         self.settle(prefill.seq)  # while the plan's locks still hold what it is owed
+        prefill.released = True
         self.planner.release(prefill.plan)
         self._landed(prefill)
         self.finish(prefill.seq, remember=False)
 
     def forget_prefill(self, prefill: Prefill) -> None:
-        """The prefill will never complete (its request was dropped): what it missed is no
-        longer in flight, so no plan waits for it. Touches nothing else."""
-        self._landed(prefill)
+        """The prefill will never complete (its request was dropped after an abort that
+        raised): what it missed is no longer in flight, so no plan waits for it, and its plan,
+        unless given back already, holds nothing any more (what its sequence was served is
+        counted first). The sequence itself is left as it is."""
+        try:
+            if not prefill.released:
+                self.settle(prefill.seq)
+                prefill.released = True  # a release that raises part way is not tried again
+                self.planner.release(prefill.plan)
+        finally:
+            self._landed(prefill)
 
     def _from_store(self, plan: Plan) -> bool:
         """Register the whole chunks ``plan`` misses that the shared store holds (verified, and

@@ -261,9 +261,12 @@ class Scheduler:
             if request.id == request_id:
                 if request.state == "prefill" and request.prefill is not None:
                     # Its missed chunks will never land: requests awaiting them must not wait
-                    # on (they are planned again once a prefill lands).
-                    self.cache.forget_prefill(request.prefill)
+                    # on (they are planned again once a prefill lands); its plan's holds go.
                     self._landed += 1
+                    try:
+                        self.cache.forget_prefill(request.prefill)
+                    except Exception:
+                        log.exception("forgetting the prefill of dropped %s failed", request.id)
                 # Finished: a step launched ahead for it neither samples nor emits it.
                 request.state, request.finish_reason = "finished", "error"
         self.running = [r for r in self.running if r.id != request_id]

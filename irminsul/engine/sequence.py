@@ -148,6 +148,7 @@ class Prefill:
     # register: waiting for them would turn these into hits.
     awaited: int = 0
     landed: bool = False  # no longer in flight (completed, aborted or dropped)
+    released: bool = False  # its plan's holds given back (or being given back)
 
     def slots_to_come(self) -> tuple[int, int]:
         """(c_KV, k_r) slots the rest of this prefill allocates: a computed token one of each,

@@ -35,3 +35,23 @@ def test_drop_of_a_prefilling_request_does_not_leave_its_chunks_in_flight(model)
         if not scheduler.has_work():
             break
     assert not scheduler.has_work() and len(got) == 4
+
+
+def test_drop_of_a_prefilling_request_releases_its_plan(model) -> None:
+    """A dropped prefill's plan no longer pins the radix path and registry entries it reused:
+    they are evictable again (its sequence stays, accounted for, as drop documents)."""
+    engine = Engine(model, EngineConfig(slots=3000, mode="live"))
+    rng = np.random.default_rng(1)
+    doc = rng.integers(0, 97, 300)
+    engine.generate(np.concatenate([rng.integers(0, 97, 40), doc]), 2)
+    scheduler = Scheduler(engine, chunk_tokens=16)
+    prompt = np.concatenate([rng.integers(0, 97, 45), doc, rng.integers(0, 97, 200)])
+    request = scheduler.add(prompt, SamplingParams(max_tokens=4))
+    scheduler.step()
+    (running,) = scheduler.running
+    assert running.state == "prefill" and running.prefill.plan.hits  # it reuses the doc
+    scheduler.drop(request)
+    planner = engine.cache.planner
+    assert planner.radix.evictable_tokens == planner.radix.total_tokens
+    assert all(entry.refcount == 0 for entry in planner.registry.entries())
+    engine.check()
