@@ -13,8 +13,10 @@
 A body the router cannot parse or render is still forwarded (routed by load alone): the backend
 answers it with the error it would give anyway, so clients see one validation, the engine's. A
 backend that refuses the connection is marked down and the request goes to the next best one;
-once a backend has the request, what it answers is the answer (a stream that breaks off ends
-with an error event, as the server's own do). Rendering and chunking run on worker threads.
+one that drops a kept-alive connection before answering (its keep-alive timeout firing as the
+request arrived) is sent the request once more; once a backend has the request, what it
+answers is the answer (a stream that breaks off ends with an error event, as the server's own
+do). Rendering and chunking run on worker threads.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "te", "trailer", "transfer-encoding", "upgrade", "host",
                         "content-length"})
 BACKEND_HEADER = "x-irminsul-backend"
+# Idle pooled connections are given up after this long: before uvicorn's keep-alive timeout
+# (5 s by default, what ``irminsul serve`` runs with) closes them at the other end, so a request
+# is rarely sent on a connection the backend is closing.
+KEEPALIVE_EXPIRY_S = 2.0
+# A request that fails with one of these before any byte of an answer was sent on a kept-alive
+# connection the backend closed as it arrived (that race, narrowed by KEEPALIVE_EXPIRY_S): the
+# backend never read it, so it is sent once more.
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,8 @@ def create_router_app(config: RouterConfig, renderer: ChatRenderer) -> FastAPI:
     # No read timeout: a long prefill is a slow answer, not a dead backend.
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.timeout_s),
                                limits=httpx.Limits(max_connections=None,
-                                                   max_keepalive_connections=64),
+                                                   max_keepalive_connections=64,
+                                                   keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                trust_env=False)
     router = _Router(config, renderer, Backends(config, client, metrics), client, metrics,
                      ThreadPoolExecutor(config.render_workers,
@@ -254,6 +265,7 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
         router.workers, _analyse, router, raw, chat, session, chunkings)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     tried: set[str] = set()
+    resent = False
     while True:  # until a backend takes the request (each refused connection: the next best)
         backend, reason, cached = _pick(router, analysis, tried)
         ticket = None if analysis.keys is None else backend.view.route(analysis.keys)
@@ -272,6 +284,9 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
             if isinstance(err, httpx.ConnectError | httpx.ConnectTimeout):
                 backend.mark_down(f"connect: {err!r}", router.config)
                 tried.add(backend.url)
+                continue
+            if isinstance(err, DROPPED) and not resent:
+                resent = True  # once: a backend that keeps dropping requests gets its 502
                 continue
             raise RequestError(f"backend {backend.url} failed before answering: {err!r}",
                                status=502, kind="server_error", code="upstream_error") from err

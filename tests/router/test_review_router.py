@@ -1,0 +1,133 @@
+"""The router against fake backends that misbehave at the HTTP level: a keep-alive connection
+closed as a request arrives on it, and a body cut short after its header."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+from router_servers import MODEL, router
+
+BODY = b'{"id": "x", "object": "text_completion", "choices": []}'
+
+
+class FakeBackend:
+    """A raw HTTP/1.1 server on loopback. ``/irminsul/index`` answers 404 (up, no index); a
+    POST answers 200 with BODY, keeping the connection alive. ``drop_reused``: the first POST
+    that arrives on a connection which already served a request is read and the connection
+    closed without an answer (what uvicorn does when its keep-alive timeout fires as a request
+    arrives). ``truncate``: POSTs get a 200 header announcing BODY's length and half of it."""
+
+    def __init__(self, *, drop_reused: bool = False, truncate: bool = False) -> None:
+        self.drop_reused, self.truncate = drop_reused, truncate
+        self.posts = 0  # POSTs answered
+        self.dropped = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffer, served = b"", 0
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                need = int(length.group(1)) if length else 0
+                while len(buffer) < need:
+                    buffer += conn.recv(65536)
+                buffer = buffer[need:]
+                method, path = head.split(b" ")[:2]
+                if path.startswith(b"/irminsul/index"):
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                elif method == b"POST":
+                    with self._lock:
+                        drop = self.drop_reused and served > 0 and not self.dropped
+                        self.dropped += drop
+                    if drop:
+                        conn.shutdown(socket.SHUT_RDWR)
+                        return
+                    with self._lock:
+                        self.posts += 1
+                    header = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              + f"content-length: {len(BODY)}\r\n\r\n".encode())
+                    if self.truncate:
+                        conn.sendall(header + BODY[:len(BODY) // 2])
+                        conn.shutdown(socket.SHUT_RDWR)
+                        return
+                    conn.sendall(header + BODY)
+                else:
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                served += 1
+
+
+@contextlib.contextmanager
+def fake(**kw: bool) -> Iterator[FakeBackend]:
+    backend = FakeBackend(**kw)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def _complete(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+
+
+def _requests_metric(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {status: float(value) for status, value in re.findall(
+        r'^irminsul:router_requests_total\{backend="[^"]*",status="(\d+)"\} (\S+)$', text,
+        re.MULTILINE)}
+
+
+def test_a_pooled_connection_closed_as_the_request_arrives_is_retried() -> None:
+    """The router's first poll leaves a keep-alive connection in its pool; the backend closes
+    it as the next request arrives on it, before any byte of an answer (the race between
+    httpx's and uvicorn's keep-alive timeouts, both 5 s). The backend never processed that
+    request, so the client must get the backend's answer, not a 502."""
+    with fake(drop_reused=True) as backend, router([backend.url], poll_interval_s=3600) as r:
+        r.wait(lambda states: states[0]["up"])
+        answer = _complete(r.url)
+        assert backend.dropped == 1  # the race happened
+        assert answer.status_code == 200, answer.text
+        assert answer.content == BODY
+        assert backend.posts == 1
+        assert r.backends()[0]["up"]  # a dropped idle connection is not a dead backend
+
+
+def test_the_client_keep_alive_expiry_is_shorter_than_uvicorns() -> None:
+    """An idle pooled connection must be given up by the router before uvicorn's keep-alive
+    timeout (its default, 5 s, what irminsul serve runs with) closes it at the other end."""
+    import uvicorn
+
+    from irminsul.config import RouterConfig
+    from irminsul.model.default import default_model_dir
+    from irminsul.router.app import build_router
+
+    app = build_router(RouterConfig(backends=("http://127.0.0.1:1",)), default_model_dir())
+    client = app.state.router.client
+    expiry = client._transport._pool._keepalive_expiry
+    assert expiry is not None
+    assert expiry < uvicorn.Config(app).timeout_keep_alive
