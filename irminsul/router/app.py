@@ -292,7 +292,6 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
                                status=502, kind="server_error", code="upstream_error") from err
     router.metrics.route_seconds.observe(time.perf_counter() - start)
     router.metrics.decisions.labels(reason).inc()
-    router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
     if analysis.keys is not None:
         router.metrics.prompt_tokens.inc(analysis.keys.size)
         router.metrics.expected_cached.inc(cached)
@@ -310,20 +309,24 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
                      if k.lower() not in HOP_BY_HOP | {"date", "server"}}
     reply_headers[BACKEND_HEADER] = backend.url
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
         return StreamingResponse(_relay(router, backend, upstream, finish, failed),
                                  status_code=upstream.status_code, headers=reply_headers)
     try:
         content = b"".join([chunk async for chunk in upstream.aiter_raw()])
     except httpx.HTTPError as err:
         finish(failed=True)
+        router.metrics.requests.labels(backend.url, "502").inc()  # what the client gets
         raise RequestError(f"backend {backend.url} broke off its answer: {err!r}", status=502,
                            kind="server_error", code="upstream_error") from err
     except BaseException:  # the client gone (cancelled)
         finish(failed=True)
+        router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
         raise
     finally:
         await upstream.aclose()
     finish(failed=failed)
+    router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
     return Response(content, status_code=upstream.status_code, headers=reply_headers)
 
 

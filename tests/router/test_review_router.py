@@ -131,3 +131,12 @@ def test_the_client_keep_alive_expiry_is_shorter_than_uvicorns() -> None:
     expiry = client._transport._pool._keepalive_expiry
     assert expiry is not None
     assert expiry < uvicorn.Config(app).timeout_keep_alive
+
+
+def test_a_body_cut_short_is_counted_as_the_502_the_client_got() -> None:
+    with fake(truncate=True) as backend, router([backend.url], poll_interval_s=3600) as r:
+        r.wait(lambda states: states[0]["up"])
+        answer = _complete(r.url)
+        assert answer.status_code == 502
+        assert answer.json()["error"]["code"] == "upstream_error"
+        assert _requests_metric(r.url) == {"502": 1.0}
