@@ -53,6 +53,8 @@ class EngineSnapshot:
     graph_replays: int = 0  # forwards replayed from a CUDA graph
     request_failures: int = 0  # requests the engine failed alone (the others went on)
     healed_tokens: int = 0  # rows recomputed by heals (CacheConfig.heal)
+    # aborts applied: each may change the cache indexes between steps (a request remembered)
+    aborts: int = 0
 
     @property
     def pool_usage(self) -> float:
@@ -154,7 +156,7 @@ class AsyncEngine:
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._steps = self._errors = 0
+        self._steps = self._errors = self._aborts = 0
         # Data-parallel attention: the ranks whose steps this engine must take turns in when it
         # has nothing to run; whether one ran a step in the last turn.
         self._peers = scheduler.engine.peers
@@ -342,6 +344,7 @@ class AsyncEngine:
         _resolve_threadsafe(handle._loop, command.admitted, error)
 
     def _abort(self, request_id: str, reason: str) -> None:
+        self._aborts += 1
         handle = self._handles.pop(request_id, None)
         item: StepOutput | BaseException = StepOutput(request_id, [], True, reason, None, None)
         try:
@@ -431,7 +434,8 @@ class AsyncEngine:
         load = self.scheduler.load()
         self.snapshot = EngineSnapshot(load.running, load.waiting, load.pool_capacity,
                                        load.pool_free, self._steps, self._errors,
-                                       load.graph_replays, load.failed, load.healed_tokens)
+                                       load.graph_replays, load.failed, load.healed_tokens,
+                                       self._aborts)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

@@ -4,8 +4,9 @@ to the replica that holds its content (the format is :mod:`irminsul.router.diges
 The radix tree and the registry belong to the engine thread, so a poll takes their shape there
 (the tree's edges by reference, the registry's fingerprints: work per node and per entry, not
 per token; edges are never changed in place, only replaced) and hashes the tree's blocks on a
-worker thread. Polls while the engine has not stepped reuse the last digest; the last few
-versions are kept so that a router a version or two behind gets only the difference.
+worker thread. Polls while the engine has neither stepped nor applied an abort (which
+remembers a request between steps) reuse the last digest; the last few versions are kept so
+that a router a version or two behind gets only the difference.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class IndexPublisher:
         self._versions: OrderedDict[int, _Sets] = OrderedDict({0: _Sets(frozenset(),
                                                                          frozenset())})
         self._chunking: Chunking | None = None
-        self._steps = -1  # the engine's step count the latest version was read at
+        # the engine's step and abort counts the latest version was read at
+        self._turns: tuple[int, int] | None = None
         self._lock = asyncio.Lock()
 
     async def digest(self, generation: str | None, since: int | None) -> Digest:
@@ -104,13 +106,14 @@ class IndexPublisher:
                       set(current.chunks - base.chunks), set(base.chunks - current.chunks))
 
     async def _refresh(self) -> None:
-        steps = self.engine.snapshot.steps
-        if steps == self._steps and self._chunking is not None:
-            return  # the engine has not stepped: nothing in its indexes changed
+        snap = self.engine.snapshot
+        turns = (snap.steps, snap.aborts)
+        if turns == self._turns and self._chunking is not None:
+            return  # no step and no abort since: nothing in its indexes changed
         trees, fingerprints, self._chunking = await asyncio.wrap_future(
             self.engine.run_in_engine_thread(_read))
         sets = _Sets(await asyncio.to_thread(prefix_set, trees), frozenset(fingerprints))
-        self._steps = steps
+        self._turns = turns
         if sets != self._versions[self.version]:
             self.version += 1
             self._versions[self.version] = sets
