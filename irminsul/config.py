@@ -379,6 +379,7 @@ class RouterConfig:
     # prefill may still run): counted as cached there until a poll after they end. Most kept:
     routed: int = 4096
     max_request_bytes: int = 64 << 20  # larger bodies get 413 before they are read whole
+    body_timeout_s: float = 30.0  # a body not all received by then gets 408
     render_workers: int = 4  # threads that render and chunk requests off the event loop
     render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
 
@@ -394,7 +395,8 @@ class RouterConfig:
         for name in ("queue_weight", "kv_weight", "tie_margin"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("poll_interval_s", "timeout_s", "backoff_s", "backoff_max_s"):
+        for name in ("poll_interval_s", "timeout_s", "backoff_s", "backoff_max_s",
+                     "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.backoff_max_s < self.backoff_s:

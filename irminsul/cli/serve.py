@@ -93,7 +93,8 @@ def cmd_router(args: argparse.Namespace) -> None:
     config = RouterConfig(backends=tuple(args.backend), host=args.host, port=args.port,
                           policy=args.policy, poll_interval_s=args.poll_interval,
                           queue_weight=args.queue_weight, kv_weight=args.kv_weight,
-                          tie_margin=args.tie_margin)
+                          tie_margin=args.tie_margin, max_request_bytes=args.max_request_bytes,
+                          body_timeout_s=args.body_timeout)
     serve_router(config, model_dir_of(args))
 
 
@@ -247,4 +248,10 @@ def _router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tie-margin", type=float, default=ROUTER.tie_margin, metavar="M",
                         help="scores this close to the best tie (then the session's last "
                              "backend, else a hash of the session or prompt, wins)")
+    parser.add_argument("--max-request-bytes", type=int, default=ROUTER.max_request_bytes,
+                        metavar="N", help="refuse larger request bodies (413) before reading "
+                                          "them whole")
+    parser.add_argument("--body-timeout", type=float, default=ROUTER.body_timeout_s,
+                        metavar="S", help="a request body not all received in S seconds gets "
+                                          "408")
     parser.set_defaults(func=cmd_router)

@@ -111,6 +111,17 @@ class Ranks:
         self.processes.close()
 
 
+def front_router(config: ServerConfig, urls: list[str]) -> RouterConfig:
+    """The router in front of the ranks, on the server's address. It reads every body before
+    a rank does, so it holds them to the server's limits: ``--max-request-bytes`` (unset: the
+    router's own default; each rank still applies the context-sized one) and
+    ``--body-timeout``."""
+    limit = config.max_request_bytes
+    return RouterConfig(backends=tuple(urls), host=config.host, port=config.port,
+                        body_timeout_s=config.body_timeout_s,
+                        **({} if limit is None else {"max_request_bytes": limit}))
+
+
 def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
                         parallel: ParallelConfig, *,
                         random_weights: str | os.PathLike | None = None) -> int:
@@ -155,7 +166,7 @@ def serve_data_parallel(model_dir: str | os.PathLike, config: ServerConfig,
         log.error("data parallel: the ranks did not start: %s", err)
         ranks.kill()
         return 1
-    router = RouterConfig(backends=tuple(ranks.urls), host=config.host, port=config.port)
+    router = front_router(config, ranks.urls)
     server = uvicorn.Server(uvicorn.Config(build_router(router, path), host=config.host,
                                            port=config.port, log_level="info"))
 

@@ -234,7 +234,7 @@ async def _proxy(router: _Router, request: Request, path: str, *, chat: bool) ->
     forwarding, which closes the backend's connection: the backend aborts the request, as it
     does for a client of its own, instead of generating for nobody."""
     raw = await read_body(request, router.config.max_request_bytes,
-                           "the router's RouterConfig.max_request_bytes")
+                          "the router's --max-request-bytes", router.config.body_timeout_s)
     forward = asyncio.ensure_future(_forward(router, request, path, raw, chat))
     gone = asyncio.ensure_future(_disconnected(request))
     try:

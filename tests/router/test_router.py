@@ -217,3 +217,39 @@ def test_a_client_gone_before_its_answer_stops_the_backend_too(tmp_path) -> None
             assert server.metric("irminsul:generation_tokens_total") < 2000
             states = httpx.get(f"{url}/irminsul/backends").json()["backends"]
             assert states[0]["in_flight"] == 0
+
+
+def test_a_stalled_or_oversized_body_is_refused_before_any_backend() -> None:
+    """A body not all sent within --body-timeout gets 408, one over --max-request-bytes 413,
+    from the router itself (its backend is down: neither reaches one)."""
+    import socket
+    import time
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with router([dead], body_timeout_s=0.5, max_request_bytes=1000) as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
+            start = time.monotonic()
+            reply = conn.recv(4096).decode()
+            waited = time.monotonic() - start
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+        assert 0.4 < waited < 5
+        big = _post(r.url, _ask("You are agent I.", "x" * 2000, "hi", "i"))
+        assert big.status_code == 413 and "--max-request-bytes" in big.json()["error"]["message"]
+
+
+def test_the_data_parallel_front_router_keeps_the_servers_limits() -> None:
+    """Under --data-parallel the router reads each body before a rank does: it holds it to
+    the server's --max-request-bytes and --body-timeout, not to its own defaults."""
+    from irminsul.config import RouterConfig, ServerConfig
+    from irminsul.parallel.data_serving import front_router
+
+    urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    front = front_router(ServerConfig(port=7000, max_request_bytes=4096, body_timeout_s=3.0),
+                         urls)
+    assert front.backends == tuple(urls) and front.port == 7000
+    assert (front.max_request_bytes, front.body_timeout_s) == (4096, 3.0)
+    unset = front_router(ServerConfig(), urls)
+    assert unset.max_request_bytes == RouterConfig().max_request_bytes
