@@ -285,7 +285,7 @@ def _prepare(server: _Server, raw: bytes, chat: bool
                                "cannot be required", param="tool_choice", code="invalid_value")
         # The prompt opens the call, so the reply is one (a name the model then writes that
         # is not a tool's is returned as content: nothing constrains decoding).
-        opening = server.renderer.encode(server.tool_syntax.opening(body.forced_call))
+        opening = server.renderer.encode(server.tool_syntax.forced_opening(body.forced_call))
         prompt = replace(prompt, tokens=prompt.tokens + opening.tolist())
     return body, prompt
 

@@ -27,6 +27,10 @@ between calls) is not part of the syntax. Arguments are not checked to be JSON, 
 not check them without ``strict``; a name that is not one of the request's tools, or text that
 does not follow the syntax, ends the reading and the rest of the reply (from the opening, or
 from the broken call on) is returned as content, so nothing is lost.
+
+A call that ``tool_choice`` requires is forced by ending the prompt with the opening
+(:meth:`ToolSyntax.forced_opening`), after a "</think>" where the template's generation prompt
+leaves a reasoning block open (R1-style templates end it with "<think>\n").
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class ToolSyntax:
     call_end: str
     end: str
     trigger: tuple[int, ...]  # token ids that open the calls
+    # What closes a reasoning block the generation prompt leaves open (R1-style templates end
+    # it with "<think>\n"): a call forced into the prompt comes after it, not inside it.
+    think_close: str = ""
 
     @classmethod
     def learn(cls, renderer: ChatRenderer) -> ToolSyntax | None:
@@ -119,12 +126,32 @@ class ToolSyntax:
         # " [[", "call", " search"); the text read after it must then follow the syntax.
         trigger = tuple(opening_ids[:1] if opening_ids[0] in added else
                         opening_ids[:max(1, len(opening_ids) - 1)])
-        return cls(begin, call_begin, name_end, call_end, close[len(call_end):], trigger)
+        return cls(begin, call_begin, name_end, call_end, close[len(call_end):], trigger,
+                   _think_close(renderer))
 
     def opening(self, name: str = "") -> str:
         """The text that opens a reply's first call (of ``name``, if given, up to its
         arguments): put at the end of the prompt, it makes the reply a call."""
         return self.begin + self.call_begin + (name + self.name_end if name else "")
+
+    def forced_opening(self, name: str = "") -> str:
+        """What a prompt ends with to make the reply a call (of ``name``, if given): the
+        :meth:`opening`, after closing the reasoning block the generation prompt opened."""
+        return self.think_close + self.opening(name)
+
+
+def _think_close(renderer: ChatRenderer) -> str:
+    """"</think>" (and the blank line R1-style replies put after it, where the prompt's
+    "<think>" is followed by a newline) when the template's generation prompt leaves a
+    reasoning block open; else ""."""
+    try:
+        text = renderer.render_text([{"role": "user", "content": _CONTENT}], generation=True)
+        tail = text[text.rindex(_CONTENT) + len(_CONTENT):]
+    except Exception:  # noqa: BLE001  (a template that needs more than one user message)
+        return ""
+    if tail.rfind("<think>") <= tail.rfind("</think>"):  # none opened, or closed again
+        return ""
+    return "</think>\n\n" if tail.endswith("\n") else "</think>"
 
 
 @dataclass(frozen=True)

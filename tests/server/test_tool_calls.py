@@ -267,6 +267,24 @@ def test_a_required_call_opens_in_the_prompt_and_the_reply_names_the_tool(syntax
                                         "<｜tool▁sep｜>")
 
 
+def test_a_call_forced_after_an_open_reasoning_block_closes_it_first() -> None:
+    """An R1-style generation prompt ends with "<think>\n": a required call is opened after
+    "</think>" and the blank line such replies put there, not inside the reasoning; a
+    generation prompt that opens no block (V3.1's non-thinking one) gets the opening alone."""
+    v3 = ChatRenderer.default()
+    r1_style = V31_STYLE.replace("{{ '<｜Assistant｜>' }}{%- endif %}",
+                                 "{{ '<｜Assistant｜><think>\\n' }}{%- endif %}")
+    assert r1_style != V31_STYLE
+    thinking = ToolSyntax.learn(ChatRenderer(v3.tokenizer, r1_style))
+    plain = ToolSyntax.learn(ChatRenderer(v3.tokenizer, V31_STYLE))
+    opening = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>"
+    assert thinking.forced_opening("search") == "</think>\n\n" + opening
+    assert plain.forced_opening("search") == opening
+    closed = r1_style.replace("<think>\\n", "<think>\\n\\n</think>\\n\\n")
+    closed_syntax = ToolSyntax.learn(ChatRenderer(v3.tokenizer, closed))
+    assert closed_syntax.forced_opening("search") == opening
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The server tests' tiny model, its template writing calls as <|tool|>NAME\nARGS (the
