@@ -8,8 +8,8 @@ their KL here is the floor under every figure the audit exports: the part of it 
 paths' arithmetic, not reuse.
 
 Per model and prompt length, ``--prompts`` prompts of real agent text (the shipped samples'
-distinct messages back to back, in the model's own tokenizer for the embedded model, folded into
-the vocabulary for random weights), each prefilled in a namespace of its own (nothing to reuse)
+distinct messages back to back in the embedded model's tokenizer, folded into the vocabulary
+of random weights), each prefilled in a namespace of its own (nothing to reuse)
 by an engine with PIC off, against ``Engine.recompute``: KL median / p90 / max.
 
     python benchmarks/gpu/audit_floor.py --out F.json
@@ -36,9 +36,10 @@ from irminsul.traffic.prompt import distinct_messages
 from irminsul.traffic.render import ChatRenderer
 
 
-def _text(model_name: str, vocab: int) -> np.ndarray:
-    renderer = (ChatRenderer.from_dir(default_model_dir()) if model_name == "default"
-                else ChatRenderer.default())
+def _text(vocab: int) -> np.ndarray:
+    """The samples' distinct messages in the embedded model's tokenizer (random weights: any
+    real text does), ids folded into ``vocab``."""
+    renderer = ChatRenderer.from_dir(default_model_dir())
     return np.concatenate(distinct_messages(renderer, sample_logs())).astype(np.int64) % vocab
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     for name in args.models:
         model = (load_model(default_model_dir(), dtype=dtype, device=args.device)
                  if name == "default" else build_model(args.device))
-        text = _text(name, model.config.vocab_size)
+        text = _text(model.config.vocab_size)
         for length in args.lengths:
             cell = {"model": name, "prompt_tokens": length,
                     **floor(model, text, length, args.prompts)}
