@@ -6,10 +6,14 @@ registry, or whose exact-prefix match ran over rows an earlier turn reused (a de
 which carries that turn's approximation), is picked with probability ``rate``; its prompt and the
 first-token logits it was
 served are kept (a few at most: the queue is bounded, a full queue skips), and when the scheduler
-has nothing else to do one of them is recomputed from scratch — a plain forward over the whole
-prompt, no cache — and KL(full ‖ served) of the first token is recorded. Operators see the KL
-distribution on /metrics (``irminsul:pic_audit_kl``), so drift (new traffic, a new checkpoint, a
-regression) shows before users notice.
+has nothing else to do one of them is recomputed from scratch — as a request's prefill is (the
+same kernels and attention over the pool, its slots made room for as any prefill's), reusing
+nothing and leaving nothing it computed cached — and
+KL(full ‖ served) of the first token is recorded. A plain forward would not do as the reference:
+on a GPU its bf16 arithmetic differs from the serve path's by 1e-5 to 1e-3 nats with nothing
+reused at all (benchmarks/gpu/audit_floor.py), as much as reuse itself costs on most traffic.
+Operators see the KL distribution on /metrics (``irminsul:pic_audit_kl``), so drift (new
+traffic, a new checkpoint, a regression) shows before users notice.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# A recomputation is one forward over the whole prompt outside the KV pool: its activations
-# must fit beside the pool, so longer prompts are not audited.
+# A recomputation is a prefill of the whole prompt in the pool, evicting cached rows where the
+# free room is short: longer prompts are not audited.
 AUDIT_MAX_TOKENS = 8192
 # KL(full ‖ served) of the first token, in nats: the gate's limit is 0.02 (irminsul.config).
 KL_BUCKETS = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
@@ -76,9 +80,9 @@ class PicAudit:
 
     def run(self, recompute: Callable[[np.ndarray], torch.Tensor]) -> float | None:
         """Recompute the oldest kept request and record its KL; None when none is kept.
-        ``recompute``: a prompt's last logits [vocab] from scratch, no cache
-        (:meth:`~irminsul.engine.Engine.recompute`, which runs on every rank under tensor
-        parallel)."""
+        ``recompute``: a prompt's last logits [vocab] from scratch, reusing nothing
+        (:meth:`~irminsul.engine.Engine.recompute_in_pool`, which runs on every rank under
+        tensor parallel)."""
         if not self._pending:
             return None
         prompt, served = self._pending.popleft()

@@ -22,6 +22,10 @@ from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, Peers, StagedForward, resolve_backend
 from .sequence import Prefill, Sequence
 
+# The live-PIC audit's recomputations run in a namespace of their own: requests' namespaces are
+# 64-bit seeds (irminsul.cache.cdc.namespace_seed), never negative.
+AUDIT_NAMESPACE = -1
+
 Work = list[tuple[Sequence, np.ndarray, np.ndarray]]  # (sequence, tokens, positions) items
 
 
@@ -201,9 +205,27 @@ class Engine:
         self.cache.end_batch(prepared.work, prepared.appended, False)
 
     def recompute(self, prompt: np.ndarray) -> torch.Tensor:
-        """The logits [vocab] after ``prompt`` computed from scratch, no cache and no slot (the
-        live-PIC audit's reference): through the runner, so every rank runs it."""
+        """The logits [vocab] after ``prompt`` computed from scratch by the model's plain
+        forward, no cache and no slot: through the runner, so every rank runs it."""
         return self.runner.recompute(prompt)
+
+    def recompute_in_pool(self, prompt: np.ndarray, budget: int) -> torch.Tensor:
+        """The logits [vocab] after ``prompt`` computed from scratch as a request's prefill is,
+        ``budget`` tokens a forward (the kernels, attention read from the pool, the same
+        arithmetic as serving: the live-PIC audit's reference, which a plain forward's bf16
+        arithmetic would put 1e-5 to 1e-3 nats away), in a namespace no request uses, so nothing
+        is reused, and given up at the end, so nothing it computed stays in the cache. Its slots
+        are made room for as any prefill's are (the least recently used cached rows evicted
+        where the free room is short). For idle time only, as :meth:`heal_step`."""
+        prompt = np.asarray(prompt, dtype=np.int64)
+        prefill = self.start_prefill(prompt, namespace=AUDIT_NAMESPACE)
+        logits = None
+        try:
+            while (span := self.advance(prefill, budget)) is not None:
+                logits = self.run_batch([(prefill.seq, *span)])[0]
+        finally:
+            self.abort_prefill(prefill)  # its slots back, the indexes as they were
+        return logits[-1]
 
     # -- decode ----------------------------------------------------------------------------------
 

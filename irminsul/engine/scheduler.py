@@ -219,7 +219,8 @@ class Scheduler:
         if self.has_work() or not self.audit.pending:
             return False
         try:
-            kl = self.audit.run(self.engine.recompute)
+            kl = self.audit.run(lambda prompt: self.engine.recompute_in_pool(
+                prompt, self.chunk_tokens))
         except Exception as err:
             log.warning("PIC audit recomputation failed: %r", err)
             return True

@@ -135,3 +135,40 @@ def test_metrics_export_the_kl_histogram() -> None:
     assert 'irminsul:pic_audit_kl_bucket{le="+Inf"} 3.0' in text
     assert "irminsul:pic_audit_kl_count 3.0" in text
     assert "irminsul:pic_audit_skipped_total 4.0" in text
+
+
+def test_the_reference_is_a_prefill_that_reuses_nothing_and_leaves_nothing(model) -> None:
+    """The audit's recomputation runs as a request's prefill, in chunks of the budget, over a
+    pool whose caches hold the very content it recomputes: it reuses none of it (its logits
+    are the model's full forward's, where a reuse would move them), and afterwards the pool's
+    free room, the radix tree and the registry are as before."""
+    source, rs, target, rt = shifted(7)
+    engine = Engine(model, EngineConfig(slots=3000, mode="live"))
+    for prompt, resets in ((source, rs), (target, rt)):
+        seq, _ = engine.prefill(prompt, resets)
+        engine.finish(seq)
+    free, entries = engine.pool.free, engine.cache.planner.registry.num_entries
+    prefix = engine.cache.planner.plan(target, rt).prefix.length
+    got = engine.recompute_in_pool(target, budget=128)
+    full = model.logits(torch.as_tensor(target))[-1]
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+    assert engine.pool.free == free and engine.cache.planner.registry.num_entries == entries
+    assert engine.cache.planner.plan(target, rt).prefix.length == prefix == len(target)
+    engine.check()
+
+
+def test_a_full_pool_makes_room_for_the_reference_as_for_a_prefill(model) -> None:
+    """With the pool full of cached rows, the recomputation evicts the least recently used
+    as a request's prefill would (the newest entry stays), and still reuses nothing."""
+    engine = Engine(model, EngineConfig(slots=400, mode="live"))
+    for start in (0, 1):  # two cached prompts, 180 rows each: 360 of the 400 slots in use
+        seq, _ = engine.prefill((np.arange(180) * 7 + start) % V)
+        engine.finish(seq)
+    newest = (np.arange(180) * 7 + 1) % V
+    prompt = (np.arange(150) * 5 + 2) % V
+    got = engine.recompute_in_pool(prompt, budget=64)
+    torch.testing.assert_close(got, model.logits(torch.as_tensor(prompt))[-1], rtol=1e-5,
+                               atol=1e-5)
+    assert engine.cache.planner.plan(newest).prefix.length == 180
+    assert engine.cache.planner.plan((np.arange(180) * 7) % V).prefix.length < 180
+    engine.check()
