@@ -109,7 +109,11 @@ class CacheManager:
             raise
         seq = Sequence(prompt, np.zeros(0, dtype=np.int64), namespace)
         seq.stats.prompt_tokens = int(prompt.size)
-        seq.stats.would_be_pic_tokens = plan.tokens_of("hit") if self.mode == "observer" else 0
+        if self.mode == "observer":
+            # What live would reuse: its hits less the prompt's last token, which live computes
+            # whatever serves it (its logits start the generation; _stretches).
+            seq.stats.would_be_pic_tokens = (plan.tokens_of("hit")
+                                             - (plan.segments[-1].kind == "hit"))
         self.sequences.append(seq)
         misses = [(namespace, c.fingerprint, c.end - c.start) for c in plan.chunks
                   if c.kind == "miss"]

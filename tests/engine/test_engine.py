@@ -208,8 +208,9 @@ def test_observer_is_bitwise_off_and_live_serves_pic(model3) -> None:
     assert torch.equal(live_logits[0], off_logits[0])  # first request: nothing to reuse
     for obs, live in zip(obs_seqs, live_seqs):
         assert live.stats.would_be_pic_tokens == 0
-        # the same plan; live computes the prompt's last token even when it is a hit
-        assert 0 <= obs.stats.would_be_pic_tokens - live.stats.pic_tokens <= 1
+        # the same plan; live computes the prompt's last token even when it is a hit, and
+        # observer does not count it either
+        assert obs.stats.would_be_pic_tokens == live.stats.pic_tokens
         assert (live.stats.prefix_tokens + live.stats.pic_tokens + live.stats.prefilled_tokens
                 == live.stats.prompt_tokens)
     assert live_seqs[1].stats.pic_tokens >= 0.9 * 550
