@@ -31,6 +31,8 @@ def bench(model: MLAModel, prompts: Iterable[Prompt], *, num_slots: int,
     reference first, then each mode.
     """
     prompts, modes = list(prompts), list(modes)
+    if not prompts:
+        raise ValueError("no requests to replay")
     bar = tqdm(total=len(prompts) * (1 + len(modes)), desc="bench: reference", unit=" req",
                disable=not progress, leave=False)
     full = []

@@ -51,6 +51,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         prompts_per_log = [[render_prompt(renderer, r.messages, r.tools, session=r.session)
                             for r in read_requests(log)][: args.requests] for log in logs]
     for log, prompts in zip(logs, prompts_per_log):
+        if not prompts:  # before any replay: a damaged log is not found after an hour's run
+            raise ValueError(f"{log}: no requests to replay")
+    for log, prompts in zip(logs, prompts_per_log):
         slots = args.slots or sum(p.size for p in prompts) + 1
         report = {"log": str(log), **bench(model, prompts, num_slots=slots,
                                            progress=not args.quiet)}

@@ -76,13 +76,20 @@ def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> No
                         help="JSON Lines request log" + ("(s)" if many else "") +
                              f" (default: {DEFAULT_WORKLOAD} built from the shipped samples)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=_positive, default=None,
                         help="first N requests of the log (default: all; the default workload "
                              f"has {DEFAULT_REQUESTS})")
     parser.add_argument("--slots", type=int, default=None,
                         help="KV pool size per engine in tokens (default: the whole workload, "
                              "so nothing is evicted)")
     device_options(parser)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text}")
+    return value
 
 
 def repair_options(parser: argparse.ArgumentParser) -> None:

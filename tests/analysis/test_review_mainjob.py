@@ -34,3 +34,18 @@ def test_observer_would_be_pic_is_what_live_serves(model_dir) -> None:
     observer = round(report["observer"]["pic_unique"] * tokens)
     assert live > 0
     assert observer == live
+
+
+def test_bench_on_a_log_without_requests_is_an_error(model_dir, tmp_path, capsys) -> None:
+    """A log with no usable request (here its one line is malformed), or --requests 0, leaves
+    nothing to replay: an error naming why (exit status 2), not a ZeroDivisionError."""
+    from irminsul.cli import main
+
+    log = tmp_path / "bad.jsonl"
+    log.write_text("not json\n")
+    assert main(["-q", "bench", "--model", str(model_dir), "--workload", str(log)]) == 2
+    assert "no requests" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["-q", "bench", "--model", str(model_dir), "--workload", str(log),
+              "--requests", "0"])
+    assert exit_.value.code == 2
