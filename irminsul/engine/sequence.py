@@ -29,7 +29,7 @@ class ServeStats:
     # exact, and never counted as an exact prefix hit (live mode)
     derived_prefix_tokens: int = 0
     pic_tokens: int = 0  # served from the registry (live mode)
-    would_be_pic_tokens: int = 0  # registry hits prefilled anyway (observer mode)
+    would_be_pic_tokens: int = 0  # registry hits prefilled anyway, less the last token (observer)
     prefilled_tokens: int = 0
 
 
