@@ -156,6 +156,11 @@ class AsyncEngine:
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Set under _send_lock once the engine thread has answered its last command: a command
+        # sent after that (a submit that saw the engine alive just before it stopped) is
+        # refused by its sender, which would otherwise wait for an answer forever.
+        self._send_lock = threading.Lock()
+        self._drained = False
         self._steps = self._errors = self._aborts = 0
         # Data-parallel attention: the ranks whose steps this engine must take turns in when it
         # has nothing to run; whether one ran a step in the last turn.
@@ -242,7 +247,11 @@ class AsyncEngine:
         return future
 
     def _send(self, command: Any) -> None:
-        self._commands.put(command)
+        with self._send_lock:
+            if not self._drained:
+                self._commands.put(command)
+                return
+        self._refuse(command)
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -393,7 +402,10 @@ class AsyncEngine:
                     for i in failed])
 
     def _drain_after_stop(self) -> None:
-        """Answer what arrived with or after the stop command, so no caller waits forever."""
+        """Answer what arrived with or after the stop command, so no caller waits forever (what
+        is sent after this, :meth:`_send` refuses itself)."""
+        with self._send_lock:
+            self._drained = True
         while True:
             try:
                 self._refuse(self._commands.get_nowait())

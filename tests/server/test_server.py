@@ -366,6 +366,26 @@ def test_async_engine_generate_abort_and_shutdown(model_dir: Path) -> None:
     assert not engine.scheduler.has_work()
 
 
+def test_a_submit_that_saw_the_engine_alive_as_it_stopped_is_refused(model_dir: Path,
+                                                                     monkeypatch) -> None:
+    """A submit passes its alive check, then the engine stops and answers its last commands
+    before the submit's command is queued: the submit gets EngineError, not a wait forever
+    (run_in_engine_thread alike)."""
+    engine = AsyncEngine(Scheduler(Engine(load_model(model_dir), EngineConfig(slots=512))))
+    engine.start()
+    engine.shutdown()
+    assert engine.join(10)
+    monkeypatch.setattr(AsyncEngine, "alive", property(lambda self: True))  # checked too early
+
+    async def main() -> None:
+        with pytest.raises(EngineError, match="shutting down"):
+            await asyncio.wait_for(engine.submit(list(range(10, 20)), SamplingParams()), 10)
+        with pytest.raises(EngineError, match="shutting down"):
+            await asyncio.wait_for(asyncio.wrap_future(engine.run_in_engine_thread(len)), 10)
+
+    asyncio.run(main())
+
+
 def test_a_failed_step_keeps_none_of_its_requests_decoded_rows(model_dir: Path) -> None:
     """A step that raises outside the per-request handlers fails the running requests; their
     decoded rows (the failed step may not have written them all) stay out of the prefix index:
