@@ -68,6 +68,9 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
         kept = (keep_float8_linears(model, float8_names(path, config), config.quantization)
                 if keep_fp8 else set())
         model.fuse_experts()
+        # Every tensor's whole shape: a rank reads a slice, and a slice of a misshapen tensor
+        # can have the share's shape (extra heads or rows past the config's would be dropped).
+        whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         shard_weights(model, rank, world, attention)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
@@ -88,6 +91,13 @@ def load_shard(path: str | os.PathLike, rank: int, world: int, *,
             continue
         if name not in expected:
             raise CheckpointError(f"{path}: unexpected tensor {name}")
+        shapes = {name: read.shape()}
+        if read.kept:
+            shapes[name + "_scale_inv"] = read.scale_shape()
+        for part, shape in shapes.items():
+            if shape != whole[part]:
+                raise CheckpointError(f"{path}: tensor {part} has shape {shape}, config.json "
+                                      f"implies {whole[part]}")
         index = slices.index(name)
         parts = {name: slices.of(name, read, index)}
         if read.kept:  # float8 as stored, with its scales' rows or columns
@@ -198,8 +208,16 @@ class _Read:
     def kept(self) -> bool:
         return self.scales is not None
 
-    def shape(self) -> list[int]:
-        return self.handle.get_slice(self.name).get_shape()
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.handle.get_slice(self.name).get_shape())
+
+    def scale_shape(self) -> tuple[int, ...]:
+        """The whole shape of a kept weight's ``weight_scale_inv``."""
+        name = self.name + "_scale_inv"
+        if self.scales == self.shard:
+            return tuple(self.handle.get_slice(name).get_shape())
+        with safe_open(str(self.scales), framework="pt") as g:
+            return tuple(g.get_slice(name).get_shape())
 
     def __call__(self, index: tuple[slice, ...]) -> torch.Tensor:
         if self.dequantize is not None:

@@ -1,0 +1,45 @@
+"""Review: checkpoints and configs that would be served wrongly must be refused at load.
+
+Each checkpoint is a tiny transformers model (the reference) written with ``save_pretrained``,
+then edited by hand; the expectation is the refusal the loader promises (an error naming the
+tensor or config key), never a silent load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+# tests/model is on sys.path under pytest (rootdir-relative imports of test modules)
+from test_model_loader import CASES, build_hf, config_of, read_all, save, write_checkpoint  # noqa: E402
+
+from irminsul.model import CheckpointError, load_model  # noqa: E402
+from irminsul.parallel.load import load_shard  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    directory = save(build_hf(CASES["v2"], seed=1), tmp_path_factory.mktemp("v2"))
+    return read_all(directory), config_of(directory)
+
+
+@pytest.mark.parametrize("victim,dim", [("model.layers.0.mlp.gate_proj.weight", 0),
+                                        ("model.layers.1.self_attn.kv_b_proj.weight", 0),
+                                        ("model.layers.1.self_attn.o_proj.weight", 1)])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_load_shard_refuses_a_misshapen_tensor(v2, tmp_path, victim: str, dim: int,
+                                               rank: int) -> None:
+    """A tensor with more rows (columns) than config.json implies: load_model refuses it, and so
+    must every rank's load_shard — not keep its slice of the wrong tensor and drop the rest."""
+    tensors, config = v2
+    tensors = dict(tensors)
+    w = tensors[victim]
+    pad = list(w.shape)
+    pad[dim] = 32
+    tensors[victim] = torch.cat([w, torch.zeros(pad)], dim)
+    path = write_checkpoint(tmp_path / "misshapen", tensors, config)
+    with pytest.raises(CheckpointError, match=victim):
+        load_model(path)
+    with pytest.raises(CheckpointError, match=victim):
+        load_shard(path, rank, 2)
