@@ -74,6 +74,10 @@ def used_tensors(path: str | os.PathLike, config: MLAConfig
                     continue
                 if name.endswith(".weight_scale_inv"):
                     continue
+                dtype = f.get_slice(name).get_dtype()
+                if not dtype.startswith(("F", "BF")):  # F16, F32, BF16, F8_*; not I*, U*, BOOL
+                    raise CheckpointError(f"{shard}: tensor {name} is {dtype}; the model's "
+                                          "weights must be floating point")
                 yield shard, f, name, home
 
 

@@ -43,3 +43,18 @@ def test_load_shard_refuses_a_misshapen_tensor(v2, tmp_path, victim: str, dim: i
         load_model(path)
     with pytest.raises(CheckpointError, match=victim):
         load_shard(path, rank, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.uint8])
+def test_non_float_tensor_is_refused(v2, tmp_path, dtype: torch.dtype) -> None:
+    """A weight stored as integers or booleans (a quantized or corrupt checkpoint) is not cast to
+    float silently: refused, naming the tensor and its dtype."""
+    tensors, config = v2
+    tensors = dict(tensors)
+    victim = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[victim] = torch.ones_like(tensors[victim], dtype=dtype)
+    path = write_checkpoint(tmp_path / "ints", tensors, config)
+    with pytest.raises(CheckpointError, match=victim):
+        load_model(path)
+    with pytest.raises(CheckpointError, match=victim):
+        load_shard(path, 0, 2)
