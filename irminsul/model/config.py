@@ -168,6 +168,9 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MLAConfig:
     if kv_heads != heads:
         raise ConfigError(f"{where}: num_key_value_heads ({kv_heads}) must equal "
                           f"num_attention_heads ({heads}) in MLA")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # the MLPs and experts are SwiGLU (transformers: ACT2FN)
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (supported: silu)")
     q_lora = raw.get("q_lora_rank")
     if q_lora is not None and not isinstance(q_lora, int):
         raise ConfigError(f"{where}: q_lora_rank must be an integer or null, got {q_lora!r}")

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from test_model_loader import CASES, build_hf, config_of, read_all, save, write_checkpoint  # noqa: E402
 
 from irminsul.model import CheckpointError, load_model  # noqa: E402
+from irminsul.model.config import ConfigError, parse_config  # noqa: E402
 from irminsul.parallel.load import load_shard  # noqa: E402
 
 
@@ -58,3 +59,21 @@ def test_non_float_tensor_is_refused(v2, tmp_path, dtype: torch.dtype) -> None:
         load_model(path)
     with pytest.raises(CheckpointError, match=victim):
         load_shard(path, 0, 2)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_unsupported_hidden_act_is_refused(v2, act: str) -> None:
+    """transformers' DeepseekV2/V3 MLPs use ACT2FN[hidden_act]; the runtime's are SiLU only, so
+    another activation must be refused, naming the key."""
+    _, config = v2
+    assert parse_config(config).model_type == "deepseek_v2"  # silu: accepted
+    assert parse_config({k: v for k, v in config.items() if k != "hidden_act"})
+    with pytest.raises(ConfigError, match="hidden_act"):
+        parse_config(dict(config, hidden_act=act))
+
+
+def test_unsupported_hidden_act_refused_at_load(v2, tmp_path) -> None:
+    tensors, config = v2
+    path = write_checkpoint(tmp_path / "gelu", tensors, dict(config, hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="hidden_act"):
+        load_model(path)
