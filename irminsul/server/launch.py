@@ -103,6 +103,11 @@ def build_server(model_dir: str | os.PathLike, config: ServerConfig | None = Non
     device, dtype = resolve_device(config)
     stops = stop_token_ids(path, renderer)
     if random_weights is None:
+        vocab, ids = load_config(path).vocab_size, renderer.tokenizer.get_vocab_size(True)
+        if ids > vocab:  # before the weights are read: a mismatch is found in seconds
+            raise ValueError(f"{path}: config.json's vocab_size {vocab} is smaller than the "
+                             f"tokenizer's {ids} ids; prompt ids would fall outside the "
+                             "embedding")
         load = load or partial(load_model, keep_fp8=config.keep_fp8)
         model = load(path, dtype=dtype, device=device)
         name, shown = config.model_name or path.resolve().name, str(path)

@@ -77,3 +77,26 @@ def test_unsupported_hidden_act_refused_at_load(v2, tmp_path) -> None:
     path = write_checkpoint(tmp_path / "gelu", tensors, dict(config, hidden_act="gelu"))
     with pytest.raises(ConfigError, match="hidden_act"):
         load_model(path)
+
+
+def test_serve_refuses_a_tokenizer_larger_than_the_vocabulary(v2, tmp_path) -> None:
+    """A checkpoint whose tokenizer.json has ids past config.json's vocab_size (the tokenizer of
+    another model copied in): every prompt holding such an id would index past the embedding
+    (a 500 per request on a CPU, a device-side assert on CUDA). The server must refuse to start,
+    naming vocab_size, as it does for --random-weights."""
+    import shutil
+
+    from irminsul.config import EngineConfig, ServerConfig
+    from irminsul.model import default_model_dir
+    from irminsul.server.launch import build_server
+    from irminsul.traffic.render import ChatRenderer
+
+    tensors, config = v2
+    path = write_checkpoint(tmp_path / "tiny", tensors, config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, path / name)
+    ids = ChatRenderer.from_dir(path).tokenizer.get_vocab_size(True)
+    assert ids > config["vocab_size"]  # 8,192 ids against 97 rows of embedding
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_server(path, ServerConfig(gate=None, warmup=False, device="cpu",
+                                        engine=EngineConfig(mode="off")))
