@@ -13,7 +13,7 @@ from ..config import REPLAY_CAPACITY
 from ..traffic.logs import sample_logs
 from ..traffic.render import ChatRenderer
 from ..traffic.workloads import PATTERNS
-from .common import add_command, text_pool, write_json, write_workload
+from .common import add_command, positive, text_pool, write_json, write_workload
 
 DEMO_HEADERS = (50, 250, 1000, 2000)
 
@@ -136,7 +136,7 @@ def _capacity_option(parser: argparse.ArgumentParser) -> None:
 
 def _workload_options(parser: argparse.ArgumentParser) -> None:
     """Options of the commands that build workloads."""
-    parser.add_argument("--requests", type=int, default=80, help="requests to write (default 80)")
+    parser.add_argument("--requests", type=positive, default=80, help="requests to write (default 80)")
     parser.add_argument("--header-tokens", type=int, default=250,
                         help="agent_meta header length / sysvar variable depth in tokens "
                              "(default 250; demo sweeps 50, 250, 1000, 2000)")

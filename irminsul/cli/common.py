@@ -32,6 +32,17 @@ TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with
                   "the model's own")
 
 
+def positive(text: str) -> int:
+    """A count option (requests, tokens, slots): a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def global_options(parser: argparse.ArgumentParser, *, top: bool, tokenizer: bool = True) -> None:
     """The options the commands share, taken before or after the command's name alike.
 
@@ -76,20 +87,13 @@ def model_workload_options(parser: argparse.ArgumentParser, *, many: bool) -> No
                         help="JSON Lines request log" + ("(s)" if many else "") +
                              f" (default: {DEFAULT_WORKLOAD} built from the shipped samples)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    parser.add_argument("--requests", type=_positive, default=None,
+    parser.add_argument("--requests", type=positive, default=None,
                         help="first N requests of the log (default: all; the default workload "
                              f"has {DEFAULT_REQUESTS})")
-    parser.add_argument("--slots", type=int, default=None,
+    parser.add_argument("--slots", type=positive, default=None,
                         help="KV pool size per engine in tokens (default: the whole workload, "
                              "so nothing is evicted)")
     device_options(parser)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text}")
-    return value
 
 
 def repair_options(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from .common import (
     model_dir_of,
     model_renderer,
     model_workload_options,
+    positive,
     repair_cache,
     repair_options,
     write_json,
@@ -104,7 +105,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      "KL, argmax-match and first divergence of PIC and naive reuse against full "
                      "recomputation")
     model_workload_options(check, many=False)
-    check.add_argument("--tokens", type=int, default=16,
+    check.add_argument("--tokens", type=positive, default=16,
                        help="continuation tokens per request (default 16)")
     _heal_option(check)
     check.set_defaults(func=cmd_consistency)
