@@ -323,6 +323,8 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not 0 < self.kv_memory < 1:
             raise ValueError(f"kv_memory must be in (0, 1), got {self.kv_memory}")
         if not self.body_timeout_s > 0:
@@ -387,6 +389,8 @@ class RouterConfig:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose from "
                              f"{', '.join(ROUTING_POLICIES)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL must be http://HOST:PORT, got {url!r}")

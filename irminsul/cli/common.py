@@ -43,6 +43,17 @@ def positive(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """--port: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {value}")
+    return value
+
+
 def global_options(parser: argparse.ArgumentParser, *, top: bool, tokenizer: bool = True) -> None:
     """The options the commands share, taken before or after the command's name alike.
 

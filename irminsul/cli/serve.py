@@ -23,6 +23,7 @@ from .common import (
     SERVER,
     add_command,
     model_dir_of,
+    port,
     repair_cache,
     repair_options,
 )
@@ -119,7 +120,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                             "zero, so greedy replies are decodable noise that runs to "
                             "max_tokens; the timing is real")
     serve.add_argument("--host", default=SERVER.host, help="address to listen on")
-    serve.add_argument("--port", type=int, default=SERVER.port, help="port to listen on")
+    serve.add_argument("--port", type=port, default=SERVER.port, help="port to listen on")
     serve.add_argument("--pic", choices=MODES, default=ENGINE.mode,
                        help="position-independent caching: off (exact prefix only), observer "
                             "(record would-be hits), live (serve them)")
@@ -234,7 +235,7 @@ def _router_options(parser: argparse.ArgumentParser) -> None:
                         help="the backends' checkpoint directory or Hub repo id, for its "
                              "tokenizer and chat template (default: the embedded default model)")
     parser.add_argument("--host", default=ROUTER.host, help="address to listen on")
-    parser.add_argument("--port", type=int, default=ROUTER.port, help="port to listen on")
+    parser.add_argument("--port", type=port, default=ROUTER.port, help="port to listen on")
     parser.add_argument("--policy", choices=ROUTING_POLICIES, default=ROUTER.policy,
                         help="content: the exact prefix, then content-defined chunks; prefix: "
                              "the exact prefix only; round_robin: each backend in turn")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from irminsul.cli import build_parser
+from irminsul.config import RouterConfig, ServerConfig
 
 
 @pytest.mark.parametrize("argv", [
@@ -35,3 +36,21 @@ def test_counts_must_be_positive(argv: list[str], capsys: pytest.CaptureFixture)
 def test_positive_counts_still_parse(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     assert args.requests >= 1
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--port", "-1"],
+                                  ["router", "--backend", "http://a:1", "--port", "65536"]])
+def test_port_out_of_range_is_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 70000])
+def test_config_port_out_of_range(port: int) -> None:
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=port)
+    with pytest.raises(ValueError, match="port"):
+        RouterConfig(port=port)
+    ServerConfig(port=0)  # 0: any free port, as the socket API takes it
+    RouterConfig(port=65535)
