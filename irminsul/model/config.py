@@ -35,6 +35,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # the cos/sin magnitude, where given (else mscale's)
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,18 @@ def _rope(raw: dict[str, Any], where: str) -> RopeConfig:
     missing = [k for k in YARN_KEYS if not isinstance(scaling.get(k), (int, float))]
     if missing:
         raise ConfigError(f"{where}: yarn rope scaling lacks numeric {', '.join(missing)}")
+    if scaling.get("truncate", True) is not True:
+        # transformers' YaRN then leaves the correction range unrounded: other frequencies.
+        raise ConfigError(f"{where}: yarn rope scaling with truncate "
+                          f"{scaling['truncate']!r} is not supported (only the rounded range)")
     return RopeConfig(
         theta=float(theta), kind="yarn", factor=float(scaling["factor"]),
         original_max_position=int(scaling["original_max_position_embeddings"]),
         beta_fast=float(scaling.get("beta_fast") or 32.0),
         beta_slow=float(scaling.get("beta_slow") or 1.0),
         mscale=_optional_float(scaling.get("mscale")),
-        mscale_all_dim=_optional_float(scaling.get("mscale_all_dim")))
+        mscale_all_dim=_optional_float(scaling.get("mscale_all_dim")),
+        attention_factor=_optional_float(scaling.get("attention_factor")))
 
 
 def _optional_float(value: Any) -> float | None:

@@ -67,6 +67,8 @@ def cos_sin_magnitude(rope: RopeConfig) -> float:
     """YaRN's attention factor on cos/sin (applied to q_r and k_r); 1.0 for every real checkpoint."""
     if rope.kind == "default":
         return 1.0
+    if rope.attention_factor is not None:  # given: used as it is (transformers' YaRN)
+        return rope.attention_factor
     if rope.mscale and rope.mscale_all_dim:
         return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
     return _yarn_mscale(rope.factor)

@@ -100,3 +100,35 @@ def test_serve_refuses_a_tokenizer_larger_than_the_vocabulary(v2, tmp_path) -> N
     with pytest.raises(ValueError, match="vocab_size"):
         build_server(path, ServerConfig(gate=None, warmup=False, device="cpu",
                                         engine=EngineConfig(mode="off")))
+
+
+@pytest.mark.parametrize("extra", [{"attention_factor": 1.25}, {"truncate": False},
+                                   {"attention_factor": 0.9, "mscale": 0.707,
+                                    "mscale_all_dim": 0.707}])
+def test_yarn_fields_match_transformers_or_are_refused(extra: dict) -> None:
+    """transformers' YaRN (the reference for rope_parameters) honours ``attention_factor`` (the
+    cos/sin magnitude, instead of the one derived from mscale) and ``truncate: false`` (an
+    unrounded correction range). The runtime must compute the same frequencies and magnitude, or
+    refuse the config naming the field — not serve plain-YaRN numbers."""
+    import numpy as np
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from irminsul.model.rope import cos_sin_magnitude, inv_freq
+
+    base = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=16, v_head_dim=16, intermediate_size=96, q_lora_rank=None,
+                max_position_embeddings=5120)
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+              "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1, **extra}
+    reference = transformers.DeepseekV3Config(**base, rope_parameters=params)
+    want_freq, want_magnitude = ROPE_INIT_FUNCTIONS["yarn"](reference, "cpu")
+    try:
+        ours = parse_config(reference.to_dict())
+    except ConfigError as err:
+        assert any(key in str(err) for key in extra)
+        return
+    got = inv_freq(ours.rope, ours.qk_rope_head_dim)
+    np.testing.assert_allclose(got, want_freq.double().numpy(), rtol=1e-6)
+    assert cos_sin_magnitude(ours.rope) == pytest.approx(want_magnitude, rel=1e-9)
