@@ -201,6 +201,9 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MLAConfig:
         elif moe["topk_method"] not in ("greedy", "group_limited_greedy"):
             raise ConfigError(f"{where}: topk_method {moe['topk_method']!r} is not supported for "
                               "deepseek_v2 (greedy, group_limited_greedy)")
+        elif moe["scoring_func"] != "softmax":
+            raise ConfigError(f"{where}: scoring_func {moe['scoring_func']!r} is not supported "
+                              "for deepseek_v2 (softmax)")
         if moe["n_routed_experts"] % moe["n_group"]:
             raise ConfigError(f"{where}: n_routed_experts ({routed}) is not divisible by n_group "
                               f"({moe['n_group']})")

@@ -132,3 +132,28 @@ def test_yarn_fields_match_transformers_or_are_refused(extra: dict) -> None:
     got = inv_freq(ours.rope, ours.qk_rope_head_dim)
     np.testing.assert_allclose(got, want_freq.double().numpy(), rtol=1e-6)
     assert cos_sin_magnitude(ours.rope) == pytest.approx(want_magnitude, rel=1e-9)
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "tanh"])
+def test_v2_scoring_func_other_than_softmax_is_refused(scoring: str) -> None:
+    """A deepseek_v2 router is softmax only (the checkpoints' own MoEGate raises
+    NotImplementedError for anything else); a config asking for another scoring function must be
+    refused naming the key, not routed by softmax. The shipped V2-Lite config still parses."""
+    from pathlib import Path
+
+    reference = Path("/work/shared/reference/configs/DeepSeek-V2-Lite.config.json")
+    raw = (json_load(reference) if reference.is_file() else
+           dict(model_type="deepseek_v2", vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=16, v_head_dim=16, intermediate_size=96,
+                max_position_embeddings=4096, rope_theta=10000.0, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=24, scoring_func="softmax"))
+    assert parse_config(raw).scoring_func == "softmax"
+    with pytest.raises(ConfigError, match="scoring_func"):
+        parse_config(dict(raw, scoring_func=scoring))
+
+
+def json_load(path):
+    import json
+
+    return json.loads(path.read_text("utf-8"))
