@@ -169,6 +169,18 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MLAConfig:
             raise ConfigError(f"{where}: {name} must be {kind.__name__}, got {value!r}")
         return value
 
+    def count(name: str, default: int, least: int) -> int:
+        value = raw.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
+        return value
+
+    def positive_float(name: str, default: float) -> float:
+        value = raw.get(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"{where}: {name} must be a positive number, got {value!r}")
+        return float(value)
+
     heads = need("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads", heads)
     if kv_heads != heads:
@@ -188,8 +200,8 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MLAConfig:
             n_shared_experts=int(raw.get("n_shared_experts") or 0),
             num_experts_per_tok=need("num_experts_per_tok"),
             moe_intermediate_size=need("moe_intermediate_size"),
-            first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-            moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+            first_k_dense_replace=count("first_k_dense_replace", 0, 0),
+            moe_layer_freq=count("moe_layer_freq", 1, 1),
             n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
             topk_method=str(raw.get("topk_method") or "greedy"),
             scoring_func=str(raw.get("scoring_func") or "softmax"),
@@ -207,13 +219,21 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MLAConfig:
         if moe["n_routed_experts"] % moe["n_group"]:
             raise ConfigError(f"{where}: n_routed_experts ({routed}) is not divisible by n_group "
                               f"({moe['n_group']})")
+        grouped = moe["n_group"] > 1 and moe["topk_method"] != "greedy"  # else groups unused
+        if grouped and not 1 <= moe["topk_group"] <= moe["n_group"]:
+            raise ConfigError(f"{where}: topk_group ({moe['topk_group']}) must be in 1 .. n_group "
+                              f"({moe['n_group']})")
+        reachable = (moe["topk_group"] * (routed // moe["n_group"]) if grouped else routed)
+        if not 1 <= moe["num_experts_per_tok"] <= reachable:
+            raise ConfigError(f"{where}: num_experts_per_tok ({moe['num_experts_per_tok']}) must "
+                              f"be in 1 .. {reachable} (the experts a token can be routed to)")
     return MLAConfig(
         model_type=MODEL_TYPES[model_type], vocab_size=need("vocab_size"),
         hidden_size=need("hidden_size"), num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=need("kv_lora_rank"),
         qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
         v_head_dim=need("v_head_dim"), intermediate_size=need("intermediate_size"),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_rope(raw, where),
+        rms_norm_eps=positive_float("rms_norm_eps", 1e-6), rope=_rope(raw, where),
         max_position_embeddings=need("max_position_embeddings"),
         rope_interleave=bool(raw.get("rope_interleave", True)),
         attention_bias=bool(raw.get("attention_bias", False)),

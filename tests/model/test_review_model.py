@@ -157,3 +157,20 @@ def json_load(path):
     import json
 
     return json.loads(path.read_text("utf-8"))
+
+
+@pytest.mark.parametrize("edit,key", [({"moe_layer_freq": 0}, "moe_layer_freq"),
+                                      ({"first_k_dense_replace": None}, "first_k_dense_replace"),
+                                      ({"rms_norm_eps": None}, "rms_norm_eps"),
+                                      ({"topk_group": 3}, "topk_group"),
+                                      ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+                                      ({"num_experts_per_tok": 0}, "num_experts_per_tok")])
+def test_malformed_moe_fields_are_config_errors(v2, edit: dict, key: str) -> None:
+    """Malformed routing fields give a ConfigError naming the key at parse time — not a
+    ZeroDivisionError / TypeError from deep inside (a bare traceback from the CLI), nor a
+    'selected index k out of range' from torch's topk at the first request."""
+    _, config = v2  # 8 routed experts, 2 per token; group-limited over 2 groups below
+    raw = {**config, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+           **edit}
+    with pytest.raises(ConfigError, match=key):
+        parse_config(raw)
