@@ -33,7 +33,7 @@ TOKENIZER_HELP = ("tokenizer directory: a local Hugging Face tokenizer.json with
 
 
 def positive(text: str) -> int:
-    """A count option (requests, tokens, slots): a whole number >= 1."""
+    """A count option (requests, tokens, slots, ranks): a whole number >= 1."""
     try:
         value = int(text)
     except ValueError:

@@ -24,6 +24,7 @@ from .common import (
     add_command,
     model_dir_of,
     port,
+    positive,
     repair_cache,
     repair_options,
 )
@@ -69,18 +70,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               attention="data" if data else "tensor",
                               timeout_s=args.collective_timeout)
     return serve(model_dir_of(args), server, parallel=parallel, **random_weights)
-
-
-def _ranks(text: str) -> int:
-    """--tensor-parallel, --data-parallel: a whole number of ranks, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of ranks, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (1: one process, no parallelism), got "
-                                         f"{value}")
-    return value
 
 
 def cmd_router(args: argparse.Namespace) -> None:
@@ -156,12 +145,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--await-shared", type=int, default=ENGINE.await_shared, metavar="N",
                        help="a request that would compute at least N tokens a prefill in flight "
                             "is computing waits for it to land, then reuses them (0: never)")
-    serve.add_argument("--tensor-parallel", type=_ranks, default=1, metavar="N",
+    serve.add_argument("--tensor-parallel", type=positive, default=1, metavar="N",
                        help="ranks: this process serves as rank 0 and starts N-1 more, one per "
                             "GPU (cuda:0 .. N-1 from --device's index; on a CPU, gloo), each "
                             "keeping 1/N of the attention heads, MLP widths and routed experts "
                             "(docs/multi-gpu.md); a rank that fails stops the server")
-    serve.add_argument("--data-parallel", type=_ranks, default=1, metavar="N",
+    serve.add_argument("--data-parallel", type=positive, default=1, metavar="N",
                        help="ranks with data-parallel attention: N servers, one per GPU (as "
                             "--tensor-parallel places them), each with every attention head, "
                             "its own requests and KV cache and 1/N of the routed experts, their "
