@@ -101,9 +101,9 @@ class _Sampling(_Strict):
     top_k: TopK | None = None  # extension (vLLM, SGLang): 0 or -1 = no cut
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # OpenAI's nullable fields: null is the default
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     # NEUTRAL_ONLY's: refused unless neutral.
     logprobs: Any = None
     top_logprobs: Any = None
@@ -115,8 +115,8 @@ class _Sampling(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
             raise ValueError("only n=1 is supported")
         return n
 
@@ -275,7 +275,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool = False
+    echo: bool | None = False
     best_of: Any = None  # NEUTRAL_ONLY's, as the next
     suffix: Any = None
 
@@ -295,7 +295,7 @@ class CompletionRequest(_Sampling):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
+    def _no_echo(cls, echo: bool | None) -> bool | None:
         if echo:
             raise ValueError("echo is not supported")
         return echo
