@@ -46,6 +46,10 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     # served by opening the call in the prompt: see ChatCompletionRequest.tool_choice.)
     "response_format": ((None, {"type": "text"}),
                         "only response_format {'type': 'text'} is supported"),
+    # OpenAI's deprecated forms of tools and tool_choice, which the server does not read.
+    "functions": ((None, []), "functions are not supported: use tools"),
+    "function_call": ((None, "none", "auto"),
+                      "function_call is not supported: use tool_choice"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "suffix": ((None, ""), "suffix is not supported"),
 }
@@ -244,10 +248,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: the reply ends after its first call
-    response_format: Any = None  # NEUTRAL_ONLY's
+    response_format: Any = None  # NEUTRAL_ONLY's, as the next two
+    functions: Any = None
+    function_call: Any = None
     max_completion_tokens: MaxTokens | None = None
 
-    _neutral_chat = field_validator("response_format")(_neutral)
+    _neutral_chat = field_validator("response_format", "functions", "function_call")(_neutral)
 
     @field_validator("tool_choice")
     @classmethod

@@ -4,6 +4,7 @@ take their defaults when null, and those that change the answer are never silent
 from __future__ import annotations
 
 import httpx
+import pytest
 from fixtures.openai_server import Server
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
@@ -26,3 +27,22 @@ def test_fields_openai_documents_as_nullable_accept_null(server: Server) -> None
                                             stream=None, echo=None)
     assert len(text.choices) == 1 and text.choices[0].finish_reason == "length"
     server.check()
+
+
+@pytest.mark.parametrize("change", [
+    {"functions": [{"name": "get_time", "parameters": {"type": "object", "properties": {}}}]},
+    {"functions": [{"name": "get_time"}], "function_call": {"name": "get_time"}},
+])
+def test_legacy_functions_are_not_silently_ignored(server: Server, change: dict) -> None:
+    """OpenAI's (deprecated) ``functions`` / ``function_call`` offer functions to call; served
+    as if absent, the model never saw them and the client gets text where it expects a call."""
+    response = _post(server, CHAT, **change)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "functions"
+
+
+def test_function_call_without_functions_is_neutral_or_refused(server: Server) -> None:
+    assert _post(server, CHAT, function_call="auto").status_code == 200
+    response = _post(server, CHAT, function_call={"name": "get_time"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "function_call"
