@@ -50,6 +50,8 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), "functions are not supported: use tools"),
     "function_call": ((None, "none", "auto"),
                       "function_call is not supported: use tool_choice"),
+    "modalities": ((None, ["text"]), "only text output is supported (modalities ['text'])"),
+    "audio": ((None,), "audio output is not supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "suffix": ((None, ""), "suffix is not supported"),
 }
@@ -248,12 +250,15 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: the reply ends after its first call
-    response_format: Any = None  # NEUTRAL_ONLY's, as the next two
+    response_format: Any = None  # NEUTRAL_ONLY's, as the next four
     functions: Any = None
     function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
     max_completion_tokens: MaxTokens | None = None
 
-    _neutral_chat = field_validator("response_format", "functions", "function_call")(_neutral)
+    _neutral_chat = field_validator("response_format", "functions", "function_call",
+                                    "modalities", "audio")(_neutral)
 
     @field_validator("tool_choice")
     @classmethod

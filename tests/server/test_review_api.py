@@ -46,3 +46,16 @@ def test_function_call_without_functions_is_neutral_or_refused(server: Server) -
     response = _post(server, CHAT, function_call={"name": "get_time"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "function_call"
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+])
+def test_audio_output_is_not_silently_ignored(server: Server, change: dict, param: str) -> None:
+    """Asked for an audio reply, a text-only server must say so, not answer text alone."""
+    response = _post(server, CHAT, **change)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert _post(server, CHAT, modalities=["text"]).status_code == 200
