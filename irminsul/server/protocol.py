@@ -304,6 +304,15 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt is empty")
         return prompt
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_sampled_logprobs(cls, logprobs: Any) -> Any:
+        """Here logprobs 0 still asks for the sampled tokens' logprobs (OpenAI: "the API will
+        always return the logprob of the sampled token"): only null is neutral."""
+        if logprobs is not None and logprobs is not False:
+            raise ValueError(NEUTRAL_ONLY["logprobs"][1])
+        return logprobs
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, echo: bool | None) -> bool | None:

@@ -59,3 +59,17 @@ def test_audio_output_is_not_silently_ignored(server: Server, change: dict, para
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert _post(server, CHAT, modalities=["text"]).status_code == 200
+
+
+def test_completion_logprobs_zero_is_not_silently_ignored(server: Server) -> None:
+    """OpenAI's /v1/completions ``logprobs``: "the API will always return the logprob of the
+    sampled token", so ``logprobs: 0`` asks for the sampled tokens' logprobs; answering
+    ``"logprobs": null`` ignores it."""
+    response = _post(server, TEXT, logprobs=0)
+    if response.status_code == 200:
+        assert response.json()["choices"][0]["logprobs"] is not None
+    else:
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "logprobs"
+    assert _post(server, TEXT, logprobs=None).status_code == 200
+    assert _post(server, CHAT, logprobs=False).status_code == 200
