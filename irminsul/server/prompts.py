@@ -34,6 +34,10 @@ class PromptTokens:
 
 def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> PromptTokens:
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    # OpenAI's 'developer' messages are newer models' system messages: a template that would
+    # drop them (it knows no such role) gets them as system messages.
+    if any(m["role"] == "developer" for m in messages) and not renderer.shows_role("developer"):
+        messages = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
         prompt = render_prompt(renderer, messages, tools, remember=False)

@@ -240,6 +240,7 @@ class ChatRenderer:
         self._transcribed = chat_template == DEEPSEEK_V3_TEMPLATE
         self.memo = _Memo(memo_bytes)
         self._ids = itertools.count()
+        self._shown: dict[str, bool] = {}  # role: whether the template writes its messages
 
     @classmethod
     def default(cls, *, memo_bytes: int | None = None) -> ChatRenderer:
@@ -276,6 +277,20 @@ class ChatRenderer:
 
         return cls(Tokenizer.from_file(str(tok_file)), template, bos_token=special("bos_token"),
                    eos_token=special("eos_token"), name=path.name, memo_bytes=memo_bytes)
+
+    def shows_role(self, role: str) -> bool:
+        """Whether the template writes a message of ``role``'s content: templates drop roles
+        they do not know (DeepSeek-V2's drops 'developer') or refuse them."""
+        shown = self._shown.get(role)
+        if shown is None:
+            probe = "\u2063role probe\u2063"
+            try:
+                text = self._render([{"role": role, "content": probe},
+                                     {"role": "user", "content": "hello"}], None, True)
+            except Exception:  # noqa: BLE001 - a template refusing the role does not show it
+                text = ""
+            shown = self._shown[role] = probe in text
+        return shown
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
                     generation: bool = False) -> str:

@@ -73,3 +73,28 @@ def test_completion_logprobs_zero_is_not_silently_ignored(server: Server) -> Non
         assert response.json()["error"]["param"] == "logprobs"
     assert _post(server, TEXT, logprobs=None).status_code == 200
     assert _post(server, CHAT, logprobs=False).status_code == 200
+
+
+# DeepSeek-V2's chat template (as in its tokenizer_config.json): it knows no 'developer' role.
+DEEPSEEK_V2_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ 'User: ' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}"
+    "{{ message['content'] + '\n\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def test_developer_messages_reach_a_template_that_knows_only_system(model_dir) -> None:
+    """OpenAI's 'developer' messages are the system prompt of newer models; a model whose
+    template knows no such role must still see them (as system), not have them dropped."""
+    from irminsul.server.prompts import chat_prompt
+    from irminsul.server.protocol import ChatCompletionRequest
+    from irminsul.traffic.render import ChatRenderer
+
+    renderer = ChatRenderer(ChatRenderer.from_dir(model_dir).tokenizer, DEEPSEEK_V2_TEMPLATE)
+    request = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "hello"}]})
+    text = renderer.tokenizer.decode(chat_prompt(renderer, request).tokens)
+    assert "Answer in French." in text
