@@ -40,9 +40,6 @@ from .launch import pdl_args, wait_for_previous
 # counting would not.
 ALIGN_KERNEL_MAX = 2048
 ALIGN_CHUNK = 64  # assignments per program of the sort
-# The down launch reads the sort's outputs and each program's first K step of weights before
-# waiting for gate/up (plain weights). A switch for benchmarks' A/B.
-DOWN_READ_AHEAD = True
 
 
 @triton.jit
@@ -214,12 +211,8 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 READ_AHEAD: tl.constexpr, PDL: tl.constexpr):
-    # READ_AHEAD: the sort's outputs (written by the router, two launches back: complete
-    # before any gate/up program that read them exited) and the first K step of the expert's
-    # weight are read before the wait for gate/up; gate/up's output and every store after it.
-    if not READ_AHEAD:
-        wait_for_previous(PDL)
+                 PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(USED):
         return
@@ -230,8 +223,6 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < dim
     if expert == others:  # expert parallel: another rank's expert adds nothing here
-        if READ_AHEAD:  # a store: never before the wait
-            wait_for_previous(PDL)
         tl.store(Y + rows[:, None] * y_stride + cols[None, :],
                  tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty),
                  mask=valid[:, None] & col_ok[None, :])
@@ -245,19 +236,7 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                 + ks[:, None]
     s_ptr = S2 + expert * s_stride_e + (cols // BR).to(tl.int64) * s_stride_n  # FP8 experts
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    first = 0
-    if READ_AHEAD:  # plain weights only (the host's condition)
-        k_ok0 = ks < inter
-        b0 = tl.load(b_ptr, mask=col_ok[None, :] & k_ok0[:, None], other=0.0)
-        wait_for_previous(PDL)
-        a0 = tl.load(a_ptr, mask=valid[:, None] & k_ok0[None, :], other=0.0)
-        if UPCAST:
-            a0, b0 = a0.to(tl.float32), b0.to(tl.float32)
-        acc = tl.dot(a0, b0, acc, input_precision=PRECISION)
-        a_ptr += BLOCK_K
-        b_ptr += BLOCK_K
-        first = 1
-    for k in range(first, tl.cdiv(inter, BLOCK_K)):
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
             b = tl.load(b_ptr, mask=col_ok[None, :], other=0.0)
@@ -534,8 +513,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         down, down.stride(0), experts, HAS_SHARED=shared is not None,
         S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1), others=others,
-        EVEN_K=inter % tiles.block_k == 0, READ_AHEAD=DOWN_READ_AHEAD and scales is None,
-        **meta)
+        EVEN_K=inter % tiles.block_k == 0, **meta)
     if not summed:
         return y.view(tokens, topk, dim)
     if topk == 1:
