@@ -64,6 +64,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "te", "trailer", "transfer-encoding", "upgrade", "host",
                         "content-length"})
 BACKEND_HEADER = "x-irminsul-backend"
+ERROR_EVENT = b'data: {"error"'  # how the server's streams report a failure after their 200
 # Idle pooled connections are given up after this long: before uvicorn's keep-alive timeout
 # (5 s by default, what ``irminsul serve`` runs with) closes them at the other end, so a request
 # is rarely sent on a connection the backend is closing.
@@ -333,9 +334,16 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
 async def _relay(router: _Router, backend: Backend, upstream: httpx.Response,
                  finish: Callable[..., None], failed: bool) -> AsyncIterator[bytes]:
     """A backend's stream, chunk by chunk as it comes; one that breaks off ends with an error
-    event and ``[DONE]``. A client that goes away closes the backend's stream with it."""
+    event and ``[DONE]``. A client that goes away closes the backend's stream with it. A
+    stream that carries an error event (the engine failed the request after its 200) counts as
+    failed: its prompt entered no index there."""
+    tail = b""  # the end of the chunk before: an event may be cut between two chunks
     try:
         async for chunk in upstream.aiter_raw():
+            seen = tail + chunk
+            if ERROR_EVENT in seen:
+                failed = True
+            tail = seen[-len(ERROR_EVENT):]
             yield chunk
     except httpx.HTTPError as err:
         failed = True

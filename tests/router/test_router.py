@@ -253,3 +253,41 @@ def test_the_data_parallel_front_router_keeps_the_servers_limits() -> None:
     assert (front.max_request_bytes, front.body_timeout_s) == (4096, 3.0)
     unset = front_router(ServerConfig(), urls)
     assert unset.max_request_bytes == RouterConfig().max_request_bytes
+
+
+def test_a_stream_that_reports_an_engine_error_counts_as_failed() -> None:
+    """A backend's 200 stream that ends in the server's error event (the engine failed the
+    request mid-way) is relayed as it is, and the router counts it as failed, so the prompt is
+    not taken as cached there; the event's first bytes split over two chunks are found too. A
+    stream without one is not failed."""
+    import asyncio
+
+    from irminsul.router.app import _relay
+
+    class Upstream:
+        def __init__(self, chunks: list[bytes]) -> None:
+            self.chunks = chunks
+
+        async def aiter_raw(self):  # noqa: ANN202
+            for chunk in self.chunks:
+                yield chunk
+
+        async def aclose(self) -> None:
+            pass
+
+    def relayed(chunks: list[bytes]) -> tuple[bytes, bool]:
+        outcome = {}
+
+        async def run() -> bytes:
+            out = [c async for c in _relay(None, None, Upstream(chunks),
+                                           lambda *, failed: outcome.update(failed=failed),
+                                           False)]
+            return b"".join(out)
+
+        return asyncio.run(run()), outcome["failed"]
+
+    ok = [b'data: {"choices": []}\n\n', b"data: [DONE]\n\n"]
+    assert relayed(ok) == (b"".join(ok), False)
+    error = [b'data: {"choices": []}\n\ndata: {"err', b'or": {"message": "engine step failed"}}'
+             b"\n\n", b"data: [DONE]\n\n"]
+    assert relayed(error) == (b"".join(error), True)
