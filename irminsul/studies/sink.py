@@ -212,9 +212,10 @@ def anchoring(model: MLAModel, text: AgentText, settings: SinkSettings, chunks: 
             tokens = np.r_[bos, chunk[:-1]] if p == 0 else chunk
             context = None if p == 0 else [r[:p] for r in rows]
             for layer, sums in enumerate(probe(model, tokens, p, context, anchoring_sums(p))):
-                sums = sums.double().mean(0).cpu()  # over attention heads: [T, 3]
-                w[i, j, layer] = (sums[:, 0] / sums[:, 1]).numpy()
-                s[i, j, layer] = sums[:, 2].numpy()
+                sums = sums.double().cpu()  # [heads, T, 3]
+                # W per head, then the mean over heads (as S): not the pooled heads' ratio.
+                w[i, j, layer] = (sums[..., 0] / sums[..., 1]).mean(0).numpy()
+                s[i, j, layer] = sums[..., 2].mean(0).numpy()
     return Anchoring(w, s)
 
 
