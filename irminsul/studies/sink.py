@@ -102,6 +102,8 @@ class SinkSettings:
     def check(self, layers: int) -> None:
         """Raise on repair settings a model of ``layers`` layers cannot take."""
         check_layer_fits(layers, self.repair_check_layer, "repair_check_layer")
+        if self.repair_head < 0:
+            raise ValueError(f"repair_head must be >= 0, got {self.repair_head}")
         if not 0.0 <= self.repair_share <= 1.0:
             raise ValueError(f"repair_share must be in [0, 1], got {self.repair_share}")
 

@@ -47,3 +47,10 @@ def test_w_is_the_mean_of_per_head_within_chunk_fractions(peaked) -> None:
         np.testing.assert_allclose(got.W[0, 0, layer], want, atol=1e-5)
         np.testing.assert_allclose(got.S[0, 0, layer],
                                    probs[..., :SINK].sum(-1).mean(0).numpy(), atol=1e-5)
+
+
+def test_sink_refuses_a_negative_repair_head() -> None:
+    """``--repair-head -3`` made the pic_head path compute body[:-3] (all but the last three
+    tokens) in place and report it as EPIC at k = -3; the engine's recompute_head refuses it."""
+    with pytest.raises(ValueError, match="repair_head must be >= 0, got -3"):
+        SinkSettings(repair_head=-3).check(2)
