@@ -3,15 +3,20 @@
 A digest holds two sets of 64-bit hashes and the backend's load:
 
     prefix   one hash per whole BLOCK_TOKENS-token block of every path in the radix tree,
-             chained from the namespace: h_0 = namespace, h_k = xxh64(block k, seed=h_{k-1}).
-             A request whose first k block hashes are all in the set has (almost surely) its
-             first k * BLOCK_TOKENS tokens in the tree: what the exact prefix would serve.
-    chunks   the fingerprint of every registry entry (chunks, regions, runs): xxh64 seeded with
-             the namespace, exactly the planner's (irminsul.cache.cdc). A request's chunk or
-             region whose fingerprint is in the set is content the backend can reuse.
+             chained from the namespace: h_0 = namespace, h_k = xxh64(block k, seed=h_{k-1}),
+             published as public(h_k). A request whose first k block hashes are all in the set
+             has (almost surely) its first k * BLOCK_TOKENS tokens in the tree: what the exact
+             prefix would serve.
+    chunks   public(fingerprint) of every registry entry (chunks, regions, runs): the
+             fingerprint is xxh64 seeded with the namespace, exactly the planner's
+             (irminsul.cache.cdc). A request's chunk or region whose value is in the set is
+             content the backend can reuse.
 
 Both are hashes only: a router never sees tokens, and a hash that collides costs a routing
-choice, never an output (the engine verifies every hit token by token).
+choice, never an output (the engine verifies every hit token by token). ``public`` is one-way
+(BLAKE2b): xxh64 is not, so its values published as they are would let whoever reads the index,
+salt or no salt, solve a short entry's fingerprint for the namespace seeding it, and extend a
+published chain h_k with a guessed next block (a membership test of a salted tenant's content).
 
 Polling is incremental. A digest names the backend process (``generation``, random per start)
 and a ``version`` that grows whenever the sets change; a router sends the generation and version
@@ -23,13 +28,14 @@ little-endian uint64 arrays.
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-FORMAT = 1
+FORMAT = 2  # 2: published values through public()
 BLOCK_TOKENS = 64  # tokens per prefix block: the prefix is known to this granularity
 _MASK = (1 << 64) - 1
 
@@ -43,9 +49,24 @@ def block_bytes(tokens: np.ndarray) -> bytes:
     return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
 
 
+def public(value: int) -> int:
+    """What the index publishes of a chain hash or a fingerprint: a one-way 64-bit digest of it
+    (BLAKE2b), from which neither the value nor its namespace seed can be solved for."""
+    digest = hashlib.blake2b((value & _MASK).to_bytes(8, "little"), digest_size=8,
+                             person=b"irminsul-index")
+    return int.from_bytes(digest.digest(), "little")
+
+
 def prefix_hashes(tokens: np.ndarray, seed: int) -> list[int]:
+    """The published hash (:func:`public`) of every whole block of ``tokens``, chained from
+    ``seed`` (the namespace): what a request's prefix is matched by."""
+    return [public(h) for h in chain_hashes(tokens, seed)]
+
+
+def chain_hashes(tokens: np.ndarray, seed: int) -> list[int]:
     """The chained hash of every whole block of ``tokens``, the chain starting from ``seed``
-    (the namespace, for a prompt's first block; a block's hash, to go on after it)."""
+    (the namespace, for a prompt's first block; a block's hash, to go on after it). Never
+    published as they are (see :func:`public`)."""
     data = block_bytes(tokens)
     size = 4 * BLOCK_TOKENS
     out, h = [], seed & _MASK

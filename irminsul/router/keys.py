@@ -18,12 +18,13 @@ import numpy as np
 import xxhash
 
 from ..cache.cdc import Fingerprinter, as_offsets, chunk_boundaries
-from .digest import Chunking, block_bytes, prefix_hashes
+from .digest import Chunking, block_bytes, prefix_hashes, public
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Tokens [start, end) of the prompt and their fingerprint in the request's namespace."""
+    """Tokens [start, end) of the prompt and their fingerprint in the request's namespace, as
+    an index publishes it (:func:`~.digest.public`)."""
 
     start: int
     end: int
@@ -64,7 +65,11 @@ def content_keys(tokens: np.ndarray, resets: np.ndarray, namespace: int,
     bounds = chunk_boundaries(tokens, mask_bits=chunking.mask_bits, min_size=chunking.min_chunk,
                               max_size=chunking.max_chunk, resets=resets).tolist()
     cuts = [r for r in as_offsets(resets).tolist() if 0 < r < n] + [n]
-    fingerprint = Fingerprinter(tokens, namespace)
+    fingerprinter = Fingerprinter(tokens, namespace)
+
+    def fingerprint(start: int, end: int) -> int:
+        return public(fingerprinter(start, end))
+
     regions, first, i = [], 0, 0
     for end in cuts:
         chunks, start = [], first

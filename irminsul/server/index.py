@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cache.planner import Planner
 from ..engine import Scheduler
-from ..router.digest import BLOCK_TOKENS, Chunking, Digest, Load, prefix_hashes
+from ..router.digest import BLOCK_TOKENS, Chunking, Digest, Load, chain_hashes, public
 from .async_engine import AsyncEngine
 
 HISTORY = 3  # versions kept to answer with a difference
@@ -36,7 +36,8 @@ class _Sets:
 
 def read_planner(planner: Planner) -> tuple[list[Tree], list[int], Chunking]:
     """On the planner's thread: every namespace's edges, parents before children, every
-    registry fingerprint, and how the planner chunks."""
+    registry fingerprint as published (:func:`~irminsul.router.digest.public`), and how the
+    planner chunks."""
     trees = []
     for namespace, root in planner.radix.roots().items():
         edges: list[tuple[int, np.ndarray]] = []
@@ -47,7 +48,7 @@ def read_planner(planner: Planner) -> tuple[list[Tree], list[int], Chunking]:
                 edges.append((index, child.key))
                 stack.append((child, len(edges) - 1))
         trees.append((namespace, edges))
-    fingerprints = [entry.fingerprint for entry in planner.registry.entries()]
+    fingerprints = [public(entry.fingerprint) for entry in planner.registry.entries()]
     c = planner.config
     return trees, fingerprints, Chunking(c.mask_bits, c.min_chunk, c.max_chunk, c.carve_out,
                                          c.regions and planner.pic)
@@ -58,7 +59,8 @@ def _read(scheduler: Scheduler) -> tuple[list[Tree], list[int], Chunking]:
 
 
 def prefix_set(trees: list[Tree]) -> frozenset[int]:
-    """The chained block hashes of every path of the trees (a worker thread's job)."""
+    """The chained block hashes of every path of the trees, as published (a worker thread's
+    job)."""
     out: set[int] = set()
     empty = np.zeros(0, dtype=np.int64)
     for namespace, edges in trees:
@@ -67,8 +69,8 @@ def prefix_set(trees: list[Tree]) -> frozenset[int]:
         for parent, key in edges:
             carry, h = states[parent] if parent >= 0 else (empty, namespace)
             tokens = np.concatenate([carry, key]) if carry.size else key
-            hashes = prefix_hashes(tokens, h)
-            out.update(hashes)
+            hashes = chain_hashes(tokens, h)
+            out.update(map(public, hashes))
             states.append((tokens[len(hashes) * BLOCK_TOKENS:], hashes[-1] if hashes else h))
     return frozenset(out)
 

@@ -13,6 +13,7 @@ from router_servers import MODEL
 
 from irminsul.cache.cdc import namespace_seed
 from irminsul.model.default import default_model_dir
+from irminsul.router.digest import public
 from irminsul.traffic.prompt import render_prompt
 from irminsul.traffic.render import ChatRenderer
 
@@ -48,12 +49,12 @@ def test_the_index_holds_the_served_prompt_and_polls_incrementally(replicas) -> 
     chain, h = [], namespace
     for k in range(tokens.size // 64):
         h = xxhash.xxh64_intdigest(tokens[64 * k:64 * (k + 1)].tobytes(), h)
-        chain.append(h)
+        chain.append(public(h))
     assert len(chain) >= 4 and set(chain) <= _set(after["prefix"]["added"])
     # The last message and the generation prompt after it: the last region, registered whole.
     start = prompt.rendered.spans[1][0]
     assert start >= 32
-    region = xxhash.xxh64_intdigest(tokens[start:].tobytes(), namespace)
+    region = public(xxhash.xxh64_intdigest(tokens[start:].tobytes(), namespace))
     assert region in _set(after["chunks"]["added"])
     assert after["load"]["kv_usage"] > 0
 

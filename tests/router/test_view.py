@@ -12,7 +12,15 @@ import xxhash
 from irminsul.cache.cdc import chunk_boundaries
 from irminsul.cache.planner import Planner
 from irminsul.config import CacheConfig
-from irminsul.router.digest import BLOCK_TOKENS, Digest, DigestError, Load, decode_set, encode_set
+from irminsul.router.digest import (
+    BLOCK_TOKENS,
+    Digest,
+    DigestError,
+    Load,
+    decode_set,
+    encode_set,
+    public,
+)
 from irminsul.router.keys import request_keys
 from irminsul.router.view import IndexView
 from irminsul.server.index import prefix_set, read_planner
@@ -101,11 +109,12 @@ def test_the_prefix_is_known_to_a_block_and_chains() -> None:
     stored = _text(rng, 10 * BLOCK_TOKENS + 5)
     _serve(planner, stored, np.array([0]))
     view = _published(planner)
-    # The published blocks are the chain h_k = xxh64(block k as uint32, seed h_{k-1}).
+    # The published blocks are public(h_k) of the chain h_k = xxh64(block k as uint32,
+    # seed h_{k-1}).
     h, expected = NAMESPACE, set()
     for k in range(10):
         h = xxhash.xxh64_intdigest(stored[k * 64:(k + 1) * 64].astype("<u4").tobytes(), h)
-        expected.add(h)
+        expected.add(public(h))
     assert view.prefix == expected
     # A request sharing 200 tokens holds 3 whole blocks of them: 192.
     request = np.concatenate([stored[:200], _text(rng, 300)])
