@@ -21,6 +21,7 @@ per chunk, never per token.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from bisect import bisect_left
 from collections.abc import Iterable
@@ -315,8 +316,16 @@ def _powers(width: int) -> np.ndarray:
 
 
 def namespace_seed(*parts: str) -> int:
-    """A 64-bit fingerprint seed for a namespace (model id, tenant salt, ...)."""
-    return xxhash.xxh64_intdigest("\x1f".join(parts).encode("utf-8"))
+    """A 64-bit fingerprint seed for a namespace (model id, tenant salt, ...): BLAKE2b of the
+    parts, each length-prefixed (no part can carry a separator into the next). One-way, unlike
+    xxh64: whoever learns a tenant's namespace (a store key, a log line) cannot make a salt that
+    names it, as an xxh64 preimage would (its last input lane solves in closed form)."""
+    digest = hashlib.blake2b(digest_size=8, person=b"irminsul-ns")
+    for part in parts:
+        data = part.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return int.from_bytes(digest.digest(), "little")
 
 
 def request_namespace(model_name: str, salt: str | None) -> int:
