@@ -321,10 +321,16 @@ class ServerConfig:
     # (the operator's override, logged as a warning).
     gate: GateConfig | None = field(default_factory=GateConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    # GET /irminsul/index answers only requests carrying "Authorization: Bearer <index_token>"
+    # (the routers'; 401 otherwise). None: whoever reaches the server reads it, and with it can
+    # test whether unsalted content (its namespace is the model name's) is cached.
+    index_token: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.index_token is not None and not self.index_token:
+            raise ValueError("index_token must not be empty")
         if not 0 < self.kv_memory < 1:
             raise ValueError(f"kv_memory must be in (0, 1), got {self.kv_memory}")
         if not self.body_timeout_s > 0:
@@ -384,6 +390,7 @@ class RouterConfig:
     body_timeout_s: float = 30.0  # a body not all received by then gets 408
     render_workers: int = 4  # threads that render and chunk requests off the event loop
     render_memo_bytes: int = 256 << 20  # rendered messages kept for the next turn, LRU
+    index_token: str | None = None  # sent to backends' /irminsul/index (ServerConfig's)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from ..config import (
     MAX_DEFAULT_SLOTS,
@@ -57,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_waiting=args.max_waiting, body_timeout_s=args.body_timeout,
                           kv_memory=args.kv_memory,
                           gate=None if args.no_gate else SERVER.gate,
-                          warmup=args.warmup,
+                          warmup=args.warmup, index_token=_index_token(args),
                           store=StoreConfig(url=args.store,
                                             prefill_tokens_per_second=args.store_prefill_rate,
                                             model_id=args.store_model_id))
@@ -84,8 +85,13 @@ def cmd_router(args: argparse.Namespace) -> None:
                           policy=args.policy, poll_interval_s=args.poll_interval,
                           queue_weight=args.queue_weight, kv_weight=args.kv_weight,
                           tie_margin=args.tie_margin, max_request_bytes=args.max_request_bytes,
-                          body_timeout_s=args.body_timeout)
+                          body_timeout_s=args.body_timeout, index_token=_index_token(args))
     serve_router(config, model_dir_of(args))
+
+
+def _index_token(args: argparse.Namespace) -> str | None:
+    """--index-token, else $IRMINSUL_INDEX_TOKEN (kept out of the process list), else None."""
+    return args.index_token or os.environ.get("IRMINSUL_INDEX_TOKEN") or None
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -199,6 +205,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                             "server first runs irminsul gate on the checkpoint, cached per "
                             "checkpoint, and serves exact prefixes only if it refuses); logged "
                             "as a warning")
+    serve.add_argument("--index-token", default=None, metavar="TOKEN",
+                       help="answer GET /irminsul/index only to 'Authorization: Bearer TOKEN' "
+                            "(give routers --index-token too; default $IRMINSUL_INDEX_TOKEN, "
+                            "else the index is public: it lets anyone test whether unsalted "
+                            "content is cached)")
     serve.add_argument("--store", default=SERVER.store.url, metavar="URL",
                        help="a content store shared with other engines, redis://HOST:PORT "
                             "(Redis or Valkey): registered chunks are published to it, and "
@@ -228,6 +239,9 @@ def _router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=ROUTING_POLICIES, default=ROUTER.policy,
                         help="content: the exact prefix, then content-defined chunks; prefix: "
                              "the exact prefix only; round_robin: each backend in turn")
+    parser.add_argument("--index-token", default=None, metavar="TOKEN",
+                        help="the backends' --index-token, sent with each index poll "
+                             "(default $IRMINSUL_INDEX_TOKEN)")
     parser.add_argument("--poll-interval", type=float, default=ROUTER.poll_interval_s,
                         metavar="S", help="seconds between polls of each backend's index")
     parser.add_argument("--queue-weight", type=float, default=ROUTER.queue_weight,

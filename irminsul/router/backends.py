@@ -101,8 +101,10 @@ class Backends:
         params = {} if backend.view.generation is None else {
             "generation": backend.view.generation, "since": str(backend.view.version)}
         try:
+            token = self.config.index_token
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
             response = await self.client.get(f"{backend.url}/irminsul/index", params=params,
-                                             timeout=self.config.timeout_s)
+                                             headers=headers, timeout=self.config.timeout_s)
             if response.status_code == 404:
                 backend.mark_up()  # no published index: balanced by load alone
                 self.metrics.poll(backend.url, "no_index")

@@ -7,7 +7,8 @@
     GET  /health                200 while the engine thread serves, 503 otherwise
     GET  /metrics               Prometheus text (see metrics.py)
     GET  /irminsul/index        the cache's published index for routers (see index.py), since
-                                ``?generation=G&since=V`` when given
+                                ``?generation=G&since=V`` when given; with
+                                ``ServerConfig.index_token``, to its bearer only
 
 Extensions to the OpenAI schema: ``top_k``; ``cache_salt`` (a tenant's private cache namespace:
 requests with different salts never share KV, by prefix or by content); and in ``usage`` an
@@ -26,6 +27,7 @@ an unexpected one included, is JSON in that shape and counted in
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -207,6 +209,12 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
 
     @app.get("/irminsul/index")
     async def published_index(request: Request) -> Response:
+        token = config.index_token
+        if token is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {token}".encode()):
+            raise RequestError("the index needs the router's token (Authorization: Bearer)",
+                               status=401, code="invalid_index_token",
+                               headers={"WWW-Authenticate": "Bearer"})
         since = request.query_params.get("since")
         if since is not None and not (since.isascii() and since.isdigit()):
             raise RequestError(f"since must be a version number, got {since!r}", param="since",

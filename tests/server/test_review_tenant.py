@@ -166,3 +166,29 @@ def test_index_prefix_chain_cannot_be_extended_without_the_salt() -> None:
 def test_salts_do_not_collide_across_model_names() -> None:
     """Parts joined by a separator a salt may contain: ("m", "a\\x1fb") == ("m\\x1fa", "b")."""
     assert request_namespace("m", "a\x1fb") != request_namespace("m\x1fa", "b")
+
+
+def test_index_token_keeps_the_index_from_other_readers(model_dir) -> None:
+    """Unsalted requests share the model name's namespace, which anyone can compute: whoever
+    reads the index tests whether a guessed unsalted prompt is cached. With an index token
+    only its bearer (the routers) reads the index."""
+    import httpx
+    from fixtures.openai_server import config, running
+
+    from irminsul.router.digest import decode_set, prefix_hashes
+
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(10, 200, 3 * BLOCK_TOKENS)]
+    with running(model_dir, config(index_token="s3cret")) as served:
+        answer = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+            "model": served.model, "prompt": prompt, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            refused = httpx.get(f"{served.url}/irminsul/index", headers=headers)
+            assert refused.status_code == 401, refused.text
+        index = httpx.get(f"{served.url}/irminsul/index",
+                          headers={"Authorization": "Bearer s3cret"})
+        assert index.status_code == 200
+        held = decode_set(index.json()["prefix"]["added"], "prefix")
+        guess = prefix_hashes(np.array(prompt), request_namespace(served.model, None))
+        assert set(guess) <= held  # what the token keeps from other readers
