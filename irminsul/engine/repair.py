@@ -49,20 +49,36 @@ Deviation = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 def recompute_heads(stretches: list[list], k: int) -> list[list]:
     """The first ``k`` tokens of every reused run computed instead (EPIC's repair), the rest
-    still reused."""
+    still reused. A reuse stretch fuses consecutive hits; a run is the hits that continue one
+    another in their source too (one δ): where δ changes, the next hit's rows were computed
+    after another context, and a run starts there."""
     out: list[list] = []
     for kind, start, end, hits in stretches:
         if kind != "reuse":
             out.append([kind, start, end, hits])
             continue
-        cut = min(end, start + k)
-        if out and out[-1][0] == "compute":
-            out[-1][2] = cut
-        else:
-            out.append(["compute", start, cut, []])
-        if cut < end:
-            out.append(["reuse", cut, end, _trimmed(hits, cut, end)])
+        for run in _runs(hits):
+            first, last = run[0].start, run[-1].end
+            cut = min(last, first + k)
+            if out and out[-1][0] == "compute" and out[-1][2] == first:
+                out[-1][2] = cut
+            else:
+                out.append(["compute", first, cut, []])
+            if cut < last:
+                out.append(["reuse", cut, last, _trimmed(run, cut, last)])
     return out
+
+
+def _runs(hits: list[Segment]) -> list[list[Segment]]:
+    """Consecutive hits split where one does not continue the one before in its source: a
+    gap in the prompt or another δ."""
+    runs: list[list[Segment]] = []
+    for hit in hits:
+        if runs and runs[-1][-1].end == hit.start and runs[-1][-1].delta == hit.delta:
+            runs[-1].append(hit)
+        else:
+            runs.append([hit])
+    return runs
 
 
 def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,

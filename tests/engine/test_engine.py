@@ -1095,8 +1095,9 @@ def test_spans_split_by_reuse_attend_in_one_masked_call(model3, monkeypatch) -> 
 
 @pytest.mark.parametrize("k", [0, 4, 16])
 def test_repair_recomputes_the_head_of_every_reused_run(model3, k: int) -> None:
-    """recompute_head=k: each reused run of L tokens reuses L - min(k, L) of them and computes
-    the rest (counted against the runs of the unrepaired plan); the slots still add up."""
+    """recompute_head=k: each reused run of L tokens (hits continuing one another at one δ)
+    reuses L - min(k, L) of them and computes the rest (counted against the runs of the
+    unrepaired plan); the slots still add up."""
     source, source_resets, target, target_resets, _ = shifted_docs(seed=7)
     runs = []
     for repair in (0, k):
@@ -1105,7 +1106,10 @@ def test_repair_recomputes_the_head_of_every_reused_run(model3, k: int) -> None:
         seq, _ = engine.prefill(source, source_resets)
         engine.finish(seq)
         prefill = engine.start_prefill(target, target_resets)
-        runs.append([end - start for kind, start, end, _ in prefill.stretches if kind == "reuse"])
+        # Runs: consecutive hits with one δ (B and A, adjacent here, are two runs).
+        runs.append([sum(h.size for h in hits if h.delta == d)
+                     for kind, _, _, hits in prefill.stretches if kind == "reuse"
+                     for d in dict.fromkeys(h.delta for h in hits)])
         for kind, start, end, hits in prefill.stretches:  # trimmed hits still name their tokens
             assert sum(h.size for h in hits) == (end - start if kind == "reuse" else 0)
             for h in hits:
