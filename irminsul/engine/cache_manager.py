@@ -280,17 +280,20 @@ class CacheManager:
                 stretches.append([kind, seg.start, seg.end, []])
             if kind == "reuse":
                 stretches[-1][3].append(seg)
-        if self.recompute_head:
-            stretches = recompute_heads(stretches, self.recompute_head)
-        if self.recompute_share:
-            stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
-                                            self.latent_check, plan.prefix.handles)
+        # The last token first: repair's picks are among the tokens the plan reuses.
         kind, start, end, hits = stretches[-1]
         if kind != "compute":
             if kind == "reuse":
                 hits[-1] = hits[-1]._replace(end=end - 1)
             stretches[-1] = [kind, start, end - 1, [h for h in hits if h.size]]
+            if start == end - 1:
+                stretches.pop()
             stretches.append(["compute", end - 1, end, []])
+        if self.recompute_head:
+            stretches = recompute_heads(stretches, self.recompute_head)
+        if self.recompute_share:
+            stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
+                                            self.latent_check, plan.prefix.handles)
         return deque(Stretch(*stretch) for stretch in stretches)
 
     def _share(self, seq: Sequence, hits: list[Segment]) -> tuple[np.ndarray, Reuse]:

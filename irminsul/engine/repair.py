@@ -55,7 +55,10 @@ def recompute_heads(stretches: list[list], k: int) -> list[list]:
     out: list[list] = []
     for kind, start, end, hits in stretches:
         if kind != "reuse":
-            out.append([kind, start, end, hits])
+            if kind == "compute" and out and out[-1][0] == "compute" and out[-1][2] == start:
+                out[-1][2] = end
+            else:
+                out.append([kind, start, end, hits])
             continue
         for run in _runs(hits):
             first, last = run[0].start, run[-1].end

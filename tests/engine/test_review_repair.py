@@ -65,3 +65,25 @@ def test_heads_recompute_the_head_of_each_document_reused_back_to_back(model3) -
     assert stats.prefilled_tokens == len(target) - stats.pic_tokens
     engine.finish(prefill.seq)
     engine.check()
+
+
+def test_share_counts_only_tokens_the_plan_reuses_when_the_prompt_ends_reused(model3) -> None:
+    """A prompt that ends inside a reused document: its last token is computed whatever
+    serves it (its logits start the generation), so the unrepaired plan reuses one token
+    less than its hits cover. recompute_share=r computes floor(r · reused) of the tokens it
+    reuses, so that pic_tokens drops by exactly that much (as when the prompt ends computed),
+    and no pick goes to the last token."""
+    source, rs, target, rt = reordered_docs(4)
+    target, rt = target[:625], rt[:2]  # header, B, A: ends inside A
+    counts = []
+    for share in (0.0, 0.1):
+        engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                             cache=CacheConfig(recompute_share=share)))
+        seq, _ = engine.prefill(source, rs)
+        engine.finish(seq)
+        seq, _ = engine.prefill(target, rt)
+        counts.append(seq.stats.pic_tokens)
+        engine.finish(seq)
+        engine.check()
+    assert counts[0] == 550 - 1
+    assert counts[1] == counts[0] - int(0.1 * counts[0])
