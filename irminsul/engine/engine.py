@@ -218,7 +218,9 @@ class Engine:
         are made room for as any prefill's are (the least recently used cached rows evicted
         where the free room is short). For idle time only, as :meth:`heal_step`."""
         prompt = np.asarray(prompt, dtype=np.int64)
-        prefill = self.start_prefill(prompt, namespace=AUDIT_NAMESPACE)
+        # Nothing fetched from a shared store either: it would register rows in this
+        # namespace, which must stay empty.
+        prefill = self.cache.start_prefill(prompt, namespace=AUDIT_NAMESPACE, fetch=False)
         logits = None
         try:
             while (span := self.advance(prefill, budget)) is not None:

@@ -130,3 +130,18 @@ def test_a_pool_too_small_for_the_fetch_serves_by_computing(redis_server, model)
     assert with_store.pic_tokens + with_store.prefilled_tokens == len(target)
     for store in stores:
         store.close()
+
+
+def test_the_audits_recomputation_asks_the_store_nothing(redis_server, engines) -> None:
+    """The audit's reference computes from scratch in a namespace of its own: it never asks
+    the store (a fetched chunk would be registered in that namespace, which must stay empty),
+    and it leaves the engine's accounting exact."""
+    source, rs, target, _ = documents(3)
+    a, b = engines(redis_server.url), engines(redis_server.url)
+    publish(a, source, rs)
+    asked = []
+    real = b.cache._from_store
+    b.cache._from_store = lambda plan: asked.append(plan) or real(plan)
+    b.recompute_in_pool(target, budget=256)
+    assert asked == [] and b.cache.store.stats.fetched_bytes == 0
+    b.check()
