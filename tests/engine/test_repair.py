@@ -320,3 +320,53 @@ def test_signed_rule_computes_the_tokens_with_the_largest_drops(model3, docs) ->
     assert stats.pic_tokens + stats.prefilled_tokens + stats.prefix_tokens == len(docs[2])
     engine.finish(prefill.seq)
     engine.check()
+
+
+def test_heads_recompute_the_head_of_each_document_reused_back_to_back(model3, docs) -> None:
+    """recompute_head=k computes the first k tokens of every reused run: doc B and doc A,
+    adjacent in the target but each computed after another context in the source (two δs),
+    are two runs, so both heads are computed (EPIC recomputes the head of each reused chunk),
+    not just B's."""
+    source, rs, target, rt, _ = docs
+    k = 16
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                         cache=CacheConfig(recompute_head=k)))
+    seq, _ = engine.prefill(source, rs)
+    engine.finish(seq)
+    prefill = engine.start_prefill(target, rt)
+    # By hand: header and question computed; B's head at H2, A's head at H2 + DOC_B.
+    question = H2 + DOC_B + DOC_A
+    want = (set(range(0, H2 + k)) | set(range(H2 + DOC_B, H2 + DOC_B + k))
+            | set(range(question, len(target))))
+    assert positions_of(prefill, "compute") == want
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        engine.run_batch([(prefill.seq, *span)])
+    engine.complete_prefill(prefill)
+    stats = prefill.seq.stats
+    assert stats.pic_tokens == DOC_A + DOC_B - 2 * k
+    assert stats.prefilled_tokens == len(target) - stats.pic_tokens
+    engine.finish(prefill.seq)
+    engine.check()
+
+
+def test_share_counts_only_tokens_the_plan_reuses_when_the_prompt_ends_reused(model3,
+                                                                              docs) -> None:
+    """A prompt that ends inside a reused document: its last token is computed whatever
+    serves it (its logits start the generation), so the unrepaired plan reuses one token
+    less than its hits cover. recompute_share=r computes floor(r · reused) of the tokens it
+    reuses, so that pic_tokens drops by exactly that much (as when the prompt ends computed),
+    and no pick goes to the last token."""
+    source, rs, target, rt, _ = docs
+    target, rt = target[:H2 + DOC_B + DOC_A], rt[:2]  # header, B, A: ends inside A
+    counts = []
+    for share in (0.0, 0.1):
+        engine = Engine(model3, EngineConfig(slots=4000, mode="live",
+                                             cache=CacheConfig(recompute_share=share)))
+        seq, _ = engine.prefill(source, rs)
+        engine.finish(seq)
+        seq, _ = engine.prefill(target, rt)
+        counts.append(seq.stats.pic_tokens)
+        engine.finish(seq)
+        engine.check()
+    assert counts[0] == DOC_A + DOC_B - 1
+    assert counts[1] == counts[0] - int(0.1 * counts[0])
