@@ -253,18 +253,16 @@ class MLAttention(nn.Module):
         uv_gemv = gemv.takes(tokens, x.dtype, w_uv)  # the merge lets it read W_UV meanwhile
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale, release=uv_gemv)
-        out = x.new_empty(tokens, self.heads, self.v_dim)
-        heads = latent.transpose(0, 1)
-        out = out.view(tokens, self.heads * self.v_dim)
+        # o_proj's input [T, H·V], written by W_UV head by head through a [H, T, V] view.
+        out = x.new_empty(tokens, self.heads * self.v_dim)
+        per_head = out.view(tokens, self.heads, self.v_dim).transpose(0, 1)
         o_proj = self.o_proj
         o_gemv = (type(o_proj) is nn.Linear and o_proj.bias is None
                   and gemv.fits(out, o_proj.weight))
         if uv_gemv:  # it lets o_proj's launch read its weight meanwhile
-            gemv.gemv(heads, w_uv, out=out.view(tokens, self.heads, self.v_dim).transpose(0, 1),
-                      release=o_gemv)
+            gemv.gemv(latent.transpose(0, 1), w_uv, out=per_head, release=o_gemv)
         else:
-            torch.bmm(heads, w_uv.transpose(1, 2),
-                      out=out.view(tokens, self.heads, self.v_dim).transpose(0, 1))
+            torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=per_head)
         return gemv.gemv(out, o_proj.weight) if o_gemv else o_proj(out)
 
     def _joint_gemv(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> bool:
