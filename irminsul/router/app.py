@@ -313,21 +313,21 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
         router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
         return StreamingResponse(_relay(router, backend, upstream, finish, failed),
                                  status_code=upstream.status_code, headers=reply_headers)
+    status = str(upstream.status_code)  # counted as what the client gets
     try:
         content = b"".join([chunk async for chunk in upstream.aiter_raw()])
     except httpx.HTTPError as err:
         finish(failed=True)
-        router.metrics.requests.labels(backend.url, "502").inc()  # what the client gets
+        status = "502"
         raise RequestError(f"backend {backend.url} broke off its answer: {err!r}", status=502,
                            kind="server_error", code="upstream_error") from err
     except BaseException:  # the client gone (cancelled)
         finish(failed=True)
-        router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
         raise
     finally:
+        router.metrics.requests.labels(backend.url, status).inc()
         await upstream.aclose()
     finish(failed=failed)
-    router.metrics.requests.labels(backend.url, str(upstream.status_code)).inc()
     return Response(content, status_code=upstream.status_code, headers=reply_headers)
 
 
