@@ -8,6 +8,7 @@ import secrets
 
 import httpx
 import numpy as np
+from fixtures.raw_http import read_response
 from router_servers import MODEL, backend, router
 
 from irminsul.loadgen.server import free_port
@@ -232,7 +233,7 @@ def test_a_stalled_or_oversized_body_is_refused_before_any_backend() -> None:
             conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
             start = time.monotonic()
-            reply = conn.recv(4096).decode()
+            reply = read_response(conn)
             waited = time.monotonic() - start
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
         assert 0.4 < waited < 5

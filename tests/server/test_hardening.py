@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 from fixtures.openai_server import Server, config, running
+from fixtures.raw_http import read_response
 from fixtures.tiny_server_model import sentences
 
 import irminsul.engine.scheduler as scheduler_module
@@ -158,7 +159,7 @@ def test_stalled_and_abandoned_uploads_give_back_their_places(server: Server,
     with socket.create_connection((url.hostname, url.port), timeout=10) as stalled:
         stalled.sendall(head)
         start = time.monotonic()
-        reply = stalled.recv(65536).decode()
+        reply = read_response(stalled)
         assert reply.startswith("HTTP/1.1 408") and "not received within 0.5 s" in reply
         assert time.monotonic() - start < 5
     assert state.unstarted == 0
