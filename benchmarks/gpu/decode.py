@@ -294,7 +294,51 @@ def _profile(device: str, scheduler: Scheduler, steps: int = 5) -> str:
             scheduler.step()
         sync(device)
     key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
+    if device.startswith("cuda"):
+        table += "\n" + critical_path(prof, steps)
+    return table
+
+
+def critical_path(prof: Any, steps: int) -> str:
+    """Each kernel's share of the step's wall time on the device, by name.
+
+    A kernel launched with programmatic dependent launch is resident (and its profiled duration
+    runs) while the one before it still works, so durations overlap and overstate. The time
+    from the previous kernel's end to this one's end does not: summed over a step it is the
+    step's device time, and it is what removing or speeding up this kernel could save."""
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith(("Memcpy", "Memset"))),
+                     key=lambda e: e.time_range.end)
+    exposed: dict[str, list[float]] = {}
+    for before, kernel in itertools.pairwise(kernels):
+        idle = max(0.0, kernel.time_range.start - before.time_range.end)
+        row = exposed.setdefault(kernel.name[:60], [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += kernel.time_range.end - before.time_range.end
+        row[2] += kernel.time_range.elapsed_us()
+        row[3] += idle
+    lines = [f"{'kernel':<60} {'calls/step':>10} {'exposed µs/step':>16} "
+             f"{'exposed µs/call':>16} {'duration µs/call':>17} {'idle before µs/step':>20}"]
+    total = 0.0
+    for name, (calls, ends, duration, idle) in sorted(exposed.items(),
+                                                      key=lambda kv: -kv[1][1]):
+        total += ends / steps
+        lines.append(f"{name:<60} {calls / steps:>10.1f} {ends / steps:>16.1f} "
+                     f"{ends / calls:>16.2f} {duration / calls:>17.2f} {idle / steps:>20.1f}")
+    lines.append(f"{'all (end of first kernel to end of last, per step)':<60} "
+                 f"{'':>10} {total:>16.1f}")
+    # A stretch of the timeline from the middle of the run (about two layers): when each
+    # kernel became resident and ended, relative to the first one's end.
+    middle = kernels[len(kernels) // 2: len(kernels) // 2 + 26]
+    origin = middle[0].time_range.end
+    lines.append(f"\n{'timeline (µs)':<60} {'resident':>10} {'end':>10} {'exposed':>10}")
+    for before, kernel in itertools.pairwise(middle):
+        lines.append(f"{kernel.name[:60]:<60} {kernel.time_range.start - origin:>10.1f} "
+                     f"{kernel.time_range.end - origin:>10.1f} "
+                     f"{kernel.time_range.end - before.time_range.end:>10.1f}")
+    return "\n".join(lines)
 
 
 def _presets() -> dict[str, dict[str, Any]]:
