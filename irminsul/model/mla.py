@@ -239,11 +239,6 @@ class MLAttention(nn.Module):
                     else self._joint_projection(x, joint))
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
-        from ..kernels import prefetch
-
-        warming = getattr(self, "warming", None)
-        if warming and warming[0] == "latent":
-            prefetch.warm(warming[1])
         cis = self.rotary.phasors(positions, x.device)
         norm = self.kv_a_layernorm
         query = x.new_empty(tokens, self.heads, self.rank + self.rope_dim)
@@ -256,8 +251,6 @@ class MLAttention(nn.Module):
                      kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:],
                      q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank])
         uv_gemv = gemv.takes(tokens, x.dtype, w_uv)  # the merge lets it read W_UV meanwhile
-        if warming and warming[0] == "attention":
-            prefetch.warm(warming[1])
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale, release=uv_gemv)
         # o_proj's input [T, H·V], written by W_UV head by head through a [H, T, V] view.

@@ -55,16 +55,9 @@ class DecoderLayer(nn.Module):
         each residual add runs with the norm after it (one launch with kernels on). With kernels
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
         (:meth:`settle` sums them elsewhere)."""
-        from ..kernels import prefetch
-
-        warm = self._warmed(x)
-        if warm and prefetch.SPOT == "layer":
-            prefetch.warm(warm)
         h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
             self.input_layernorm, x, pending, release=self.self_attn.reads_ahead(x))
-        self.self_attn.warming = (prefetch.SPOT, warm) if warm else None
         attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
-        self.self_attn.warming = None
         if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
                 and self.mlp.dispatch is None):
             # The norm's launch also writes its output widened to float32, which the router
@@ -76,19 +69,6 @@ class DecoderLayer(nn.Module):
             return x, self.mlp(h, terms=True, widened=widened)
         h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
-
-    def _warmed(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The shared experts' weights to warm in L2 during this layer's attention (one token,
-        kernels on, prefetch.SPOT set), else none."""
-        from ..kernels import prefetch
-
-        mlp = self.mlp
-        if not (prefetch.SPOT and self.kernels and x.shape[0] == 1 and isinstance(mlp, MoE)
-                and mlp.shared_experts is not None and prefetch.available(x.device)):
-            return []
-        shared = mlp.shared_experts
-        weights = [shared.gate_proj.weight, shared.up_proj.weight]
-        return weights + [shared.down_proj.weight] if prefetch.WHAT == "all" else weights
 
     @staticmethod
     def settle(pending: torch.Tensor) -> torch.Tensor:
@@ -193,10 +173,6 @@ class MLAModel(nn.Module):
         x, pending = self.model.embed_tokens(token_ids), None
         for layer in self.model.layers:
             x, pending = layer.forward_paged(x, pending, positions, kv)
-        from ..kernels import prefetch
-
-        if prefetch.SPOT:
-            prefetch.join(x.device)
         return x if pending is None else x + DecoderLayer.settle(pending)
 
     @torch.inference_mode()
