@@ -9,7 +9,8 @@ starts. Times, from the moment the request is handed to the connection:
     E2E    until the stream ends ([DONE])
     TPOT   (last token - first token) / (completion tokens - 1), the last token's time being
            that of the chunk that carries ``finish_reason`` (sent as soon as the last token is
-           out, also when that token adds no text, as an end-of-turn token does)
+           out, also when that token adds no text, as an end-of-turn token does); none for a
+           reply of one token, one with no content or tool call, or one without that chunk
 
 Prompt and completion tokens and where the prompt came from are the server's ``usage``:
 ``prompt_tokens_details.cached_tokens`` and Irminsul's ``usage.irminsul`` split of it.
@@ -116,13 +117,15 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
         record.error = "no usage in the stream (the server ignored stream_options.include_usage)"
         return record
     _read_usage(record, usage)
+    n = record.completion_tokens or 0
+    if first is not None and last is not None and n > 1:
+        # Both ends seen: without a visible token the first one's time is unknown, without a
+        # finish chunk the last one's; either way 0 ms would be an invented TPOT.
+        record.tpot_ms = 1e3 * (last - first) / (n - 1)
     if first is None:
         first = last
     if first is not None:
         record.ttft_ms = 1e3 * (first - sent)
-        n = record.completion_tokens or 0
-        if n > 1:
-            record.tpot_ms = 1e3 * ((first if last is None else last) - first) / (n - 1)
     return record
 
 

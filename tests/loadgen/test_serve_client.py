@@ -101,3 +101,24 @@ def test_a_reply_that_opens_with_a_tool_call_has_its_first_token_at_the_call() -
                {"choices": [], "usage": USAGE}, "[DONE]")
     record, _ = replay(body, 200, clock(0, 1, 2, 5, 6, 7))
     assert (record.ttft_ms, record.e2e_ms, record.finish_reason) == (2000, 7000, "tool_calls")
+
+
+def test_a_reply_with_no_visible_token_has_no_tpot() -> None:
+    """Four tokens generated, none of them text (special tokens the detokenizer drops): the
+    first token's time was never seen, so there is no TPOT; (finish - finish) / 3 = 0 ms would
+    be an invented figure that pulls the TPOT percentiles down."""
+    body = sse(chunk("", role=True), chunk(None, "length"),
+               {"choices": [], "usage": USAGE | {"completion_tokens": 4}}, "[DONE]")
+    record, _ = replay(body, 200, clock(0, 1, 2, 3, 4))
+    assert record.error is None
+    assert (record.ttft_ms, record.tpot_ms, record.e2e_ms) == (2000, None, 4000)
+
+
+def test_a_reply_without_a_finish_chunk_has_no_tpot() -> None:
+    """A server that never sends finish_reason leaves the last token's time unknown: no TPOT
+    rather than (first - first) / 2 = 0 ms."""
+    body = sse(chunk("", role=True), chunk("He"), chunk("llo"),
+               {"choices": [], "usage": USAGE}, "[DONE]")
+    record, _ = replay(body, 200, clock(0, 1, 2, 3, 4, 5))
+    assert record.error is None
+    assert (record.ttft_ms, record.tpot_ms, record.e2e_ms) == (2000, None, 5000)
