@@ -3,7 +3,8 @@
 Per mode: TTFT, TPOT and end-to-end latency per call and wall time per session at p50/p90/p99
 (linear interpolation between closest ranks, numpy's default), request and output-token
 throughput over the run's wall time, and where the prompt tokens came from (the server's usage:
-exact prefix, PIC, computed). Failed calls count in ``failed_calls`` and in no other figure.
+exact prefix, PIC, computed). Failed calls count in ``failed_calls`` and in no other figure,
+and the sessions they are in (``failed_sessions``) in no session time.
 Then live against off: how much faster sessions end, how much more they serve.
 """
 
@@ -42,13 +43,15 @@ def summarize(run: Run) -> dict:
     prefix = sum(c.prefix_cached_tokens for c in ok) if split else None
     pic = sum(c.pic_cached_tokens or 0 for c in ok) if split else None
     derived = sum(c.derived_prefix_cached_tokens or 0 for c in ok) if split else None
+    # A session with a failed call is no session time: a quick error shortens it.
+    failed = {c.session for c in run.calls if c.error is not None}
     return {
         "sessions": len(run.sessions), "calls": len(run.calls),
-        "failed_calls": len(run.calls) - len(ok),
+        "failed_calls": len(run.calls) - len(ok), "failed_sessions": len(failed),
         "ttft_ms": percentiles(c.ttft_ms for c in ok),
         "tpot_ms": percentiles(c.tpot_ms for c in ok),
         "e2e_ms": percentiles(c.e2e_ms for c in ok),
-        "session_s": percentiles(s.wall_s for s in run.sessions),
+        "session_s": percentiles(s.wall_s for s in run.sessions if s.session not in failed),
         "wall_s": run.wall_s,
         "request_throughput_rps": len(ok) / run.wall_s if run.wall_s else None,
         "output_throughput_tps": completion / run.wall_s if run.wall_s else None,

@@ -47,7 +47,8 @@ def test_summary_of_a_replay() -> None:
     assert s["ttft_ms"]["p50"] == 100 and s["ttft_ms"]["mean"] == 140  # the failed call is out
     assert s["tpot_ms"]["p50"] == 20  # calls of one token have no TPOT
     assert s["e2e_ms"]["p90"] == pytest.approx(170 + 0.8 * 340)
-    assert s["session_s"]["p50"] == 2.5
+    assert s["session_s"]["p50"] == 2.0  # s1 had a failed call: s0's 2 s alone
+    assert s["failed_sessions"] == 1
     assert s["request_throughput_rps"] == 3 / 4.0
     assert s["output_throughput_tps"] == 17 / 4.0
     assert (s["prompt_tokens"], s["completion_tokens"], s["max_tokens"]) == (4000, 17, 24)
@@ -115,3 +116,18 @@ def test_poisson_arrivals_are_seeded() -> None:
     assert arrivals(2000, 4.0, 8).tolist() != a.tolist()
     with pytest.raises(ValueError, match="rate"):
         arrivals(2, 0.0, 0)
+
+
+def test_a_session_with_a_failed_call_is_in_no_session_figure() -> None:
+    """Failed calls count in no figure but failed_calls: a session one of whose calls failed
+    (an HTTP 500 answered in a millisecond shortens it) is left out of the session wall time.
+    Sessions of 2, 3 and 10 s, the 10 s one with a failed call: p50 over [2, 3] is 2.5."""
+    calls = [record(i, 0, ttft=10, tpot=1, e2e=20, prompt=10, completion=2, prefix=0, pic=0)
+             for i in range(3)]
+    calls.append(record(2, 1, ttft=0, tpot=None, e2e=0, prompt=0, completion=0, prefix=0,
+                        pic=0, error="HTTP 500: boom"))
+    sessions = [SessionRecord(f"s{i}", i, len([c for c in calls if c.session_index == i]),
+                              0.0, 0.0, wall) for i, wall in enumerate((2.0, 3.0, 10.0))]
+    s = summarize(Run(calls, sessions, 10.0))
+    assert s["session_s"] == pytest.approx({"p50": 2.5, "p90": 2.9, "p99": 2.99, "mean": 2.5})
+    assert s["failed_calls"] == 1
