@@ -128,6 +128,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
         raise ValueError("--reply-tokens and --max-reply-tokens must be >= 1, --warmup >= 0")
     if args.system_tokens < 0:
         raise ValueError("--system-tokens must be >= 0")
+    # Checked here, before a server starts: the runner would refuse them only after each
+    # server's start and warm-up, and a concurrency of 0 would become the default 4 unsaid.
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.session_rate is not None and not args.session_rate > 0:
+        raise ValueError(f"--session-rate must be > 0, got {args.session_rate}")
+    if not args.think_time >= 0:
+        raise ValueError(f"--think-time must be >= 0, got {args.think_time}")
     serve_args = None if args.url else _serve_args(args)
     # Reply lengths count the served model's tokens: its own tokenizer, or the embedded model's
     # (what --random-weights serves with, and what a --url server is taken to use).

@@ -93,6 +93,13 @@ def test_a_running_server_by_url(tmp_path: Path) -> None:
     (["--server-args", "--pic live"], "sets --pic itself"),
     (["--reply-tokens", "0"], "--reply-tokens"),
     (["--url", "http://127.0.0.1:9", "--workload", "nope"], "nor a workload name"),
+    # refused up front, not after a server per mode has started (minutes on a GPU), and a
+    # concurrency of 0 not replaced by the default 4 without a word
+    (["--url", "http://127.0.0.1:9", "--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--url", "http://127.0.0.1:9", "--session-rate", "0"], "--session-rate must be > 0"),
+    (["--url", "http://127.0.0.1:9", "--session-rate", "-2", "--concurrency", "2"],
+     "--session-rate must be > 0"),
+    (["--url", "http://127.0.0.1:9", "--think-time", "-1"], "--think-time must be >= 0"),
 ])
 def test_refused_before_anything_runs(argv: list[str], message: str,
                                       capsys: pytest.CaptureFixture) -> None:
