@@ -27,6 +27,10 @@ import httpx
 
 from .sessions import Call
 
+# Finish reasons of a request the server's engine aborted or failed, which vLLM and SGLang
+# end like a reply (finish chunk, usage, [DONE]) instead of with an error event.
+FAILED_FINISH = frozenset({"abort", "error"})
+
 
 @dataclass
 class CallRecord:
@@ -72,8 +76,8 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
                     origin: float, cache_salt: str | None = None,
                     clock: Callable[[], float] = time.perf_counter) -> CallRecord:
     """Stream one call to ``url``/v1/chat/completions; ``origin`` is the run's start on
-    ``clock`` (seconds). A failure (HTTP status, error event, broken stream) is recorded in
-    ``error``, never raised."""
+    ``clock`` (seconds). A failure (HTTP status, error event, broken stream, a finish_reason
+    of FAILED_FINISH) is recorded in ``error``, never raised."""
     record = CallRecord(call.request.session, call.session, call.index, call.request.call,
                         call.max_tokens, call.logged_reply)
     content = request_body(call, model, cache_salt)
@@ -113,6 +117,11 @@ async def send_call(client: httpx.AsyncClient, url: str, model: str, call: Call,
         return record
     done = clock()
     record.e2e_ms = 1e3 * (done - sent)
+    if record.finish_reason in FAILED_FINISH:
+        record.error = f"finish_reason: {record.finish_reason}"
+        if usage is not None:
+            _read_usage(record, usage)
+        return record
     if usage is None:
         record.error = "no usage in the stream (the server ignored stream_options.include_usage)"
         return record

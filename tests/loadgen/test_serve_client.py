@@ -122,3 +122,15 @@ def test_a_reply_without_a_finish_chunk_has_no_tpot() -> None:
     record, _ = replay(body, 200, clock(0, 1, 2, 3, 4, 5))
     assert record.error is None
     assert (record.ttft_ms, record.tpot_ms, record.e2e_ms) == (2000, None, 5000)
+
+
+def test_a_reply_the_engine_aborted_is_a_failure() -> None:
+    """vLLM (and SGLang) end a request their engine aborted or failed as if it completed: a
+    finish chunk with finish_reason "abort" (or "error"), usage, [DONE] (vllm-project/vllm
+    #57082). That is no reply of max_tokens: a failed call, not a fast success."""
+    for reason in ("abort", "error"):
+        body = sse(chunk("", role=True), chunk("He"), chunk(None, reason),
+                   {"choices": [], "usage": USAGE | {"completion_tokens": 1}}, "[DONE]")
+        record, _ = replay(body, 200, clock(0, 1, 2, 3, 4, 5))
+        assert record.error == f"finish_reason: {reason}", reason
+        assert record.finish_reason == reason
