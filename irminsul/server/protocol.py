@@ -42,6 +42,14 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
+    # vLLM's sampling extensions beside top_k, which clients written for vLLM send along.
+    "min_p": ((None, 0), "min_p is not supported (only 0)"),
+    "repetition_penalty": ((None, 1), "repetition_penalty is not supported (only 1)"),
+    "min_tokens": ((None, 0), "min_tokens is not supported (only 0)"),
+    "ignore_eos": ((None, False), "ignore_eos is not supported (only false)"),
+    "stop_token_ids": ((None, []), "stop_token_ids is not supported: use stop"),
+    "include_stop_str_in_output": ((None, False),
+                                   "include_stop_str_in_output is not supported (only false)"),
     # Nothing constrains decoding, so structured output is refused. (A required tool call is
     # served by opening the call in the prompt: see ChatCompletionRequest.tool_choice.)
     "response_format": ((None, {"type": "text"}),
@@ -116,6 +124,12 @@ class _Sampling(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
     cache_salt: str | None = None  # extension: a tenant's private cache namespace
     user: str | None = None
 
@@ -127,8 +141,10 @@ class _Sampling(_Strict):
         return n
 
     # One name a class: a subclass's validator of the same name would replace this one.
-    _neutral_sampling = field_validator("logprobs", "top_logprobs", "presence_penalty",
-                                        "frequency_penalty", "logit_bias")(_neutral)
+    _neutral_sampling = field_validator(
+        "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+        "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+        "include_stop_str_in_output")(_neutral)
 
     @field_validator("stop")
     @classmethod

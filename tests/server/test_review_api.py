@@ -75,6 +75,26 @@ def test_completion_logprobs_zero_is_not_silently_ignored(server: Server) -> Non
     assert _post(server, CHAT, logprobs=False).status_code == 200
 
 
+@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("change, neutral", [
+    ({"min_p": 0.1}, {"min_p": 0}),
+    ({"repetition_penalty": 1.3}, {"repetition_penalty": 1}),
+    ({"min_tokens": 2}, {"min_tokens": 0}),
+    ({"ignore_eos": True}, {"ignore_eos": False}),
+    ({"stop_token_ids": [5]}, {"stop_token_ids": []}),
+    ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": False}),
+])
+def test_vllm_sampling_extensions_are_not_silently_ignored(server: Server, path: str,
+                                                           change: dict, neutral: dict) -> None:
+    """The server takes vLLM's ``top_k`` extension, so a client written for vLLM sends its
+    siblings too (the openai client's ``extra_body``); served as if absent, the reply is sampled
+    or cut otherwise than asked. Each is refused with a 400 naming it, unless neutral."""
+    response = _post(server, path, **change)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == next(iter(change))
+    assert _post(server, path, **neutral).status_code == 200
+
+
 # DeepSeek-V2's chat template (as in its tokenizer_config.json): it knows no 'developer' role.
 DEEPSEEK_V2_TEMPLATE = (
     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
