@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Below this temperature sampling is greedy: logits / T would overflow to inf (vLLM's threshold).
 GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+SEED_RANGE = (-(2**63), 2**64 - 1)  # signed or unsigned 64 bits, taken modulo 2**64
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,14 @@ def greedy_tokens(rows: list[torch.Tensor]) -> torch.Tensor:
     return stacked.argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def request_generator(seed: int | None) -> np.random.Generator:
+    """A request's random draws: from all 64 bits of its seed, else from the OS's entropy.
+    (torch's CPU generator seeds its Mersenne Twister with the seed's low 32 bits only, so
+    seeds that differ above them drew the same tokens.)"""
+    return np.random.default_rng(None if seed is None else seed % 2**64)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: np.random.Generator) -> int:
     """One token id from logits [vocab]. Raises ValueError when sampling logits that are not
     finite (the caller fails that request alone)."""
     if params.greedy:
@@ -75,4 +83,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if not bool(torch.isfinite(probs).all()):
         raise ValueError("the model's logits are not finite; cannot sample")
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    # Inverse CDF in float64: normalised, the cumulative mass reaches exactly 1.0 at the last
+    # token with any, above every draw in [0, 1), so a token cut to 0 is never drawn.
+    cdf = probs.cpu().double().cumsum(-1)
+    cdf = cdf / cdf[-1]
+    draw = torch.tensor([generator.random()], dtype=torch.float64)
+    return int(torch.searchsorted(cdf, draw, right=True))

@@ -33,7 +33,7 @@ import torch
 from .audit import PicAudit
 from .engine import Engine, Prepared
 from .kv_pool import PoolExhausted
-from .sampler import SamplingParams, greedy_tokens, sample
+from .sampler import SamplingParams, greedy_tokens, request_generator, sample
 from .sequence import Prefill, Sequence, ServeStats
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Request:
     finish_reason: str | None = None
     prefill: Prefill | None = None
     seq: Sequence | None = None
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    generator: np.random.Generator = field(default_factory=np.random.default_rng)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     # Prefills landed when it last chose to await shared content (-1: never): it is planned
@@ -173,11 +173,7 @@ class Scheduler:
             raise PromptTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the KV pool of {capacity} tokens")
         request = Request(request_id or f"req-{next(self._ids)}", prompt, params, tuple(resets),
-                          namespace)
-        if params.seed is not None:
-            request.generator.manual_seed(params.seed)
-        else:
-            request.generator.seed()
+                          namespace, generator=request_generator(params.seed))
         self.waiting.append(request)
         return request.id
 

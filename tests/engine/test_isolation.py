@@ -141,14 +141,14 @@ LOGITS = torch.tensor([0.5, 3.0, 1.0, -2.0, 3.0 - 1e-3])
 def test_extreme_parameters_pick_the_top_token(params: dict) -> None:
     """A temperature too small to sample with is greedy, a top_p that rounds to zero keeps the
     top token: the argmax (index 1), never an error."""
-    assert sample(LOGITS, SamplingParams(**params), torch.Generator().manual_seed(0)) == 1
+    assert sample(LOGITS, SamplingParams(**params), np.random.default_rng(0)) == 1
 
 
 def test_non_finite_logits_raise_a_clear_error() -> None:
     logits = LOGITS.clone()
     logits[2] = math.nan
     with pytest.raises(ValueError, match="not finite"):
-        sample(logits, SamplingParams(temperature=1.0), torch.Generator())
+        sample(logits, SamplingParams(temperature=1.0), np.random.default_rng())
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=math.nan), dict(temperature=math.inf),

@@ -148,19 +148,40 @@ def test_sampling_rules() -> None:
     """top_k=1 and a tiny top_p are greedy; a seed makes sampling reproducible; sampling at
     temperature 1 follows the softmax (checked by frequency)."""
     logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
-    g = torch.Generator()
+    g = np.random.default_rng()
     assert sample(logits, SamplingParams(temperature=1.0, top_k=1), g) == 1
     assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-3), g) == 1
-    draws = [sample(logits, SamplingParams(temperature=1.0), g.manual_seed(s)) for s in range(8)]
-    again = [sample(logits, SamplingParams(temperature=1.0), g.manual_seed(s)) for s in range(8)]
+    draws = [sample(logits, SamplingParams(temperature=1.0), np.random.default_rng(s))
+             for s in range(8)]
+    again = [sample(logits, SamplingParams(temperature=1.0), np.random.default_rng(s))
+             for s in range(8)]
     assert draws == again
-    g.manual_seed(0)
+    g = np.random.default_rng(0)
     counts = np.bincount([sample(logits, SamplingParams(temperature=1.0), g)
                           for _ in range(4000)], minlength=4) / 4000
     assert np.allclose(counts, logits.softmax(-1).numpy(), atol=0.03)
-    g.manual_seed(0)
     top2 = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
     assert top2 == {1, 2}
+
+
+def test_every_bit_of_a_seed_counts(model) -> None:
+    """A seed is 64 bits (OpenAI's API takes any 64-bit integer): seeds that differ only above
+    the low 32 bits, or by sign, draw their own tokens; each seed again draws the same ones.
+    (torch's CPU generator kept only the low 32 bits: 1 and 2**32 + 1 drew the same.)"""
+    prompt = _prompts(8, 1)[0]
+    seeds = (1, 2**32 + 1, 2**62 + 1, -(2**63) + 1)
+
+    def draw(seed: int) -> list[int]:
+        scheduler = Scheduler(Engine(model, EngineConfig(slots=2000)))
+        # At a high temperature the tiny model's next token is close to uniform over its
+        # vocabulary: two independent draws of 12 tokens agree with probability ~0.
+        request = scheduler.add(prompt, SamplingParams(max_tokens=12, temperature=5.0,
+                                                       seed=seed))
+        return _drain(scheduler, [request])[request]
+
+    outputs = [draw(seed) for seed in seeds]
+    assert len({tuple(out) for out in outputs}) == len(seeds), outputs
+    assert draw(seeds[1]) == outputs[1]
 
 
 def test_ragged_batch_equals_separate_forwards(model) -> None:
