@@ -12,8 +12,8 @@ A request whose plan would compute content that a prefill in flight is computing
 together with the same tool schemas or documents) waits for that prefill to register it, and then
 reuses it, rather than computing it a second time beside it; requests behind it go ahead.
 
-One request never fails another: an error while planning, serving or sampling one request
-finishes that request alone (reason ``"error"``, its message in :attr:`StepOutput.error`). A
+One request never fails another: an error while planning, serving, sampling or finishing one
+request finishes that request alone (reason ``"error"``, its message in :attr:`StepOutput.error`). A
 batched forward that raises is run again request by request, so only the request it fails on is
 lost (a forward writes each row to the same slot every time, so running it again is harmless).
 """
@@ -581,7 +581,10 @@ class Scheduler:
         reason = ("stop" if token in request.params.stop_token_ids else
                   "length" if len(request.output) >= request.params.max_tokens else None)
         if reason:
-            self._finish(request, reason)
+            try:
+                self._finish(request, reason)
+            except Exception as err:  # remembering its rows failed: not the step's other requests
+                return self._fail(request, err, "finishing")
         return StepOutput(request.id, [token], reason is not None, reason, stats, request.ttft)
 
     def _finish(self, request: Request, reason: str, *, remember: bool = True) -> None:

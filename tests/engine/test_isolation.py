@@ -157,3 +157,23 @@ def test_non_finite_logits_raise_a_clear_error() -> None:
 def test_parameters_that_cannot_be_sampled_with_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_fault_finishing_a_request_fails_it_alone(model, clean, monkeypatch) -> None:
+    """Inserting a finished request into the prefix index (its prompt and output) raises: that
+    request fails alone, its slots freed; the requests finishing or decoding in the same step
+    keep their tokens (the step used to raise, and the server then failed the whole batch)."""
+    from irminsul.cache.planner import Planner
+
+    real = Planner.remember
+    prompt = _prompts(5)[4]
+
+    def faulty(self, tokens, handles, namespace=0, exact=None):
+        if namespace == POISON and len(tokens) > len(prompt):  # its finish, not its prefill
+            raise RuntimeError("injected fault remembering")
+        return real(self, tokens, handles, namespace, exact)
+
+    monkeypatch.setattr(Planner, "remember", faulty)
+    got, scheduler = _fails_alone(model, clean, "injected fault remembering")
+    assert len(got["poison"]) == 11  # every token but the one whose finish failed
+    assert scheduler.load().failed == 1 and not scheduler.engine.sequences
