@@ -147,9 +147,11 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
-        # Requests that left (finished, aborted, dropped) so far, and that count when the head of
-        # the queue last did not fit: it is planned again only once another has left.
+        # Requests that left (finished, aborted, dropped) so far; the request that last did not
+        # fit and that count then: it is planned again only once another has left, and the
+        # requests behind it wait for it (those ahead of it, awaiting shared content, do not).
         self._left, self._blocked_at = 0, -1
+        self._blocked: Request | None = None
         self._landed = 0  # admitted prefills completed or given up so far
         self.failed = 0
         # A sampled share of what live PIC served, recomputed when there is nothing else to do.
@@ -281,9 +283,10 @@ class Scheduler:
 
     def _admit(self, outputs: list[StepOutput]) -> None:
         i = 0  # waiting requests before it are waiting for shared content to land
-        while (i < len(self.waiting) and len(self.running) < self.max_running
-               and self._blocked_at != self._left):
+        while i < len(self.waiting) and len(self.running) < self.max_running:
             request = self.waiting[i]
+            if request is self._blocked and self._blocked_at == self._left:
+                return  # no room for it yet: still none, as no request has left since
             if request.awaited_at == self._landed:
                 i += 1
                 continue
@@ -293,8 +296,8 @@ class Scheduler:
                 self.waiting.pop(i)
                 outputs.append(self._fail(request, err, "planning"))
                 continue
-            if prefill is None:
-                self._blocked_at = self._left  # wait for a running request to finish
+            if prefill is None:  # wait for a running request to finish
+                self._blocked, self._blocked_at = request, self._left
                 return
             if isinstance(prefill, str):  # "await"
                 request.awaited_at = self._landed

@@ -297,6 +297,38 @@ def test_requests_sent_together_compute_shared_content_once(model, await_shared:
         assert sum(pic) == 0 and len(plans) == 8
 
 
+def test_a_request_blocked_for_room_does_not_hold_back_one_awaiting_ahead_of_it(model) -> None:
+    """W arrives right behind A, whose shared body it awaits; C, a large unrelated prompt,
+    arrives behind W and does not fit while A runs. Once A's prefill lands W reuses the body and
+    fits: it must be admitted then, exactly as in the same run without C (a later request never
+    delays an earlier one), not only once A has decoded all its tokens and left."""
+    prompts, resets = _shared_body_requests(2)
+    big = np.random.default_rng(10).integers(0, 97, 900)
+
+    def first_token_step(with_c: bool) -> int:
+        engine = Engine(model, EngineConfig(slots=1450, mode="live", await_shared=256))
+        scheduler = Scheduler(engine, batch_tokens=256, chunk_tokens=128)
+        a = scheduler.add(prompts[0], SamplingParams(max_tokens=50), resets=resets[0])
+        w = scheduler.add(prompts[1], SamplingParams(max_tokens=3), resets=resets[1])
+        ids = [a, w] + ([scheduler.add(big, SamplingParams(max_tokens=3))] if with_c else [])
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        first, step = None, 0
+        while scheduler.has_work():
+            step += 1
+            for out in scheduler.step():
+                tokens[out.request_id] += out.new_tokens
+                if out.request_id == w and first is None:
+                    first = step
+                    assert out.stats.pic_tokens >= 400  # W reused A's body
+            engine.check()
+        assert [len(tokens[i]) for i in ids] == [50] + [3] * (len(ids) - 1)
+        return first
+
+    alone = first_token_step(with_c=False)
+    assert alone < 20  # admitted right after A's prefill, long before A's 50 tokens
+    assert first_token_step(with_c=True) == alone
+
+
 def test_observer_never_waits_for_shared_content(model) -> None:
     """Observer computes its hits anyway: waiting would only delay a request, so all eight are
     admitted at once."""
