@@ -77,6 +77,10 @@ class CacheManager:
         # (namespace, fingerprint) of the chunks the prefills in flight missed, which they will
         # register when they complete: how a new plan knows what it could wait for.
         self._in_flight: Counter[tuple[int, int]] = Counter()
+        # Prefills started and not yet landed. A heal swaps the radix tree's handles for its
+        # own and frees the old ones, which such a prefill's plan still names (copied when it
+        # was planned): heals run only while this is 0.
+        self._unlanded = 0
         # A content store shared with other engines (irminsul.store.attach): live plans fetch
         # the whole chunks they miss from it, and registered chunks are published to it.
         self.store: SharedStore | None = None
@@ -121,6 +125,7 @@ class CacheManager:
         awaited = (sum(n for ns, fp, n in misses if self._in_flight[ns, fp])
                    if self.mode == "live" else 0)
         self._in_flight.update((ns, fp) for ns, fp, _ in misses)
+        self._unlanded += 1
         return Prefill(seq, plan, prompt, stretches, awaited)
 
     def advance(self, prefill: Prefill, budget: int) -> tuple[Span | None, list[Reuse]]:
@@ -252,6 +257,7 @@ class CacheManager:
         if prefill.landed:
             return
         prefill.landed = True
+        self._unlanded -= 1
         namespace = prefill.seq.namespace
         for chunk in prefill.plan.chunks:
             if chunk.kind == "miss":
@@ -322,7 +328,9 @@ class CacheManager:
     def next_heal(self) -> Prefill | None:
         """The heal in progress, else the newest queued sequence whose stored rows are not exact
         throughout, planned (:meth:`Planner.heal_plan`) and held; None when none is left. A
-        heal never evicts: one that would not fit in the free slots now is dropped."""
+        heal never evicts: one that would not fit in the free slots now is dropped. Raises
+        while a prefill is in flight (a heal runs between requests)."""
+        self._no_prefill_in_flight()
         if self.healing is not None:
             return self.healing
         while self._to_heal:
@@ -343,6 +351,11 @@ class CacheManager:
             return self.healing
         return None
 
+    def _no_prefill_in_flight(self) -> None:
+        if self._unlanded:
+            raise RuntimeError(f"{self._unlanded} prefill(s) in flight: a heal frees handles "
+                               "their plans name; heal between requests, or abort the heal")
+
     def heal_room(self, tokens: int) -> bool:
         """Whether ``tokens`` rows fit in the free slots without evicting anything."""
         return self.pool.ckv_slots.free >= tokens and self.pool.kr_slots.free >= tokens
@@ -352,6 +365,7 @@ class CacheManager:
         (:meth:`Planner.healed`); the heal's own references go."""
         if prefill is not self.healing:
             raise ValueError("not the heal in progress")
+        self._no_prefill_in_flight()
         seq = prefill.seq
         self.settle(seq)
         try:

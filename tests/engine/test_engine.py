@@ -442,6 +442,28 @@ def test_heal_makes_a_reusing_turn_a_full_prefill(model3) -> None:
     engine.check()
 
 
+def test_no_heal_runs_while_a_prefill_is_in_flight(model3) -> None:
+    """A heal frees the radix path's old handles, which a prefill planned over that path still
+    names: with one in flight (planned, not served) a heal is refused, before it starts and
+    part way (left as it was); once the prefill is given up, it heals and the slots add up."""
+    engine = Engine(model3, EngineConfig(slots=4000, mode="live", cache=CacheConfig(heal=True)))
+    target, rt, first_reused = _reusing_turn(engine)
+    follow_up = (np.concatenate([target, np.arange(8) % V]), rt + [len(target)])
+    pending = engine.cache.start_prefill(*follow_up)
+    with pytest.raises(RuntimeError, match="1 prefill"):
+        engine.heal()
+    engine.cache.abort_prefill(pending)
+    assert engine.heal_step(64) == 64  # a heal started, part done
+    pending = engine.cache.start_prefill(*follow_up)
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.heal_step(10_000)
+    assert engine.cache.healing is not None  # kept, to go on between requests
+    engine.cache.abort_prefill(pending)
+    engine.check()
+    assert engine.heal(budget=100) == len(target) - first_reused - 64
+    engine.check()
+
+
 def test_heal_of_a_fork_moves_what_the_prompt_reused(model3) -> None:
     """A turn forked before it finished (two continuations of one prompt): whichever heal runs
     first recomputes the shared prompt, and the entries the prompt reused whole move to it all
