@@ -115,10 +115,11 @@ def front_router(config: ServerConfig, urls: list[str]) -> RouterConfig:
     """The router in front of the ranks, on the server's address. It reads every body before
     a rank does, so it holds them to the server's limits: ``--max-request-bytes`` (unset: the
     router's own default; each rank still applies the context-sized one) and
-    ``--body-timeout``."""
+    ``--body-timeout``. Each rank serves its index only to ``--index-token``'s bearer: the
+    router sends it (without it every poll gets 401 and every rank is taken as down)."""
     limit = config.max_request_bytes
     return RouterConfig(backends=tuple(urls), host=config.host, port=config.port,
-                        body_timeout_s=config.body_timeout_s,
+                        body_timeout_s=config.body_timeout_s, index_token=config.index_token,
                         **({} if limit is None else {"max_request_bytes": limit}))
 
 

@@ -8,6 +8,7 @@ Every wait has a deadline: a hang fails the test."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,8 @@ from test_serve_tensor_parallel import chats, follower_alive, tensor_parallel, w
 from irminsul.cli import main
 from irminsul.config import EngineConfig, ServerConfig
 from irminsul.model import default_model_dir
+from irminsul.parallel.data_serving import front_router
+from irminsul.router.app import build_router
 from irminsul.server import build_server
 
 RANK = "irminsul.parallel.rank_server"
@@ -78,6 +81,27 @@ def test_two_rank_servers_answer_as_one_process_and_stop_cleanly(tmp_path: Path,
     assert "ERROR" not in text, text[-3000:]
     assert text.count("PIC gate passed") == 2 and "(measured in" in text  # on each rank
     assert "rank 0 stopped" in text and "rank 1 stopped" in text
+
+
+def test_the_front_router_reads_the_ranks_indexes_under_an_index_token() -> None:
+    """``--index-token`` under ``--data-parallel``: every rank server (the user's config with
+    its own address) answers /irminsul/index only to the token's bearer, so the router in front
+    must send it. A router without it gets 401 on every poll, marks every rank down, and the
+    server answers nothing but 503."""
+    config = ServerConfig(model_name="tiny", dtype="float32", device="cpu", gate=None,
+                          engine=EngineConfig(mode="live", slots=512), index_token="secret")
+    app, _ = build_server(default_model_dir(), config)  # a rank: the token as the user gave it
+    with served(app) as rank:
+        front = dataclasses.replace(front_router(config, [rank]), poll_interval_s=0.05)
+        with served(build_router(front, default_model_dir())) as url:
+            deadline = time.monotonic() + 20
+            while True:  # until the first poll has landed, either way
+                (state,) = httpx.get(f"{url}/irminsul/backends").json()["backends"]
+                if state["index"]["generation"] is not None or state["failures"]:
+                    break
+                assert time.monotonic() < deadline, state
+                time.sleep(0.02)
+    assert state["up"] and not state["failures"], state
 
 
 def test_a_killed_rank_stops_the_server(tmp_path: Path) -> None:
