@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from ..engine import SamplingParams
 
@@ -228,7 +229,18 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    # Checked even when absent: a tool message must name the call it answers.
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, call_id: str | None, info: ValidationInfo
+                                    ) -> str | None:
+        """A tool result without the id of the call it answers is refused, as OpenAI refuses
+        it: with parallel calls nothing else pairs results with calls."""
+        if call_id is None and info.data.get("role") == "tool":
+            raise PydanticCustomError("missing", "Field required")
+        return call_id
 
 
 class FunctionDefinition(BaseModel):

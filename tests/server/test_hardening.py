@@ -269,6 +269,18 @@ BAD_BODIES = [
      "lone UTF-16 surrogate", "prompt", "invalid_value"),
     (_body(tools=[{"type": "function", "function": {"description": "no name"}}]), CHAT,
      "tools.0.function.name", "tools", "missing_required_parameter"),
+    # A tool result must say which call it answers (OpenAI refuses it without): the id is what
+    # pairs results with parallel calls.
+    (_body(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42"}]), CHAT,
+     "'messages.2.tool_call_id' is a required property", "messages",
+     "missing_required_parameter"),
+    (_body(messages=[{"role": "user", "content": "hi"},
+                     {"role": "tool", "content": "42", "tool_call_id": None}]), CHAT,
+     "'messages.1.tool_call_id' is a required property", "messages",
+     "missing_required_parameter"),
 ]
 
 
