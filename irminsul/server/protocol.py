@@ -246,7 +246,7 @@ class ChatMessage(BaseModel):
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    name: str
+    name: str = Field(min_length=1)  # "" names nothing (and as tool_choice reads as "required")
     description: str | None = None
     parameters: dict[str, Any] | None = None
 

@@ -281,6 +281,11 @@ BAD_BODIES = [
                      {"role": "tool", "content": "42", "tool_call_id": None}]), CHAT,
      "'messages.1.tool_call_id' is a required property", "messages",
      "missing_required_parameter"),
+    # A tool named "" is no name (OpenAI refuses it): a tool_choice naming it would read as
+    # "required", a call of any tool.
+    (_body(tools=[{"type": "function", "function": {"name": "", "parameters": {}}}],
+           tool_choice={"type": "function", "function": {"name": ""}}), CHAT,
+     "tools.0.function.name", "tools", "invalid_value"),
 ]
 
 
