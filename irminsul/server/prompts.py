@@ -38,9 +38,8 @@ def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> Promp
     # drop them (it knows no such role) gets them as system messages.
     if any(m["role"] == "developer" for m in messages) and not renderer.shows_role("developer"):
         messages = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
-    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        prompt = render_prompt(renderer, messages, tools, remember=False)
+        prompt = render_prompt(renderer, messages, request.template_tools, remember=False)
     except TemplateError as err:
         raise RequestError(f"cannot render the messages: {err}", param="messages",
                            code="invalid_value") from err

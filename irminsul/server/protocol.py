@@ -18,6 +18,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -285,8 +287,31 @@ class ChatCompletionRequest(_Sampling):
     audio: Any = None
     max_completion_tokens: MaxTokens | None = None
 
+    # The tools as the client sent them: see template_tools.
+    _sent_tools: list[dict[str, Any]] | None = PrivateAttr(default=None)
+
     _neutral_chat = field_validator("response_format", "functions", "function_call",
                                     "modalities", "audio")(_neutral)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_tools_as_sent(cls, data: Any, handler: ModelWrapValidatorHandler
+                            ) -> ChatCompletionRequest:
+        request = handler(data)
+        if isinstance(data, dict) and request.tools:
+            request._sent_tools = data["tools"]
+        return request
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, validated but as the client sent them: a template
+        that shows whole tools as JSON (Qwen's, GLM's) must see the client's key order and
+        nulls, as transformers' apply_chat_template hands them over (a dump of ``tools``
+        puts undeclared keys such as "strict" last and drops nulls)."""
+        if self._sent_tools is not None:
+            return self._sent_tools
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools \
+            else None
 
     @field_validator("tool_choice")
     @classmethod

@@ -448,3 +448,38 @@ def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call(syntaxes,
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("search", {"q": 1})]
     assert "stop" in handle.aborted  # the rest of the reply is not generated
+
+
+# Qwen's and GLM's templates show each tool as JSON (this one written for the test).
+TOOLS_AS_JSON = (
+    "{{ bos_token }}{%- if tools %}{{ '<|system|>' }}{%- for tool in tools %}"
+    "{{ tool | tojson }}{{ '\\n' }}{%- endfor %}{{ '<|end|>' }}{%- endif %}"
+    "{%- for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{%- endif %}")
+
+
+def test_tools_reach_the_template_as_the_client_sent_them() -> None:
+    """A template that shows whole tools as JSON renders the request's tools as transformers'
+    apply_chat_template does: their keys in the client's order (the OpenAI SDK's
+    pydantic_function_tool puts "strict" before "parameters"), nulls kept."""
+    from transformers import AutoTokenizer
+
+    from irminsul.server.prompts import chat_prompt
+    from irminsul.server.protocol import ChatCompletionRequest, parse
+
+    tools = [
+        {"type": "function", "function": {
+            "name": "get_weather", "strict": True,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": False}}},
+        {"function": {"name": "search", "description": None, "parameters": {}},
+         "type": "function"},
+    ]
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    body = parse(ChatCompletionRequest, {"model": "m", "messages": messages, "tools": tools})
+    renderer = ChatRenderer.from_dir(DEFAULT_MODEL)
+    renderer = ChatRenderer(renderer.tokenizer, TOOLS_AS_JSON, bos_token="<|bos|>")
+    reference = AutoTokenizer.from_pretrained(DEFAULT_MODEL).apply_chat_template(
+        messages, tools=tools, chat_template=TOOLS_AS_JSON, add_generation_prompt=True,
+        tokenize=True, return_dict=False)
+    assert chat_prompt(renderer, body).tokens == list(reference)
