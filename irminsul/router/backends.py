@@ -106,7 +106,11 @@ class Backends:
             response = await self.client.get(f"{backend.url}/irminsul/index", params=params,
                                              headers=headers, timeout=self.config.timeout_s)
             if response.status_code == 404:
-                backend.mark_up()  # no published index: balanced by load alone
+                # No published index: balanced by load alone. Whatever an earlier process
+                # there published (its content, its load) no longer holds.
+                backend.view.clear(asked_at)
+                backend.load = Load()
+                backend.mark_up()
                 self.metrics.poll(backend.url, "no_index")
                 return
             response.raise_for_status()

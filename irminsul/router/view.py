@@ -54,6 +54,20 @@ class IndexView:
             self.chunks |= digest.chunks_added
         self.generation, self.version, self.chunking = (digest.generation, digest.version,
                                                         digest.chunking)
+        self._confirmed(asked_at)
+
+    def clear(self, asked_at: float) -> None:
+        """A poll asked at ``asked_at`` found no published index (404): the backend is taken
+        as holding nothing, as a backend without one is, whatever an earlier process there
+        published; what was routed to it and ended before the poll is dropped, as by
+        :meth:`apply`."""
+        self.generation = self.version = self.chunking = None
+        self.prefix, self.chunks = set(), set()
+        self._confirmed(asked_at)
+
+    def _confirmed(self, asked_at: float) -> None:
+        """Drop what was routed here and ended before a poll asked at ``asked_at``: from then
+        on the poll's answer says what the backend kept."""
         for ticket in [t for t, r in self._routed.items()
                        if r.done_at is not None and r.done_at <= asked_at]:
             self._drop(ticket)

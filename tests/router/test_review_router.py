@@ -140,3 +140,40 @@ def test_a_body_cut_short_is_counted_as_the_502_the_client_got() -> None:
         assert answer.status_code == 502
         assert answer.json()["error"]["code"] == "upstream_error"
         assert _requests_metric(r.url) == {"502": 1.0}
+
+
+def test_a_backend_whose_index_goes_404_is_balanced_by_load_alone() -> None:
+    """A backend that published an index (its content and a busy load) and then answers 404
+    at /irminsul/index (restarted as a server without one) is, as documented, up with an
+    empty index: neither the old process's content nor its last reported load may still
+    count, since nothing vouches for them any more."""
+    import asyncio
+
+    import numpy as np
+
+    from irminsul.config import RouterConfig
+    from irminsul.router.backends import Backends
+    from irminsul.router.digest import Chunking, Digest, Load
+    from irminsul.router.keys import request_keys
+    from irminsul.router.metrics import RouterMetrics
+
+    chunking = Chunking(7, 32, 512, 32, True)
+    tokens = np.random.default_rng(0).integers(100, 8000, 200).astype(np.int64)
+    keys = request_keys(tokens, np.array([0]), 7, {chunking})
+    # The old process held the request's 3 whole blocks (192 tokens) and ran 7 requests.
+    published = Digest("g", 1, True, chunking, Load(5, 2, 0.5), set(keys.prefix), set(), set(),
+                       set()).to_json()
+    answers = [httpx.Response(200, json=published), httpx.Response(404)]
+
+    async def polled() -> tuple[int, int, int, int]:
+        transport = httpx.MockTransport(lambda _: answers.pop(0))
+        async with httpx.AsyncClient(transport=transport) as client:
+            backends = Backends(RouterConfig(backends=("http://a",)), client, RouterMetrics())
+            (backend,) = backends.all
+            await backends.poll(backend)
+            before = (backend.view.cached_tokens(keys), backend.queue)
+            await backends.poll(backend)
+            assert backend.up
+            return (*before, backend.view.cached_tokens(keys), backend.queue)
+
+    assert asyncio.run(polled()) == (192, 7, 0, 0)
