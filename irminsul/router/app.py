@@ -190,8 +190,9 @@ def _analyse(router: _Router, raw: bytes, chat: bool, session: str | None,
     not parse or render gives no keys (the backend will say what is wrong with it)."""
     try:
         value = decode_json(raw)
+        # An empty user names no session, as an empty session header does not.
         if session is None and isinstance(value, dict) and isinstance(value.get("user"), str):
-            session = value["user"]
+            session = value["user"] or None
         body = parse(ChatCompletionRequest if chat else CompletionRequest, value)
         vocab = router.renderer.tokenizer.get_vocab_size(with_added_tokens=True)
         prompt = (chat_prompt(router.renderer, body) if chat else
@@ -223,7 +224,8 @@ def _pick(router: _Router, analysis: _Analysis, tried: set[str]) -> tuple[Backen
                             b.queue, b.load.kv_usage) for b in up]
     size = 0 if keys is None else keys.size
     best, reason = choose(candidates, size, config,
-                          session_backend=router.sessions.get(analysis.session or ""),
+                          session_backend=(None if analysis.session is None
+                                           else router.sessions.get(analysis.session)),
                           tie_key=analysis.tie_key)
     chosen = next(b for b in up if b.url == best.url)
     return chosen, ("unparsed" if keys is None else reason), best.cached

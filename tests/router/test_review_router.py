@@ -177,3 +177,31 @@ def test_a_backend_whose_index_goes_404_is_balanced_by_load_alone() -> None:
             return (*before, backend.view.cached_tokens(keys), backend.queue)
 
     assert asyncio.run(polled()) == (192, 7, 0, 0)
+
+
+def test_an_empty_user_is_no_session_that_sessionless_requests_follow() -> None:
+    """A body with ``"user": ""`` names no session (as an empty session header does not):
+    after one, requests without a session still tie-break by rendezvous hashing of their
+    prompt between idle backends with empty indexes, each going where the hash ranks it first
+    (hashed here by the documented definition), not all to the backend the empty user got."""
+    import numpy as np
+    import xxhash
+
+    from irminsul.cache.cdc import namespace_seed
+    from irminsul.model.default import default_model_dir
+    from irminsul.traffic.render import ChatRenderer
+
+    renderer = ChatRenderer.from_dir(default_model_dir())
+    with fake() as a, fake() as b, router([a.url, b.url], poll_interval_s=3600) as r:
+        r.wait(lambda states: all(s["up"] for s in states))
+        first = httpx.post(f"{r.url}/v1/completions", timeout=30,
+                           json={"model": MODEL, "prompt": "hello", "user": ""})
+        assert first.status_code == 200
+        for i in range(16):
+            prompt = f"question number {i}"
+            answer = httpx.post(f"{r.url}/v1/completions", timeout=30,
+                                json={"model": MODEL, "prompt": prompt})
+            tokens = np.asarray(renderer.encode(prompt), dtype="<u4").tobytes()
+            key = xxhash.xxh64_intdigest(tokens, namespace_seed(MODEL))
+            expected = max((a.url, b.url), key=lambda u: xxhash.xxh64_intdigest(u.encode(), key))
+            assert answer.headers["x-irminsul-backend"] == expected, i
