@@ -401,7 +401,8 @@ class RouterConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL must be http://HOST:PORT, got {url!r}")
-        if len(set(self.backends)) != len(self.backends):
+        # The router strips a trailing slash: "http://a/" is "http://a".
+        if len({url.rstrip("/") for url in self.backends}) != len(self.backends):
             raise ValueError(f"a backend is given twice: {', '.join(self.backends)}")
         for name in ("queue_weight", "kv_weight", "tie_margin"):
             if not getattr(self, name) >= 0:

@@ -68,6 +68,9 @@ def test_no_candidate_is_an_error() -> None:
     ({"policy": "random"}, "unknown routing policy"),
     ({"backends": ("localhost:8000",)}, "http://HOST:PORT"),
     ({"backends": ("http://a", "http://a")}, "given twice"),
+    # one server: the router strips the slash, and would keep two backends of one URL (round
+    # robin sending it twice its share, the second one's in-flight requests never counted)
+    ({"backends": ("http://a:8000", "http://a:8000/")}, "given twice"),
     ({"queue_weight": -1.0}, "queue_weight"),
     ({"poll_interval_s": 0.0}, "poll_interval_s"),
     ({"backoff_s": 10.0, "backoff_max_s": 1.0}, "backoff_max_s"),
