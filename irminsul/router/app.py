@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cache.cdc import request_namespace
 from ..config import RouterConfig
-from ..server.prompts import chat_prompt, completion_prompt
+from ..server.prompts import chat_prompt, completion_prompt, open_forced_call
 from ..server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,6 +50,7 @@ from ..server.protocol import (
     parse,
     read_body,
 )
+from ..server.tool_calls import ToolSyntax
 from ..traffic.render import ChatRenderer, Rendered
 from .backends import Backend, Backends
 from .digest import Chunking
@@ -93,6 +94,9 @@ class _Router:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     workers: ThreadPoolExecutor
+    # How the backends' template writes tool calls: a request that requires one is served
+    # with the call opened at its prompt's end (server.prompts.open_forced_call).
+    tool_syntax: ToolSyntax | None = None
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)  # session -> URL
 
     def remember(self, session: str | None, url: str) -> None:
@@ -118,7 +122,8 @@ def create_router_app(config: RouterConfig, renderer: ChatRenderer) -> FastAPI:
                                trust_env=False)
     router = _Router(config, renderer, Backends(config, client, metrics), client, metrics,
                      ThreadPoolExecutor(config.render_workers,
-                                        thread_name_prefix="irminsul-router"))
+                                        thread_name_prefix="irminsul-router"),
+                     ToolSyntax.learn(renderer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -195,7 +200,8 @@ def _analyse(router: _Router, raw: bytes, chat: bool, session: str | None,
             session = value["user"] or None
         body = parse(ChatCompletionRequest if chat else CompletionRequest, value)
         vocab = router.renderer.tokenizer.get_vocab_size(with_added_tokens=True)
-        prompt = (chat_prompt(router.renderer, body) if chat else
+        prompt = (open_forced_call(router.renderer, router.tool_syntax, body,
+                                   chat_prompt(router.renderer, body)) if chat else
                   completion_prompt(router.renderer, body, vocab))
     except RequestError:
         tie = xxhash.xxh64_intdigest(session.encode("utf-8") if session else raw)

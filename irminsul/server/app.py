@@ -35,7 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -50,7 +50,7 @@ from .async_engine import AsyncEngine, EngineError, RequestHandle
 from .generation import Generation
 from .index import IndexPublisher
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .prompts import PromptTokens, chat_prompt, completion_prompt
+from .prompts import PromptTokens, chat_prompt, completion_prompt, open_forced_call
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -287,15 +287,7 @@ def _prepare(server: _Server, raw: bytes, chat: bool
     if not chat:
         return body, completion_prompt(server.renderer, body, server.limits.vocab_size)
     prompt = chat_prompt(server.renderer, body)
-    if body.forced_call is not None:
-        if server.tool_syntax is None:
-            raise RequestError("this model's chat template writes no tool calls, so a call "
-                               "cannot be required", param="tool_choice", code="invalid_value")
-        # The prompt opens the call, so the reply is one (a name the model then writes that
-        # is not a tool's is returned as content: nothing constrains decoding).
-        opening = server.renderer.encode(server.tool_syntax.forced_opening(body.forced_call))
-        prompt = replace(prompt, tokens=prompt.tokens + opening.tolist())
-    return body, prompt
+    return body, open_forced_call(server.renderer, server.tool_syntax, body, prompt)
 
 
 async def _complete(server: _Server, request: Request,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from ..cache.markers import find_markers
 from ..traffic.prompt import render_prompt
 from ..traffic.render import ChatRenderer, Rendered, TemplateError
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .tool_calls import ToolSyntax
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,23 @@ def chat_prompt(renderer: ChatRenderer, request: ChatCompletionRequest) -> Promp
         raise RequestError(f"malformed messages: {err!r}", param="messages",
                            code="invalid_value") from err
     return PromptTokens(prompt.tokens.tolist(), prompt.resets.tolist(), prompt.rendered)
+
+
+def open_forced_call(renderer: ChatRenderer, tool_syntax: ToolSyntax | None,
+                     request: ChatCompletionRequest, prompt: PromptTokens) -> PromptTokens:
+    """The prompt a chat request is served with: ``prompt`` (its :func:`chat_prompt`), and
+    when the request requires a tool call, that call opened at its end, so the reply is one (a
+    name the model then writes that is not a tool's is returned as content: nothing
+    constrains decoding). The server and the router both call this, so the router cuts the
+    prompt the engine plans. RequestError when a call is required of a template that writes
+    none (``tool_syntax`` None)."""
+    if request.forced_call is None:
+        return prompt
+    if tool_syntax is None:
+        raise RequestError("this model's chat template writes no tool calls, so a call "
+                           "cannot be required", param="tool_choice", code="invalid_value")
+    opening = renderer.encode(tool_syntax.forced_opening(request.forced_call))
+    return replace(prompt, tokens=prompt.tokens + opening.tolist())
 
 
 def completion_prompt(renderer: ChatRenderer, request: CompletionRequest,

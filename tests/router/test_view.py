@@ -178,3 +178,56 @@ def test_the_wire_format_round_trips_and_refuses_what_is_malformed() -> None:
         Digest.from_json(body)
     with pytest.raises(DigestError, match="format"):
         Digest.from_json({**digest.to_json(), "block_tokens": 32})
+
+
+def test_a_request_that_requires_a_tool_call_is_predicted_as_the_server_plans_it() -> None:
+    """A request with ``tool_choice: required`` is served with the call opened at the end of
+    its prompt (the server's own preparation). The router must cut that prompt, not the one
+    without the opening: else the last message's region (registered with the opening by the
+    backend that served it) is never found, and the prompt's size is off."""
+    import json
+    from types import SimpleNamespace
+
+    from irminsul.cache.cdc import request_namespace
+    from irminsul.config import RouterConfig
+    from irminsul.model.default import default_model_dir
+    from irminsul.router.app import _analyse, build_router
+    from irminsul.server.app import _prepare
+    from irminsul.server.tool_calls import ToolSyntax
+
+    routed = build_router(RouterConfig(backends=("http://127.0.0.1:1",)), default_model_dir())
+    renderer = routed.state.router.renderer
+    server = SimpleNamespace(model_name="m", renderer=renderer,
+                             tool_syntax=ToolSyntax.learn(renderer))
+    assert server.tool_syntax is not None
+    words = "copper salt wool maps lanterns river ledger stone mill market".split()
+    document = " ".join(np.random.default_rng(4).choice(words, 200))
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a fact",
+                                               "parameters": {"type": "object"}}}]
+
+    def body(system: str) -> bytes:
+        return json.dumps({"model": "m", "tool_choice": "required", "tools": tools,
+                           "messages": [{"role": "system", "content": system},
+                                        {"role": "user", "content": document},
+                                        {"role": "user", "content": "Which tool finds the mill?"}]
+                           }).encode()
+
+    def served(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+        _, prompt = _prepare(server, raw, True)
+        return np.asarray(prompt.tokens, dtype=np.int64), np.asarray(prompt.resets)
+
+    planner, namespace = Planner(CACHE), request_namespace("m", None)  # the server's
+    first, first_resets = served(body("You are agent A, who uses tools."))
+    planner.commit(planner.plan(first, first_resets, namespace=namespace),
+                   np.arange(first.size, dtype=np.int64))
+    view = _published(planner)
+    # Another agent's header: no exact prefix past the carve-out, so the planner's hits are
+    # all the cache serves past it; the router's count must be those hits.
+    raw = body("You are agent B, who answers from the document and calls tools.")
+    tokens, resets = served(raw)
+    plan = planner.plan(tokens, resets, namespace=namespace)
+    assert plan.prefix.length < CACHE.carve_out and plan.tokens_of("hit") > 200
+    keys = _analyse(routed.state.router, raw, True, None, {view.chunking}).keys
+    assert keys is not None and keys.size == tokens.size
+    assert view.prefix_tokens(keys) == 0
+    assert view.cached_tokens(keys) == plan.tokens_of("hit")
