@@ -160,6 +160,14 @@ class Digest:
                                 int(c["carve_out"]), bool(c["regions"]))
             parsed_load = Load(int(load["running"]), int(load["waiting"]),
                                float(load["kv_usage"]))
+            # What an engine reports: a share of its pool, and counts. A NaN share would make
+            # every score compare false (no backend could be chosen).
+            if not 0.0 <= parsed_load.kv_usage <= 1.0:
+                raise DigestError(f"load.kv_usage: {parsed_load.kv_usage} is not a share in "
+                                  "[0, 1]")
+            for name in ("running", "waiting"):
+                if getattr(parsed_load, name) < 0:
+                    raise DigestError(f"load.{name}: {getattr(parsed_load, name)} is negative")
             generation, version, full = (str(body["generation"]), int(body["version"]),
                                          bool(body["full"]))
             prefix, chunks = body["prefix"], body["chunks"]

@@ -231,3 +231,17 @@ def test_a_request_that_requires_a_tool_call_is_predicted_as_the_server_plans_it
     assert keys is not None and keys.size == tokens.size
     assert view.prefix_tokens(keys) == 0
     assert view.cached_tokens(keys) == plan.tokens_of("hit")
+
+
+@pytest.mark.parametrize(("field", "value"), [("kv_usage", "NaN"), ("kv_usage", "Infinity"),
+                                              ("kv_usage", 1.5), ("running", -3)])
+def test_a_load_no_backend_can_have_is_refused(field: str, value: object) -> None:
+    """A load outside what an engine reports (a pool share in [0, 1], counts >= 0) is a
+    malformed index (the backend is then marked down, as for any): taken as it is, a NaN share
+    made every score compare false, and a choice whose first candidate had it raised on an
+    empty max, failing every request; a negative count made a backend look less than idle."""
+    chunking = _published(Planner(CACHE)).chunking
+    body = Digest("g", 1, True, chunking, Load(), set(), set(), set(), set()).to_json()
+    body["load"][field] = float(value) if isinstance(value, str) else value
+    with pytest.raises(DigestError, match=f"load.{field}"):
+        Digest.from_json(body)
