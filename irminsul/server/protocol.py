@@ -253,6 +253,14 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
+def _with_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` with ``"parameters": null`` added to a function that has none (keys in order)."""
+    function = tool["function"]
+    if "parameters" in function:
+        return tool
+    return {**tool, "function": {**function, "parameters": None}}
+
+
 class Tool(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -307,11 +315,14 @@ class ChatCompletionRequest(_Sampling):
         """The tools for the chat template, validated but as the client sent them: a template
         that shows whole tools as JSON (Qwen's, GLM's) must see the client's key order and
         nulls, as transformers' apply_chat_template hands them over (a dump of ``tools``
-        puts undeclared keys such as "strict" last and drops nulls)."""
+        puts undeclared keys such as "strict" last and drops nulls). A function sent without
+        ``parameters`` (OpenAI: no parameters) gets ``"parameters": null``, as vLLM hands it
+        over: templates that write ``tool.function.parameters | tojson`` (DeepSeek's, the
+        embedded model's) fail on an undefined value."""
         if self._sent_tools is not None:
-            return self._sent_tools
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools \
-            else None
+            return [_with_parameters(tool) for tool in self._sent_tools]
+        return [_with_parameters(tool.model_dump(exclude_none=True)) for tool in self.tools] \
+            if self.tools else None
 
     @field_validator("tool_choice")
     @classmethod

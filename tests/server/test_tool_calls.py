@@ -483,3 +483,33 @@ def test_tools_reach_the_template_as_the_client_sent_them() -> None:
         messages, tools=tools, chat_template=TOOLS_AS_JSON, add_generation_prompt=True,
         tokenize=True, return_dict=False)
     assert chat_prompt(renderer, body).tokens == list(reference)
+
+
+def test_a_function_without_parameters_renders_as_vllm_renders_it() -> None:
+    """OpenAI lets a function omit ``parameters`` (it takes none). Templates that write
+    ``tool.function.parameters | tojson`` (the embedded model's, DeepSeek-V3-style) failed on
+    the undefined value with a 400; the tool reaches them with ``"parameters": null``, as vLLM
+    hands it over: the prompt is transformers' rendering of that tool."""
+    from transformers import AutoTokenizer
+
+    from irminsul.server.prompts import chat_prompt
+    from irminsul.server.protocol import ChatCompletionRequest, parse
+    from irminsul.traffic.render import DEEPSEEK_V3_TEMPLATE
+
+    sent = [{"type": "function", "function": {"name": "now", "description": "the time"}}]
+    filled = [{"type": "function", "function": {"name": "now", "description": "the time",
+                                                "parameters": None}}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "time?"}]
+    body = parse(ChatCompletionRequest, {"model": "m", "messages": messages, "tools": sent})
+    embedded = ChatRenderer.from_dir(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    reference = tokenizer.apply_chat_template(messages, tools=filled, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    assert chat_prompt(embedded, body).tokens == list(reference)
+    assert "Parameters: null" in tokenizer.decode(list(reference))
+    # The DeepSeek-V3-style template, rendered message by message: the same text as Jinja's.
+    deepseek = ChatRenderer(embedded.tokenizer, DEEPSEEK_V3_TEMPLATE, bos_token="<|bos|>")
+    tokenizer.bos_token = "<|bos|>"
+    text = tokenizer.apply_chat_template(messages, tools=filled, add_generation_prompt=True,
+                                         chat_template=DEEPSEEK_V3_TEMPLATE, tokenize=False)
+    assert deepseek.render_text(messages, body.template_tools, generation=True) == text
