@@ -379,8 +379,13 @@ class RouterConfig:
     sessions: int = 65_536  # sessions whose last backend is remembered, LRU
     poll_interval_s: float = 0.5  # each backend's index is polled this often
     timeout_s: float = 2.0  # an index poll, and connecting to a backend (not a reply's wait)
-    # A backend that refused a connection or a poll is skipped for backoff_s, doubled on each
-    # further failure up to backoff_max_s; then polled again.
+    # A poll that connects but is not answered within timeout_s is a busy backend's (the server
+    # reads its index between engine steps, after a long prefill's): the backend keeps its last
+    # index and load and stays up until this many polls in a row time out.
+    poll_timeouts: int = 3
+    # A backend that refused a connection or failed a poll (poll_timeouts in a row, for time-outs)
+    # is skipped for backoff_s, doubled on each further failure up to backoff_max_s; then polled
+    # again.
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
     # Requests sent to a backend whose content its published index does not show yet (their
@@ -414,7 +419,7 @@ class RouterConfig:
         if self.backoff_max_s < self.backoff_s:
             raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_s "
                              f"({self.backoff_s})")
-        for name in ("sessions", "routed", "max_request_bytes", "render_workers",
-                     "render_memo_bytes"):
+        for name in ("poll_timeouts", "sessions", "routed", "max_request_bytes",
+                     "render_workers", "render_memo_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -2,7 +2,11 @@
 
 A backend is *up* until a connection to it or a poll of its index fails; then it is skipped for
 ``backoff_s``, doubled on each further failure up to ``backoff_max_s``, and polled again when
-that has passed; the first poll that answers brings it back. A backend that answers 404 at
+that has passed; the first poll that answers brings it back. A poll that connects but times out
+(``timeout_s``) is a busy backend's, not a failure: a server reads its index between engine
+steps, so a long prefill's step delays the answer. The backend keeps its last index and load
+(counted *stale*: :attr:`Backend.stale`, and its index's age in the metrics) and stays up until
+``poll_timeouts`` polls in a row time out. A backend that answers 404 at
 ``/irminsul/index`` (a server without a published index) is up with an empty index: it is
 balanced by load only.
 """
@@ -38,6 +42,8 @@ class Backend:
     failures: int = 0  # consecutive
     retry_at: float = 0.0  # monotonic seconds: when a backend that is down is polled again
     last_error: str = ""
+    stale: int = 0  # consecutive polls that timed out: its index and load are that old
+    answered_at: float | None = None  # monotonic seconds: when the last answered poll was sent
 
     @property
     def queue(self) -> int:
@@ -55,12 +61,21 @@ class Backend:
     def mark_up(self) -> None:
         if not self.up:
             log.warning("backend %s is back", self.url)
-        self.up, self.failures = True, 0
+        self.up, self.failures, self.stale = True, 0, 0
+
+    def index_age(self, now: float | None = None) -> float | None:
+        """Seconds since the last answered poll was sent (None: none answered yet)."""
+        if self.answered_at is None:
+            return None
+        return (time.monotonic() if now is None else now) - self.answered_at
 
     def to_json(self) -> dict:
         v = self.view
+        age = self.index_age()
         return {"url": self.url, "up": self.up, "failures": self.failures,
-                "last_error": self.last_error, "in_flight": self.in_flight,
+                "last_error": self.last_error, "stale_polls": self.stale,
+                "index_age_s": None if age is None else round(age, 3),
+                "in_flight": self.in_flight,
                 "load": {"running": self.load.running, "waiting": self.load.waiting,
                          "kv_usage": self.load.kv_usage},
                 "index": {"generation": v.generation, "version": v.version,
@@ -96,7 +111,8 @@ class Backends:
         return None
 
     async def poll(self, backend: Backend) -> None:
-        """Poll one backend's index once; mark it up or down by the outcome."""
+        """Poll one backend's index once; mark it up or down by the outcome (a time-out: down
+        only at the ``poll_timeouts``-th in a row)."""
         asked_at = time.monotonic()
         params = {} if backend.view.generation is None else {
             "generation": backend.view.generation, "since": str(backend.view.version)}
@@ -110,6 +126,7 @@ class Backends:
                 # there published (its content, its load) no longer holds.
                 backend.view.clear(asked_at)
                 backend.load = Load()
+                backend.answered_at = asked_at
                 backend.mark_up()
                 self.metrics.poll(backend.url, "no_index")
                 return
@@ -119,10 +136,22 @@ class Backends:
         except (httpx.HTTPError, DigestError, ValueError) as err:
             if isinstance(err, DigestError):  # start again from a full index
                 backend.view.generation = None
+            # Connected, not answered in time: busy (a connect time-out is no connection).
+            if isinstance(err, httpx.TimeoutException) \
+                    and not isinstance(err, httpx.ConnectTimeout):
+                self.metrics.poll(backend.url, "timeout")
+                backend.stale += 1
+                if backend.up and backend.stale < self.config.poll_timeouts:
+                    backend.last_error = f"index poll: {err!r} ({backend.stale} in a row)"
+                    return  # routed by its last index and load meanwhile
+                backend.mark_down(f"index poll: {backend.stale} time-outs in a row ({err!r})",
+                                  self.config)
+                return
             self.metrics.poll(backend.url, "error")
             backend.mark_down(f"index poll: {err!r}", self.config)
             return
         backend.load = digest.load
+        backend.answered_at = asked_at
         backend.mark_up()
         self.metrics.poll(backend.url, "ok")
 

@@ -30,7 +30,8 @@ class RouterMetrics:
                                        "the chosen backend's index said it would serve from "
                                        "cache", registry=r)
         self.polls = Counter("irminsul:router_index_polls", "Index polls, by backend and outcome "
-                             "(ok, error, no_index)", ("backend", "outcome"), registry=r)
+                             "(ok, timeout: connected but not answered in time, error, "
+                             "no_index)", ("backend", "outcome"), registry=r)
         self.errors = Counter("irminsul:router_errors", "Requests the router answered with an "
                               "error of its own, by code (no_backend, upstream_error, "
                               "request_too_large), broke off mid-stream (upstream_broken) or "
@@ -45,12 +46,17 @@ class RouterMetrics:
                                 "and not ended", ("backend",), registry=r)
         self._version = Gauge("irminsul:router_backend_index_version", "The version of a "
                               "backend's index the router holds", ("backend",), registry=r)
+        self._age = Gauge("irminsul:router_backend_index_age_seconds", "Seconds since the "
+                          "backend's last answered index poll was sent: its index's and load's "
+                          "age (NaN: none answered yet)", ("backend",), registry=r)
 
     def watch(self, backend: Backend) -> None:
         """Export a backend's state, read when scraped."""
         self._up.labels(backend.url).set_function(lambda: float(backend.up))
         self._in_flight.labels(backend.url).set_function(lambda: backend.in_flight)
         self._version.labels(backend.url).set_function(lambda: backend.view.version or 0)
+        self._age.labels(backend.url).set_function(
+            lambda: age if (age := backend.index_age()) is not None else float("nan"))
 
     def poll(self, backend: str, outcome: str) -> None:
         self.polls.labels(backend, outcome).inc()

@@ -1,5 +1,6 @@
 """The router against fake backends that misbehave at the HTTP level: a keep-alive connection
-closed as a request arrives on it, and a body cut short after its header."""
+closed as a request arrives on it, a body cut short after its header, and an index poll
+answered only after the router's timeout."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -20,10 +22,15 @@ class FakeBackend:
     POST answers 200 with BODY, keeping the connection alive. ``drop_reused``: the first POST
     that arrives on a connection which already served a request is read and the connection
     closed without an answer (what uvicorn does when its keep-alive timeout fires as a request
-    arrives). ``truncate``: POSTs get a 200 header announcing BODY's length and half of it."""
+    arrives). ``truncate``: POSTs get a 200 header announcing BODY's length and half of it.
+    ``index_delay``: seconds an index poll waits for its answer (a server whose engine thread
+    is busy with a long step: the poll is read between steps)."""
 
-    def __init__(self, *, drop_reused: bool = False, truncate: bool = False) -> None:
+    def __init__(self, *, drop_reused: bool = False, truncate: bool = False,
+                 index_delay: float = 0.0) -> None:
         self.drop_reused, self.truncate = drop_reused, truncate
+        self.index_delay = index_delay
+        self.polls = 0  # index polls received
         self.posts = 0  # POSTs answered
         self.dropped = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -59,7 +66,13 @@ class FakeBackend:
                 buffer = buffer[need:]
                 method, path = head.split(b" ")[:2]
                 if path.startswith(b"/irminsul/index"):
-                    conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    with self._lock:
+                        self.polls += 1
+                    time.sleep(self.index_delay)
+                    try:  # the router may have given up on it meanwhile
+                        conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    except OSError:
+                        return
                 elif method == b"POST":
                     with self._lock:
                         drop = self.drop_reused and served > 0 and not self.dropped
@@ -82,7 +95,7 @@ class FakeBackend:
 
 
 @contextlib.contextmanager
-def fake(**kw: bool) -> Iterator[FakeBackend]:
+def fake(**kw: bool | float) -> Iterator[FakeBackend]:
     backend = FakeBackend(**kw)
     try:
         yield backend
@@ -205,3 +218,80 @@ def test_an_empty_user_is_no_session_that_sessionless_requests_follow() -> None:
             key = xxhash.xxh64_intdigest(tokens, namespace_seed(MODEL))
             expected = max((a.url, b.url), key=lambda u: xxhash.xxh64_intdigest(u.encode(), key))
             assert answer.headers["x-irminsul-backend"] == expected, i
+
+
+def test_a_backend_slow_to_answer_its_index_poll_still_serves() -> None:
+    """A backend that takes the index poll's connection but answers after the router's
+    timeout (a server's poll waits for its engine thread's step: a long prefill) and serves
+    requests is busy, not dead: it stays up, its timed-out polls counted, and requests reach
+    it. Its only poller's two polls (the start's and the poll loop's first) both time out."""
+    with fake(index_delay=1.0) as backend, \
+            router([backend.url], timeout_s=0.2, poll_interval_s=3600) as r:
+        deadline = time.monotonic() + 10
+        while backend.polls < 2:
+            assert time.monotonic() < deadline, f"polled {backend.polls} times"
+            time.sleep(0.02)
+        time.sleep(0.5)  # past the second poll's timeout
+        (state,) = r.backends()
+        assert state["up"], state
+        assert state["stale_polls"] == 2, state
+        answer = _complete(r.url)
+        assert answer.status_code == 200, answer.text
+        assert answer.content == BODY and backend.posts == 1
+        text = httpx.get(f"{r.url}/metrics").text
+        assert re.search(r'router_index_polls_total\{backend="[^"]*",outcome="timeout"\} 2\.0',
+                         text), text
+
+
+def test_index_polls_that_time_out_keep_the_last_index_until_the_limit() -> None:
+    """A poll that times out after connecting leaves the backend up with its last index and
+    load; ``poll_timeouts`` (3) in a row mark it down; the next poll answered brings it back
+    with the count cleared; a refused connection marks it down at once."""
+    import asyncio
+
+    import numpy as np
+
+    from irminsul.config import RouterConfig
+    from irminsul.router.backends import Backends
+    from irminsul.router.digest import Chunking, Digest, Load
+    from irminsul.router.keys import request_keys
+    from irminsul.router.metrics import RouterMetrics
+
+    chunking = Chunking(7, 32, 512, 32, True)
+    tokens = np.random.default_rng(0).integers(100, 8000, 200).astype(np.int64)
+    keys = request_keys(tokens, np.array([0]), 7, {chunking})
+    # The backend holds the request's 3 whole blocks (192 tokens) and runs 7 requests.
+    published = Digest("g", 1, True, chunking, Load(5, 2, 0.5), set(keys.prefix), set(), set(),
+                       set()).to_json()
+    answers: list = [httpx.Response(200, json=published), httpx.ReadTimeout,
+                     httpx.ReadTimeout, httpx.ReadTimeout, httpx.ReadTimeout,
+                     httpx.Response(200, json=published), httpx.ReadTimeout, httpx.ConnectError]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        a = answers.pop(0)
+        if isinstance(a, httpx.Response):
+            return a
+        raise a("scripted", request=request)
+
+    async def polled() -> list[tuple[bool, int, int, int]]:
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            config = RouterConfig(backends=("http://a",))
+            backends = Backends(config, client, RouterMetrics())
+            (backend,) = backends.all
+            while answers:
+                await backends.poll(backend)
+                seen.append((backend.up, backend.stale, backend.view.cached_tokens(keys),
+                             backend.queue))
+        return seen
+
+    assert RouterConfig().poll_timeouts == 3
+    assert asyncio.run(polled()) == [
+        (True, 0, 192, 7),
+        (True, 1, 192, 7), (True, 2, 192, 7),  # stale, still routed by what it last said
+        (False, 3, 192, 7),  # the third in a row: down
+        (False, 4, 192, 7),  # down stays down while its polls time out
+        (True, 0, 192, 7),  # answered: back
+        (True, 1, 192, 7),
+        (False, 1, 192, 7),  # refused: down at once
+    ]
