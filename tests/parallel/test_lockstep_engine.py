@@ -94,6 +94,85 @@ def test_each_rank_serves_its_requests_as_one_process(world: int, case: str) -> 
         assert ranks[3]["joined"] == ranks[3]["steps"] > 0  # rank 3 only ever joins
 
 
+def host_only_steps(group: ParallelGroup, case: str) -> dict:
+    """Rank 1 serves one request; rank 0 has steps with work and no model call while rank 1's
+    forwards wait in their steps' all-reduce. ``held``: its first three admissions are held
+    back (as for a request awaiting content), then one request fails at planning and the
+    other is served. ``rejected``: its only request fails at planning."""
+    model = tiny_model("v3_like", layers=2, seed=4)
+    config = EngineConfig(mode="live", slots=600)
+    rng = np.random.default_rng(group.rank)
+    bad, good = rng.integers(0, 97, 33), rng.integers(0, 97, 60)
+    work = {0: [bad] + ([good] if case == "held" else []), 1: [good]}[group.rank]
+    served = [p for p in work if p is not bad]
+
+    def tokens_of(outputs: list) -> list[list[int]]:
+        tokens: dict[str, list[int]] = {}
+        for out in outputs:
+            if out.error is None:
+                tokens.setdefault(out.request_id, []).extend(out.new_tokens)
+        return list(tokens.values())
+
+    reference = Scheduler(Engine(model, config))
+    for prompt in served:
+        reference.add(prompt, SamplingParams(max_tokens=4 + 2 * group.rank))
+    expected = []
+    while reference.has_work():
+        expected += reference.step()
+    shard_model(model, group, attention="data")
+    engine = lockstep_engine(model, config, group)
+    scheduler = Scheduler(engine)
+    for prompt in work:
+        scheduler.add(prompt, SamplingParams(max_tokens=4 + 2 * group.rank))
+    runner = engine.runner
+    assert isinstance(runner, LockstepRunner)
+    start_prefill, admit, step = scheduler.cache.start_prefill, scheduler._admit, scheduler.step
+    admissions, host_only = 0, 0
+
+    def planned(prompt, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if len(prompt) == len(bad):
+            raise ValueError("this prompt's plan fails (the test's)")
+        return start_prefill(prompt, *args, **kwargs)
+
+    def admitted(outputs: list) -> None:
+        nonlocal admissions
+        admissions += 1
+        if case != "held" or admissions > 3:
+            admit(outputs)
+
+    def stepped() -> list:
+        nonlocal host_only
+        turns = runner.turns
+        outputs = step()
+        host_only += runner.turns == turns
+        return outputs
+
+    if group.rank == 0:
+        scheduler.cache.start_prefill, scheduler._admit = planned, admitted
+        scheduler.step = stepped
+    outputs = run_in_lockstep(scheduler)
+    errors = [out.error for out in outputs if out.error is not None]
+    return dict(got=tokens_of(outputs), expected=tokens_of(expected), errors=len(errors),
+                turns=runner.turns, host_only=host_only)
+
+
+@pytest.mark.parametrize("case", ["held", "rejected"])
+def test_a_step_without_a_model_call_meets_the_peers_steps(case: str) -> None:
+    """A rank whose steps make no model call while it has work (admission held back, a request
+    failing at planning) steps again until it makes one, or takes idle turns once it has no
+    work: every rank takes the same turns (its all-reduces pair in order, whatever each rank's
+    step), none waits out the collective timeout (5 s), and each serves its requests as one
+    process does."""
+    ranks = values(run_ranks(host_only_steps, 2, case, timeout_s=120, collective_timeout_s=5))
+    for rank, r in enumerate(ranks):
+        served = 1 if case == "held" or rank == 1 else 0
+        assert r["got"] == r["expected"] and len(r["got"]) == served, (rank, r)
+    assert ranks[0]["errors"] == 1 and ranks[1]["errors"] == 0
+    # held: three held admissions (the fourth plans both); rejected: the failed plan's step
+    assert ranks[0]["host_only"] == (3 if case == "held" else 1), ranks[0]
+    assert ranks[0]["turns"] == ranks[1]["turns"] > 6, ranks
+
+
 GRAPHED = dataclasses.replace(CONFIG, kernels=True, graphs=True)
 
 
