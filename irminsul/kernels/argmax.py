@@ -6,7 +6,10 @@ walking each row. Here the rows are cut into chunks, one program each, and a sec
 reduces each row's chunk winners — ~0.4 MB of float32 logits is then read by many SMs at once.
 
 Same answer as ``torch.argmax(x, -1)``: the first index of the maximum; a NaN counts as larger
-than any number, so a row with NaNs gives its first NaN's index.
+than any number, so a row with NaNs gives its first NaN's index. With ``finite``, the second
+launch also says whether each row's maximum is a finite number (no NaN, no +inf, something
+above -inf): a row that is not has no token to pick, and the flag comes back with the ids in
+one read, so checking costs the host no launch and no sync of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _chunk_kernel(X, VAL, IDX, vocab, x_stride, chunks, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _row_kernel(VAL, IDX, OUT, chunks, vocab, C_P2: tl.constexpr,
+def _row_kernel(VAL, IDX, OUT, OK, chunks, vocab, C_P2: tl.constexpr, FINITE: tl.constexpr,
                 PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
@@ -54,16 +57,20 @@ def _row_kernel(VAL, IDX, OUT, chunks, vocab, C_P2: tl.constexpr,
     # Chunks are in index order and each reports its own first best: the lowest index wins.
     first_best = tl.min(tl.where(ok & (val == best), idx, vocab), 0)
     tl.store(OUT + row, tl.where(first_nan < vocab, first_nan, first_best).to(tl.int64))
+    if FINITE:  # |best| < inf is false for a +inf and for a row all -inf
+        tl.store(OK + row, ((first_nan == vocab) & (tl.abs(best) < float("inf"))).to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, -1)`` of x [B, V] (float, last dim contiguous) as int64 [B]."""
+def argmax_rows(x: torch.Tensor, *, finite: bool = False) -> torch.Tensor:
+    """``torch.argmax(x, -1)`` of x [B, V] (float, last dim contiguous) as int64 [B]. With
+    ``finite``, int64 [2, B]: the ids, then 1 where the row's maximum is finite, else 0."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"argmax_rows takes float logits [B, V], got {x.dtype} {tuple(x.shape)}")
     rows, vocab = x.shape
     if vocab == 0 and rows:
         raise ValueError("argmax_rows: an empty vocabulary has no argmax")
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    both = torch.empty(2 if finite else 1, rows, dtype=torch.int64, device=x.device)
+    out = both if finite else both[0]
     if rows == 0:
         return out
     if x.stride(1) != 1:
@@ -73,7 +80,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _chunk_kernel[(rows, chunks)](x, val, idx, vocab, x.stride(0), chunks, CHUNK=CHUNK,
                                   **pdl_args(x.device), num_warps=8)
-    _row_kernel[(rows,)](val, idx, out, chunks, vocab,
-                         C_P2=max(2, triton.next_power_of_2(chunks)), **pdl_args(x.device),
-                         num_warps=1)
+    _row_kernel[(rows,)](val, idx, both[0], both[-1], chunks, vocab,
+                         C_P2=max(2, triton.next_power_of_2(chunks)), FINITE=finite,
+                         **pdl_args(x.device), num_warps=1)
     return out

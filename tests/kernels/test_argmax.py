@@ -13,7 +13,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def rows_with_edges(vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """Random rows, then rows built to trip a wrong answer: the maximum repeated in two chunks
-    and inside one, at the last entry, a NaN after a +inf, two NaNs, all -inf."""
+    and inside one, at the last entry, a NaN after a +inf, two NaNs, all -inf, a +inf alone,
+    -inf in half the row."""
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(10, vocab, generator=gen).to(dtype)
     last = vocab - 1
@@ -26,6 +27,8 @@ def rows_with_edges(vocab: int, dtype: torch.dtype) -> torch.Tensor:
     x[5, last] = float("nan")  # the first NaN
     x[6] = float("-inf")  # nothing above -inf: index 0
     x[7, 0] = 80.0  # the first entry
+    x[8, 2] = float("inf")
+    x[9, :vocab // 2] = float("-inf")  # a finite maximum still
     return x
 
 
@@ -43,6 +46,24 @@ def test_argmax_rows_is_torch_argmax(vocab: int, dtype: torch.dtype) -> None:
     if vocab >= 100:
         assert got[1] == 5 and got[2] == 7 and got[3] == vocab - 1 and got[4] == vocab - 1
         assert got[5] == (vocab - 1) // 2 and got[6] == 0 and got[7] == 0
+
+
+@pytest.mark.parametrize("vocab", [1, 100, 4097, 9000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_argmax_rows_says_which_rows_are_finite(vocab: int, dtype: torch.dtype) -> None:
+    """With ``finite``: the same ids, and 0 exactly for the rows whose maximum is a NaN, a +inf
+    or -inf (no token to pick), against torch's value at torch's argmax."""
+    from irminsul.kernels.argmax import argmax_rows
+
+    x = rows_with_edges(max(vocab, 10), dtype)[:, :vocab]
+    got = argmax_rows(x.to(DEVICE), finite=True).cpu()
+    assert got.shape == (2, 10) and got.dtype == torch.int64
+    want = x.float().argmax(-1)
+    assert torch.equal(got[0], want)
+    assert got[1].tolist() == x.float().gather(-1, want[:, None])[:, 0].isfinite().tolist()
+    if vocab >= 100:
+        assert got[1].tolist() == [1, 1, 1, 1, 0, 0, 0, 1, 0, 1]
+    assert argmax_rows(torch.empty(0, 5, device=DEVICE), finite=True).shape == (2, 0)
 
 
 def test_strided_and_empty() -> None:
