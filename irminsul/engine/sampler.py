@@ -42,17 +42,34 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+class NonFiniteLogits(ValueError):
+    """A request's logits hold a NaN or a +inf, or nothing above -inf: no token can be picked
+    (a numerical fault of the model's on that request; the scheduler fails it alone)."""
+
+    @classmethod
+    def after(cls, generated: int) -> NonFiniteLogits:
+        """The error for a request that had generated ``generated`` tokens."""
+        return cls(f"the model's logits are not finite (NaN or infinite) after {generated} "
+                   "generated tokens; cannot pick the next")
+
+
 def greedy_tokens(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Greedy sampling of a batch: each logits row's argmax (first index of the maximum), int64
-    on the rows' device, nothing read back. On CUDA two Triton launches over chunks of the
-    vocabulary (:mod:`irminsul.kernels.argmax`): torch's one reduction kernel took ~23 µs of an
-    H200 decode step at batch 1 to 8."""
+    """Greedy sampling of a batch, int64 [2, B] on the rows' device, nothing read back: each
+    logits row's argmax (first index of the maximum), then 1 where the row's maximum is finite,
+    0 where the row has no token to pick (:class:`NonFiniteLogits`; its argmax is a NaN's or a
+    +inf's index, or 0, still a valid id to feed a step launched before the read). One tensor,
+    so one read back gives both. On CUDA two Triton launches over chunks of the vocabulary
+    (:mod:`irminsul.kernels.argmax`, the flag from the second): torch's one reduction kernel
+    took ~23 µs of an H200 decode step at batch 1 to 8."""
     stacked = torch.stack(rows)
     if stacked.is_cuda:
         from ..kernels.argmax import argmax_rows  # triton: shipped with CUDA builds of torch
 
-        return argmax_rows(stacked)
-    return stacked.argmax(-1)
+        return argmax_rows(stacked, finite=True)
+    ids = stacked.argmax(-1)
+    # The maximum is NaN where there is one, +inf where there is one, -inf where all are.
+    finite = stacked.gather(-1, ids[:, None])[:, 0].isfinite()
+    return torch.stack([ids, finite.to(torch.int64)])
 
 
 def request_generator(seed: int | None) -> np.random.Generator:
@@ -63,10 +80,13 @@ def request_generator(seed: int | None) -> np.random.Generator:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: np.random.Generator) -> int:
-    """One token id from logits [vocab]. Raises ValueError when sampling logits that are not
-    finite (the caller fails that request alone)."""
+    """One token id from logits [vocab]. Raises :class:`NonFiniteLogits` when the logits give
+    no token to pick (the caller fails that request alone)."""
     if params.greedy:
-        return int(logits.argmax())
+        token = int(logits.argmax())
+        if not math.isfinite(float(logits[token])):  # a NaN's or +inf's index, or 0 of all -inf
+            raise NonFiniteLogits("the model's logits are not finite; cannot pick a token")
+        return token
     logits = logits.float()
     # Subtracting the maximum first keeps logits / T finite for any T >= GREEDY_BELOW.
     logits = (logits - logits.max()) / params.temperature
@@ -82,7 +102,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: np.random.Ge
         drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if not bool(torch.isfinite(probs).all()):
-        raise ValueError("the model's logits are not finite; cannot sample")
+        raise NonFiniteLogits("the model's logits are not finite; cannot sample")
     # Inverse CDF in float64: normalised, the cumulative mass reaches exactly 1.0 at the last
     # token with any, above every draw in [0, 1), so a token cut to 0 is never drawn.
     cdf = probs.cpu().double().cumsum(-1)

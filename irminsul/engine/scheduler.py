@@ -33,7 +33,7 @@ import torch
 from .audit import PicAudit
 from .engine import Engine, Prepared
 from .kv_pool import PoolExhausted
-from .sampler import SamplingParams, greedy_tokens, request_generator, sample
+from .sampler import NonFiniteLogits, SamplingParams, greedy_tokens, request_generator, sample
 from .sequence import Prefill, Sequence, ServeStats
 
 log = logging.getLogger(__name__)
@@ -417,22 +417,23 @@ class Scheduler:
         """The step's tokens sampled and reported, the next step prepared (and where it can
         be, launched) while the device still computes this one."""
         self._prepare_next()
-        tokens = self._launch_ahead(ready)
+        tokens = self._launch_ahead(ready, outputs)
         for request, token in (self._sample(ready, outputs) if tokens is None else tokens):
             outputs.append(self._emit(request, token))
         if self._prepared is not None and not self._unchanged(self._prepared):
             self._discard_prepared()
         return outputs
 
-    def _launch_ahead(self, ready: list[tuple[Request, torch.Tensor]]
-                      ) -> list[tuple[Request, int]] | None:
+    def _launch_ahead(self, ready: list[tuple[Request, torch.Tensor]],
+                      outputs: list[StepOutput]) -> list[tuple[Request, int]] | None:
         """Overlap the host's per-step work with the device: when the next step is prepared
         and every request here samples greedily, their argmax feeds the next step's inputs on
         the device and that step is launched *before* the tokens are read back; the host then
         reports this step while the device computes the next (:attr:`_ahead`, landed by the
         next :meth:`step`). Returns this step's tokens, or None where it did not launch (the
-        caller samples as usual). A request that stops on the token it just sampled leaves a
-        wasted row in the launched step, which the next step skips."""
+        caller samples as usual). A request that stops on the token it just sampled, or whose
+        logits give none (failed here, into ``outputs``), leaves a wasted row in the launched
+        step, which the next step skips."""
         prepared = self._prepared
         if prepared is None or not all(r.params.greedy for r, _ in ready):
             return None
@@ -442,9 +443,10 @@ class Scheduler:
         self._prepared = None
         picks = [where[id(r)] for r in prepared.requests]
         try:
-            ids = greedy_tokens([logits for _, logits in ready])
-            read = ids.cpu() if not ids.is_cuda else torch.empty(
-                ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+            picked = greedy_tokens([logits for _, logits in ready])
+            ids = picked[0]
+            read = picked.cpu() if not ids.is_cuda else torch.empty(
+                picked.shape, dtype=ids.dtype, pin_memory=True).copy_(picked, non_blocking=True)
             sampled = torch.cuda.Event() if ids.is_cuda else None
             if sampled is not None:
                 sampled.record()  # the read-back's end, before the next step is queued
@@ -461,14 +463,27 @@ class Scheduler:
             logits = None
         if sampled is not None:
             sampled.synchronize()
-        tokens = read.tolist()
+        tokens, finite = read.tolist()
         if logits is not None:
             for request, i in zip(prepared.requests, picks):
                 request.seq.append(np.array([tokens[i]]))  # the token its launched row takes
             self._ahead = _Ahead(prepared.requests, logits)
             self.prepared_steps += 1
             self.overlapped_steps += 1
-        return [(request, token) for (request, _), token in zip(ready, tokens)]
+        return self._picked(ready, tokens, finite, outputs)
+
+    def _picked(self, ready: list[tuple[Request, torch.Tensor]], tokens: list[int],
+                finite: list[int], outputs: list[StepOutput]) -> list[tuple[Request, int]]:
+        """The greedy tokens of ``ready`` (:func:`greedy_tokens`' two rows, read back); a
+        request whose logits gave no token is failed alone, into ``outputs``."""
+        picked: list[tuple[Request, int]] = []
+        for (request, _), token, ok in zip(ready, tokens, finite):
+            if ok:
+                picked.append((request, token))
+            else:
+                outputs.append(self._fail(request, NonFiniteLogits.after(len(request.output)),
+                                          "sampling"))
+        return picked
 
     def _prepare_next(self) -> None:
         """Prepare the next step's batch: when every running request decodes and none waits,
@@ -524,14 +539,17 @@ class Scheduler:
         alone = [(r, logits) for r, logits in ready if not r.params.greedy]
         if greedy:
             try:
-                ids = greedy_tokens([logits for _, logits in greedy]).tolist()
+                ids, finite = greedy_tokens([logits for _, logits in greedy]).tolist()
             except Exception:
                 alone = greedy + alone  # find the one at fault: each on its own
             else:
-                tokens += [(r, token) for (r, _), token in zip(greedy, ids)]
+                tokens += self._picked(greedy, ids, finite, outputs)
         for request, logits in alone:
             try:
                 tokens.append((request, sample(logits, request.params, request.generator)))
+            except NonFiniteLogits:  # said with how far the request got
+                outputs.append(self._fail(request, NonFiniteLogits.after(len(request.output)),
+                                          "sampling"))
             except Exception as err:
                 outputs.append(self._fail(request, err, "sampling"))
         return tokens

@@ -33,17 +33,20 @@ def _prompts(count: int) -> list[np.ndarray]:
             for _ in range(count)]
 
 
-def _run(model, *, poison: bool) -> tuple[dict[str, list[int]], dict[str, str], Scheduler]:
-    """Four sampled requests (each seeded), plus the poisoned one when asked, run to the end
-    under a batch budget that chunks their prefills; tokens and errors by request id."""
+def _run(model, *, poison: bool, greedy: bool = False
+         ) -> tuple[dict[str, list[int]], dict[str, str], Scheduler]:
+    """Four sampled requests (each seeded; greedy ones with ``greedy``), plus the poisoned one
+    when asked, run to the end under a batch budget that chunks their prefills; tokens and
+    errors by request id."""
     scheduler = Scheduler(Engine(model, EngineConfig(slots=3000, mode="live")),
                           batch_tokens=160, chunk_tokens=64)
     prompts = _prompts(5)
+    temperature = 0.0 if greedy else 0.8
     for i, prompt in enumerate(prompts[:4]):
-        scheduler.add(prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=i),
+        scheduler.add(prompt, SamplingParams(max_tokens=12, temperature=temperature, seed=i),
                       request_id=f"r{i}")
     if poison:
-        scheduler.add(prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=9),
+        scheduler.add(prompts[4], SamplingParams(max_tokens=12, temperature=temperature, seed=9),
                       namespace=POISON, request_id="poison")
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
@@ -68,11 +71,19 @@ def clean(model) -> dict[str, list[int]]:
     return tokens
 
 
-def _fails_alone(model, clean: dict[str, list[int]], message: str
+@pytest.fixture(scope="module")
+def clean_greedy(model) -> dict[str, list[int]]:
+    """The four innocent requests' tokens, greedy, in a run without the poisoned one."""
+    tokens, errors, _ = _run(model, poison=False, greedy=True)
+    assert not errors and all(len(t) == 12 for t in tokens.values())
+    return tokens
+
+
+def _fails_alone(model, clean: dict[str, list[int]], message: str, *, greedy: bool = False
                  ) -> tuple[dict[str, list[int]], Scheduler]:
     """Run with the poisoned request: it alone fails, with ``message`` in its error, and the
     others' tokens are those of the clean run."""
-    got, errors, scheduler = _run(model, poison=True)
+    got, errors, scheduler = _run(model, poison=True, greedy=greedy)
     assert set(errors) == {"poison"} and message in errors["poison"]
     assert {k: v for k, v in got.items() if k != "poison"} == clean
     return got, scheduler
@@ -127,6 +138,44 @@ def test_admission_fault_fails_its_request_alone(model, clean, monkeypatch) -> N
     monkeypatch.setattr(CacheManager, "start_prefill", faulty)
     got, _ = _fails_alone(model, clean, "injected admission fault")
     assert got["poison"] == []
+
+
+def _poison_logits(monkeypatch, bad: str) -> None:
+    """The poisoned request's logits for its fourth output token (the forward that feeds it
+    its third: its sequence then holds the prompt and two tokens) made ``bad``: one NaN, one
+    +inf, or every entry -inf."""
+    real = Engine.run_batch
+    prompt = _prompts(5)[4]
+
+    def faulty(self, work, **kw):
+        logits = real(self, work, **kw)
+        for i, (seq, _, _) in enumerate(work):
+            if _poisoned(seq) and len(seq.tokens) == len(prompt) + 2:
+                logits[i] = logits[i].clone()  # an inference tensor: not written in place
+                row = logits[i][-1]
+                if bad == "-inf":
+                    row.fill_(-math.inf)
+                else:
+                    row[5] = math.nan if bad == "nan" else math.inf
+        return logits
+
+    monkeypatch.setattr(Engine, "run_batch", faulty)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_non_finite_logits_fail_their_request_alone(model, clean, clean_greedy, monkeypatch,
+                                                    bad: str, greedy: bool) -> None:
+    """Logits with a NaN, a +inf or nothing above -inf give no token to pick (a greedy argmax
+    would take the NaN's or the +inf's index, or 0): that request fails with an error naming
+    the cause and how far it got, after the three tokens it had; the others (sharing its
+    greedy argmax launch and read-back) keep the tokens of a run without it."""
+    _poison_logits(monkeypatch, bad)
+    got, scheduler = _fails_alone(model, clean_greedy if greedy else clean,
+                                  "logits are not finite (NaN or infinite) after 3 generated "
+                                  "tokens", greedy=greedy)
+    assert len(got["poison"]) == 3
+    assert scheduler.load().failed == 1 and not scheduler.engine.sequences
 
 
 # -- sampling parameters that used to crash the shared step ----------------------------------

@@ -78,15 +78,19 @@ def test_strided_and_empty() -> None:
 
 
 def test_greedy_tokens_uses_it_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scheduler's greedy path: the kernel for CUDA rows, torch elsewhere; same ids."""
+    """The scheduler's greedy path: the kernel for CUDA rows, torch elsewhere; same ids, and
+    the same finite flags (a NaN row, an all -inf row)."""
     from irminsul.engine import sampler
     from irminsul.kernels import argmax
 
     calls = []
     real = argmax.argmax_rows
-    monkeypatch.setattr(argmax, "argmax_rows", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(argmax, "argmax_rows", lambda x, **kw: calls.append(1) or real(x, **kw))
     rows = [torch.randn(777, generator=torch.Generator().manual_seed(i)).to(DEVICE)
-            for i in range(3)]
-    got = sampler.greedy_tokens(rows)
-    assert torch.equal(got.cpu(), torch.stack(rows).argmax(-1).cpu())
+            for i in range(4)]
+    rows[1][300] = float("nan")
+    rows[3].fill_(float("-inf"))
+    got = sampler.greedy_tokens(rows).cpu()
+    assert torch.equal(got[0], torch.stack(rows).argmax(-1).cpu())
+    assert got[0, 1] == 300 and got[1].tolist() == [1, 0, 1, 0]
     assert len(calls) == (1 if DEVICE == "cuda" else 0)

@@ -510,6 +510,63 @@ def test_steps_prepared_ahead_decode_as_the_eager_path(tmp_path) -> None:
     assert got[other] == runs[False][0][ids[2]]
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU graphs need bfloat16: "
+                    "test_model_gpu.py::test_cuda_graphs_equal_eager_forwards replays them")
+def test_non_finite_logits_of_a_step_launched_ahead_fail_their_request_alone(
+        tmp_path, monkeypatch) -> None:
+    """Greedy steps launched before the host reads their tokens: a request whose logits turn
+    NaN in such a step fails alone (its argmax, the NaN's index, fed a row the next step
+    skips), read back with the ids; the other requests' tokens are those of a run without it
+    and the slot accounting stays exact."""
+    from irminsul.engine import Engine, SamplingParams, Scheduler
+
+    build("v2_lite_like", tmp_path, layers=1, heads=16)
+    model = load_model(tmp_path, device=DEVICE)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 97, int(rng.integers(10, 40))) for _ in range(3)]
+    poison_at = len(prompts[2]) + 2  # the forward that gives its fourth token's logits
+    hit: list[str] = []
+
+    def poisoning(real, name):
+        def forward(self, prepared_or_work, *args, **kw):
+            logits = real(self, prepared_or_work, *args, **kw)
+            work = getattr(prepared_or_work, "work", prepared_or_work)
+            for i, (seq, _, _) in enumerate(work):
+                if seq.namespace == 666 and len(seq.tokens) == poison_at:
+                    logits[i] = logits[i].clone()  # an inference tensor: not written in place
+                    logits[i][-1, 7] = float("nan")
+                    hit.append(name)
+            return logits
+        return forward
+
+    monkeypatch.setattr(Engine, "run_batch", poisoning(Engine.run_batch, "eager"))
+    monkeypatch.setattr(Engine, "run_prepared", poisoning(Engine.run_prepared, "ahead"))
+    runs = {}
+    for poison in (False, True):
+        engine = Engine(model, EngineConfig(slots=2000, mode="off", kernels=True, graphs=True))
+        scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=64)
+        for i, prompt in enumerate(prompts[:2 + poison]):
+            scheduler.add(prompt, SamplingParams(max_tokens=6), request_id=f"r{i}",
+                          namespace=666 if i == 2 else 0)
+        got: dict[str, list[int]] = {}
+        errors: dict[str, str] = {}
+        while scheduler.has_work():
+            for o in scheduler.step():
+                got.setdefault(o.request_id, []).extend(o.new_tokens)
+                if o.error is not None:
+                    errors[o.request_id] = o.error
+        engine.check()
+        assert not engine.sequences
+        runs[poison] = got, errors, scheduler.overlapped_steps
+    assert hit == ["ahead"]  # the fault came in a step launched ahead
+    got, errors, overlapped = runs[True]
+    assert overlapped >= 3 and not runs[False][1]
+    assert set(errors) == {"r2"} and "not finite (NaN or infinite) after 3 generated" in \
+        errors["r2"]
+    assert len(got["r2"]) == 3
+    assert {k: v for k, v in got.items() if k != "r2"} == runs[False][0]
+
+
 @pytest.mark.parametrize("splits,rows,rank", [(2, 17, 512), (5, 3, 64), (64, 16, 128),
                                              (128, 16, 512)])
 def test_merge_splits_matches_float64(splits: int, rows: int, rank: int) -> None:
