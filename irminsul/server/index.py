@@ -4,9 +4,10 @@ to the replica that holds its content (the format is :mod:`irminsul.router.diges
 The radix tree and the registry belong to the engine thread, so a poll takes their shape there
 (the tree's edges by reference, the registry's fingerprints: work per node and per entry, not
 per token; edges are never changed in place, only replaced) and hashes the tree's blocks on a
-worker thread. Polls while the engine has neither stepped nor applied an abort (which
-remembers a request between steps) reuse the last digest; the last few versions are kept so
-that a router a version or two behind gets only the difference.
+worker thread. Polls while the engine has neither stepped (a step that raised counts: it may
+have evicted before it did) nor applied an abort (which remembers a request between steps)
+reuse the last digest; the last few versions are kept so that a router a version or two
+behind gets only the difference.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class IndexPublisher:
         self._versions: OrderedDict[int, _Sets] = OrderedDict({0: _Sets(frozenset(),
                                                                          frozenset())})
         self._chunking: Chunking | None = None
-        # the engine's step and abort counts the latest version was read at
-        self._turns: tuple[int, int] | None = None
+        # the engine's step, failed step and abort counts the latest version was read at
+        self._turns: tuple[int, int, int] | None = None
         self._lock = asyncio.Lock()
 
     async def digest(self, generation: str | None, since: int | None) -> Digest:
@@ -109,7 +110,8 @@ class IndexPublisher:
 
     async def _refresh(self) -> None:
         snap = self.engine.snapshot
-        turns = (snap.steps, snap.aborts)
+        # A step that raised may have made room (evicting) first; it is not among the steps.
+        turns = (snap.steps, snap.step_errors, snap.aborts)
         if turns == self._turns and self._chunking is not None:
             return  # no step and no abort since: nothing in its indexes changed
         trees, fingerprints, self._chunking = await asyncio.wrap_future(

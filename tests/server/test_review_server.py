@@ -1,13 +1,19 @@
-"""Review findings on the server: the published index after an abort between steps."""
+"""Review findings on the server: the published index after an abort between steps, and after
+a step that failed."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from fixtures.openai_server import Server
+import numpy as np
+import pytest
+from fixtures.openai_server import Server, config, running
 
+from irminsul.config import EngineConfig
 from irminsul.engine import SamplingParams
+from irminsul.router.digest import Digest
+from irminsul.server.async_engine import EngineError
 from irminsul.server.index import IndexPublisher
 
 
@@ -64,3 +70,43 @@ def test_an_abort_between_steps_reaches_the_published_index(server: Server) -> N
     assert truth - stale, "the abort added no block: the scenario did not happen"
     assert published == truth
     server.check()
+
+
+def test_a_failed_step_reaches_the_published_index(model_dir) -> None:
+    """A step that raises as a whole (the server's last resort: it fails the running requests,
+    :meth:`AsyncEngine._fail_running`) may have evicted cached content to admit them before it
+    raised. That step is neither a step the publisher counts nor an abort, so polls went on
+    announcing the evicted blocks, their rows freed, until another request came (on an idle
+    server, for good). The publisher's sets must equal a fresh read of the indexes."""
+    rng = np.random.default_rng(7)
+    first, second = rng.integers(5, 90, 180).tolist(), rng.integers(5, 90, 200).tolist()
+    # 256 slots: the second prompt fits only once the first one's cached rows are evicted.
+    with running(model_dir, config(engine=EngineConfig(mode="live", slots=256))) as server:
+        engine = server.engine
+        scheduler = engine.scheduler
+
+        def faulty(work, outputs, prepared=None):
+            raise RuntimeError("injected step fault")
+
+        async def scenario() -> tuple[Digest, Digest, Digest]:
+            publisher = IndexPublisher(engine)
+            async for _ in engine.generate(first, SamplingParams(max_tokens=2)):
+                pass
+            await asyncio.to_thread(server.check)  # idle, its last turn published
+            before = await publisher.digest(None, None)
+            scheduler._forward = faulty  # after admission made room: the whole step raises
+            with pytest.raises(EngineError, match="injected step fault"):
+                async for _ in engine.generate(second, SamplingParams(max_tokens=2)):
+                    pass
+            await asyncio.to_thread(server.check)
+            after = await publisher.digest(before.generation, before.version)
+            fresh = await IndexPublisher(engine).digest(None, None)
+            return before, after, fresh
+
+        try:
+            before, after, fresh = asyncio.run(scenario())
+        finally:
+            del scheduler._forward
+    assert before.prefix_added - fresh.prefix_added, "nothing evicted: the scenario did not happen"
+    assert (before.prefix_added | after.prefix_added) - after.prefix_removed == fresh.prefix_added
+    assert (before.chunks_added | after.chunks_added) - after.chunks_removed == fresh.chunks_added
