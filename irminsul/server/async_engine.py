@@ -55,6 +55,9 @@ class EngineSnapshot:
     healed_tokens: int = 0  # rows recomputed by heals (CacheConfig.heal)
     # aborts applied: each may change the cache indexes between steps (a request remembered)
     aborts: int = 0
+    # idle work run (an audit, a heal's forward): each may change the cache indexes too (an
+    # audit's recomputation evicts to make room)
+    idle_runs: int = 0
 
     @property
     def pool_usage(self) -> float:
@@ -161,7 +164,7 @@ class AsyncEngine:
         # refused by its sender, which would otherwise wait for an answer forever.
         self._send_lock = threading.Lock()
         self._drained = False
-        self._steps = self._errors = self._aborts = 0
+        self._steps = self._errors = self._aborts = self._idle_runs = 0
         # Data-parallel attention: the ranks whose steps this engine must take turns in when it
         # has nothing to run; whether one ran a step in the last turn.
         self._peers = scheduler.engine.peers
@@ -269,7 +272,8 @@ class AsyncEngine:
                         # content): the peers still need this rank's turn.
                         self._peer_turn()
                 else:  # idle: an audit recomputation or a heal's forward, if any
-                    self.scheduler.run_idle()
+                    if self.scheduler.run_idle():
+                        self._idle_runs += 1
                     self._peer_turn()
                 self._publish()
                 if self._peers is not None and self._peers.stopped:
@@ -447,7 +451,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(load.running, load.waiting, load.pool_capacity,
                                        load.pool_free, self._steps, self._errors,
                                        load.graph_replays, load.failed, load.healed_tokens,
-                                       self._aborts)
+                                       self._aborts, self._idle_runs)
 
 
 def _deliver_all(items: list[tuple[RequestHandle, StepOutput | BaseException]]) -> None:

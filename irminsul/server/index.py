@@ -5,9 +5,9 @@ The radix tree and the registry belong to the engine thread, so a poll takes the
 (the tree's edges by reference, the registry's fingerprints: work per node and per entry, not
 per token; edges are never changed in place, only replaced) and hashes the tree's blocks on a
 worker thread. Polls while the engine has neither stepped (a step that raised counts: it may
-have evicted before it did) nor applied an abort (which remembers a request between steps)
-reuse the last digest; the last few versions are kept so that a router a version or two
-behind gets only the difference.
+have evicted before it did), applied an abort (which remembers a request between steps) nor
+run idle work (an audit's recomputation evicts to make room) reuse the last digest; the last
+few versions are kept so that a router a version or two behind gets only the difference.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ class IndexPublisher:
         self._versions: OrderedDict[int, _Sets] = OrderedDict({0: _Sets(frozenset(),
                                                                          frozenset())})
         self._chunking: Chunking | None = None
-        # the engine's step, failed step and abort counts the latest version was read at
-        self._turns: tuple[int, int, int] | None = None
+        # the engine's step, failed step, abort and idle run counts the latest version was
+        # read at
+        self._turns: tuple[int, int, int, int] | None = None
         self._lock = asyncio.Lock()
 
     async def digest(self, generation: str | None, since: int | None) -> Digest:
@@ -111,9 +112,9 @@ class IndexPublisher:
     async def _refresh(self) -> None:
         snap = self.engine.snapshot
         # A step that raised may have made room (evicting) first; it is not among the steps.
-        turns = (snap.steps, snap.step_errors, snap.aborts)
+        turns = (snap.steps, snap.step_errors, snap.aborts, snap.idle_runs)
         if turns == self._turns and self._chunking is not None:
-            return  # no step and no abort since: nothing in its indexes changed
+            return  # none of those since: nothing in its indexes changed
         trees, fingerprints, self._chunking = await asyncio.wrap_future(
             self.engine.run_in_engine_thread(_read))
         sets = _Sets(await asyncio.to_thread(prefix_set, trees), frozenset(fingerprints))

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from fixtures.openai_server import Server, config, running
 
 from irminsul.config import EngineConfig
@@ -107,6 +108,40 @@ def test_a_failed_step_reaches_the_published_index(model_dir) -> None:
             before, after, fresh = asyncio.run(scenario())
         finally:
             del scheduler._forward
+    assert before.prefix_added - fresh.prefix_added, "nothing evicted: the scenario did not happen"
+    assert (before.prefix_added | after.prefix_added) - after.prefix_removed == fresh.prefix_added
+    assert (before.chunks_added | after.chunks_added) - after.chunks_removed == fresh.chunks_added
+
+
+def test_idle_work_reaches_the_published_index(model_dir) -> None:
+    """An audit's recomputation, run by an idle engine, makes room for its prompt as a prefill
+    does: it may evict cached content. No step ran and no abort was applied, so polls went on
+    announcing the evicted blocks. The publisher's sets must equal a fresh read."""
+    prompt = np.random.default_rng(8).integers(5, 90, 180).tolist()
+    engine_config = EngineConfig(mode="live", slots=256, pic_audit_rate=0.0, idle_delay_s=0.0)
+    with running(model_dir, config(engine=engine_config)) as server:
+        engine = server.engine
+        vocab = engine.limits.vocab_size
+
+        def keep_for_audit(scheduler) -> None:  # as if the draw had kept the served request
+            scheduler.audit._pending.append((np.array(prompt), torch.zeros(vocab)))
+
+        async def scenario() -> tuple[Digest, Digest, Digest]:
+            publisher = IndexPublisher(engine)
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=2)):
+                pass
+            await asyncio.to_thread(server.check)
+            before = await publisher.digest(None, None)
+            await asyncio.wrap_future(engine.run_in_engine_thread(keep_for_audit))
+            # the prompt's 180 fresh rows fit only once its cached ones are evicted
+            while (await asyncio.wrap_future(engine.run_in_engine_thread(
+                    lambda s: s.audit.stats.audited))) == 0:
+                await asyncio.sleep(0.01)
+            after = await publisher.digest(before.generation, before.version)
+            fresh = await IndexPublisher(engine).digest(None, None)
+            return before, after, fresh
+
+        before, after, fresh = asyncio.run(scenario())
     assert before.prefix_added - fresh.prefix_added, "nothing evicted: the scenario did not happen"
     assert (before.prefix_added | after.prefix_added) - after.prefix_removed == fresh.prefix_added
     assert (before.chunks_added | after.chunks_added) - after.chunks_removed == fresh.chunks_added
