@@ -67,6 +67,8 @@ class CacheConfig:
     # token's fresh c_KV replaces its cached one: reused tokens' errors partly offset each
     # other, and recomputing one whose error offsets others' raises the output's error, which
     # a deviation's size cannot tell (docs/quality.md: sysvar 1.29x KL at 10% by deviation).
+    # "recent": the reused tokens nearest the prompt's end, those the tail and the reply attend
+    # to at the shortest distance; no check forward (recompute_check_layer unused).
     recompute_rule: str = "deviation"
     # Heal (live): a finished sequence that was served reused rows is queued, and when the
     # engine is idle its rows from the first reused one on are computed again over the exact
@@ -87,8 +89,8 @@ class CacheConfig:
             raise ValueError(f"recompute_share must be in [0, 1], got {self.recompute_share}")
         if self.heal_queue < 1:
             raise ValueError(f"heal_queue must be >= 1, got {self.heal_queue}")
-        if self.recompute_rule not in ("deviation", "signed"):
-            raise ValueError(f"recompute_rule must be 'deviation' or 'signed', got "
+        if self.recompute_rule not in ("deviation", "signed", "recent"):
+            raise ValueError(f"recompute_rule must be 'deviation', 'signed' or 'recent', got "
                              f"{self.recompute_rule!r}")
         if self.recompute_check_layer < 1:
             raise ValueError(f"recompute_check_layer must be >= 1, got "

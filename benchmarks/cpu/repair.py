@@ -58,13 +58,16 @@ from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 
 def settings(heads: list[int], shares: list[float], check_layers: list[int],
              oracle: list[float] | None = None,
-             signed: list[float] | None = None) -> list[dict[str, Any]]:
+             signed: list[float] | None = None, recent: list[float] | None = None,
+             recent_heads: list[int] | None = None) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
     out += [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
             for layer in check_layers for r in shares]
     out += [{"method": "signed", "recompute_share": r, "check_layer": layer}
             for layer in check_layers for r in signed or []]
+    out += [{"method": "recent", "recompute_share": r, "recompute_head": k, "check_layer": 1}
+            for k in recent_heads or [0] for r in recent or []]
     return out + [{"method": method, "recompute_share": r, "check_layer": 1}
                   for method in ("oracle", "gradient") for r in oracle or []]
 
@@ -72,6 +75,9 @@ def settings(heads: list[int], shares: list[float], check_layers: list[int],
 def label(setting: dict[str, Any]) -> str:
     if setting["method"] == "epic":
         return f"EPIC k={setting['recompute_head']}"
+    if setting["method"] == "recent":
+        head = setting["recompute_head"]
+        return f"recent r={setting['recompute_share']:.0%}" + (f" + EPIC k={head}" if head else "")
     if setting["method"] in ("oracle", "gradient"):
         return f"{setting['method']} r={setting['recompute_share']:.0%}"
     layer = setting["check_layer"]
@@ -82,6 +88,10 @@ def label(setting: dict[str, Any]) -> str:
 def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "epic":
         return CacheConfig(recompute_head=setting["recompute_head"], heal=heal)
+    if setting["method"] == "recent":
+        return CacheConfig(recompute_head=setting["recompute_head"],
+                           recompute_share=setting["recompute_share"], recompute_rule="recent",
+                           heal=heal)
     # The oracles replace the deviation rule's check (oracle_deviation, gradient_deviation).
     rule = "signed" if setting["method"] == "signed" else "deviation"
     return CacheConfig(recompute_share=setting["recompute_share"], recompute_rule=rule,
@@ -108,7 +118,7 @@ def counted_checks(engine: Engine, lengths: list[int]) -> None:
     """Record the tokens each check forward of CacheBlend-style repair runs through its layers
     (the prompt up to its last reused token)."""
     check = engine.cache.latent_check
-    if check is None:
+    if check is None or engine.config.cache.recompute_rule == "recent":  # no check forward
         return
 
     def counted(prompt: Any, positions: Any, slots: Any) -> Any:
@@ -304,6 +314,11 @@ def main() -> None:
     parser.add_argument("--signed", type=float, nargs="*", default=[],
                         help="shares recomputed by the sign-aware check (each --check-layers "
                              "value: the layers it scores)")
+    parser.add_argument("--recent", type=float, nargs="*", default=[],
+                        help="shares recomputed by the recent rule: the reused tokens nearest "
+                        "the prompt's end (recompute_rule 'recent')")
+    parser.add_argument("--recent-heads", type=int, nargs="+", default=[0],
+                        help="EPIC heads computed with each --recent share as well")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
                         help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
@@ -332,7 +347,8 @@ def main() -> None:
             torch.float32 if args.device == "cpu" else torch.bfloat16)
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
-    repairs = settings(args.heads, args.shares, args.check_layers, args.oracle, args.signed)
+    repairs = settings(args.heads, args.shares, args.check_layers, args.oracle, args.signed,
+                       args.recent, args.recent_heads)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:

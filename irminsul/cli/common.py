@@ -118,11 +118,12 @@ def repair_options(parser: argparse.ArgumentParser) -> None:
                         metavar="R", help="live mode, repair: compute this share of each "
                         "prompt's reused tokens, those whose latent deviates most from a fresh "
                         "one at an early layer (CacheBlend-style; 0: none)")
-    parser.add_argument("--recompute-rule", choices=("deviation", "signed"),
+    parser.add_argument("--recompute-rule", choices=("deviation", "signed", "recent"),
                         default=ENGINE.cache.recompute_rule,
                         help="how --recompute-share picks its tokens: the largest c_KV "
-                        "deviations at the check layer, or the largest drops of the prompt "
-                        "tail's attention error at layers 1 .. the check layer (docs/quality.md)")
+                        "deviations at the check layer, the largest drops of the prompt "
+                        "tail's attention error at layers 1 .. the check layer, or the reused "
+                        "tokens nearest the prompt's end (no check; docs/quality.md)")
     parser.add_argument("--recompute-check-layer", type=int, metavar="N",
                         default=ENGINE.cache.recompute_check_layer,
                         help="the check forward's layer (deviation) or last layer (signed); "

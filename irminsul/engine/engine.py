@@ -20,6 +20,7 @@ from ..model import MLAModel
 from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, Peers, StagedForward, resolve_backend
+from .repair import nearest_the_end
 from .sequence import Prefill, Sequence
 
 # The live-PIC audit's recomputations run in a namespace of their own: requests' namespaces are
@@ -57,13 +58,16 @@ class Engine:
                            dtype=weight.dtype, device=weight.device, reserved=1 if graphs else 0)
         scratch = tuple(int(s[0]) for s in unpack(self.pool.reserved)) if graphs else None
         repair = config.mode == "live" and config.cache.recompute_share  # CacheBlend-style
+        recent = config.cache.recompute_rule == "recent"  # a ranking with no check forward
+        checked = repair and not recent
         self.runner = runner(model, self.pool.ckv, self.pool.kr, kernels=kernels, graphs=graphs,
                              rotation=config.mode == "live", scratch=scratch,
-                             check_layer=config.cache.recompute_check_layer if repair else None,
+                             check_layer=config.cache.recompute_check_layer if checked else None,
                              check_rule=config.cache.recompute_rule)
-        self.cache = CacheManager(config.cache, config.mode, self.pool, context,
-                                  write_rows=self.runner.write_rows,
-                                  latent_check=self.runner.check_latent if repair else None)
+        self.cache = CacheManager(
+            config.cache, config.mode, self.pool, context, write_rows=self.runner.write_rows,
+            latent_check=(nearest_the_end if recent else self.runner.check_latent) if repair
+            else None)
 
     @property
     def sequences(self) -> list[Sequence]:

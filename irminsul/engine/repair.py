@@ -24,6 +24,11 @@ compute):
   first-order drop of that error when its fresh c_KV replaces the cached one. Reused tokens'
   errors partly offset each other: recomputing a token whose error offsets the others' raises
   the output's error, which the size of its deviation cannot tell.
+* **recent** (``recompute_rule`` "recent", the same share): :func:`nearest_the_end` ranks the
+  reused tokens by position, so the share computed is the reused tokens nearest the prompt's
+  end: the rows the prompt's tail and the reply attend to at the shortest distance. No check
+  forward: it costs only the tokens it computes. With ``recompute_head`` the two take different
+  rows, each run's first tokens and the last runs' ends (docs/quality.md measures both).
 
 The stretches are the cache manager's ``[kind, start, end, hits]`` lists (kind "prefix",
 "derived", "reuse" or "compute"; a reuse's hits are the plan's segments it serves, trimmed to
@@ -95,6 +100,13 @@ def recompute_deviating(stretches: list[list], prompt: np.ndarray, share: float,
         return stretches
     return recompute_at(stretches, positions[most_deviating(
         deviation(prompt, positions, slots), share)])
+
+
+def nearest_the_end(prompt: np.ndarray, positions: np.ndarray,
+                    ckv_slots: np.ndarray) -> np.ndarray:
+    """The "recent" rule's ranking (a :data:`Deviation` that reads no row): each reused
+    position scores its position, so :func:`most_deviating` picks the last ones."""
+    return np.asarray(positions, dtype=np.float64)
 
 
 def most_deviating(scores: np.ndarray, share: float) -> np.ndarray:

@@ -370,3 +370,27 @@ def test_share_counts_only_tokens_the_plan_reuses_when_the_prompt_ends_reused(mo
         engine.check()
     assert counts[0] == DOC_A + DOC_B - 1
     assert counts[1] == counts[0] - int(0.1 * counts[0])
+
+
+@pytest.mark.parametrize("head", [0, 8])
+def test_recent_rule_computes_the_last_reused_tokens_and_serves_them(model3, docs,
+                                                                     head: int) -> None:
+    """recompute_rule="recent" computes the floor(r · reused) reused tokens nearest the prompt's
+    end — of those the heads (recompute_head) leave reused — runs no check forward, and serves
+    the hand-assembled cache with exactly those computed."""
+    engine, prefill = planned(model3, docs, 0.0, recompute_head=head)
+    reused = sorted(positions_of(prefill, "reuse"))
+    engine.abort_prefill(prefill)
+    engine, prefill = planned(model3, docs, 0.2, recompute_head=head, recompute_rule="recent")
+    assert engine.runner.check_depth == 0  # no check forward was built
+    last = set(reused[len(reused) - int(0.2 * len(reused)):])
+    assert len(last) > 0 and positions_of(prefill, "reuse") == set(reused) - last
+    computed, kept = positions_of(prefill, "compute"), positions_of(prefill, "reuse")
+    logits = None
+    while (span := engine.advance(prefill, prefill.prompt.size)) is not None:
+        logits = engine.run_batch([(prefill.seq, *span)])[0][-1]
+    engine.complete_prefill(prefill)
+    want = assembled_logits(model3, docs, computed, kept)
+    assert (logits - want).abs().max() <= 1e-4 * want.abs().max()
+    engine.finish(prefill.seq)
+    engine.check()
