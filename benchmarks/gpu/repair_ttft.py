@@ -20,6 +20,9 @@ so that no kernel compiles inside a timed request:
                (``--signed``, ``--check-layers``): the share whose fresh rows most lower the
                prompt tail's attention error at layers 1..n (a check forward through n layers
                and one attention backward per layer pick them)
+    recent r (+ head k)  live, recompute_share = r with recompute_rule "recent": the share of
+               the reused tokens nearest the prompt's end, no check forward (``--recent``), with
+               recompute_head = k as well for each k of ``--recent-heads`` (0: none)
 
 Per setting also the tokens PIC served and the tokens repair computed instead. ServeStats records
 no recomputed count, so it is live's PIC tokens less the setting's, request by request: every
@@ -62,7 +65,8 @@ WARMUP = 2  # the first request registers the body; the second is the first serv
 
 
 def settings(heads: list[int], shares: list[float], signed: list[float] = (),
-             check_layers: list[int] = (3,), no_sub_windows: bool = False
+             check_layers: list[int] = (3,), no_sub_windows: bool = False,
+             recent: list[float] = (), recent_heads: list[int] = (0,)
              ) -> list[tuple[str, str, CacheConfig]]:
     """(label, mode, cache config) of every setting: off, live without repair, (live without the
     registry's sub-windows,) then each k, each r, and each signed r at each number of check
@@ -74,7 +78,10 @@ def settings(heads: list[int], shares: list[float], signed: list[float] = (),
             + [(f"signed {r:.0%} L{n}", "live",
                 CacheConfig(recompute_share=r, recompute_rule="signed",
                             recompute_check_layer=n))
-               for r in signed for n in check_layers])
+               for r in signed for n in check_layers]
+            + [(f"recent {r:.0%}" + (f" + head {k}" if k else ""), "live",
+                CacheConfig(recompute_share=r, recompute_rule="recent", recompute_head=k))
+               for k in recent_heads for r in recent])
 
 
 def measure(model: MLAModel, requests: list[ShiftRequest], mode: str, cache: CacheConfig,
@@ -132,6 +139,10 @@ def main() -> None:
                         help="values of recompute_share (r)")
     parser.add_argument("--signed", type=float, nargs="*", default=[],
                         help="recompute shares r under the signed rule (none by default)")
+    parser.add_argument("--recent", type=float, nargs="*", default=[],
+                        help="recompute shares r under the recent rule (none by default)")
+    parser.add_argument("--recent-heads", type=int, nargs="+", default=[0],
+                        help="EPIC heads k computed with each --recent share as well")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[3],
                         help="check layers n of the signed settings")
     parser.add_argument("--no-sub-windows", action="store_true",
@@ -160,7 +171,7 @@ def main() -> None:
         "requests": args.requests,
         "warmup": WARMUP, "graphs": args.graphs, "settings": []}
     configs = settings(args.heads, args.shares, args.signed, args.check_layers,
-                       args.no_sub_windows)
+                       args.no_sub_windows, args.recent, args.recent_heads)
     if default_kernels(model):
         # Every setting once untimed first: Triton compiles a kernel variant on the first call
         # of each new specialisation (span sizes differ by setting and request), taking seconds
