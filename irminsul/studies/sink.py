@@ -42,6 +42,9 @@ computed on every path, after the same header rows and the body's rows served fi
                        place (CacheBlend-style repair, ``CacheConfig.recompute_share``): in
                        position order, each computed run after every row before it, reused or
                        computed, as the engine serves a plan whose reuse has computed holes.
+    pic_recent         as pic, and the same share of the body's tokens, its last ones (those
+                       nearest the tail), computed in place after the rest (the recent rule,
+                       ``CacheConfig.recompute_rule`` "recent").
 
 The tail-attention mass to [0, 32) (mean over attention heads and tail queries) is taken per layer
 and sample; each path's deviation is |mass − mass_fresh|, averaged over layers and samples (the
@@ -79,7 +82,7 @@ from .text import AgentText
 SINK = 32  # k: the carve-out's width
 POSITIONS = (0, 32, 64, 128, 256, 384, 512, 1024, 2048, 3584)  # Figure 3 / Table 4's p
 HEADER_RANGE = (64, 512)  # header lengths H_t, H_s, H_c are drawn from this range
-PATHS = ("pic", "naive", "pic_no_carve_out", "pic_head", "pic_blend")
+PATHS = ("pic", "naive", "pic_no_carve_out", "pic_head", "pic_blend", "pic_recent")
 PAPER = {"W_mla": {"32": 0.26, "512": 0.24, "3584": 0.23},  # Table 4, DSv2-Lite
          "S_mla": {"32": 0.48, "512": 0.43, "3584": 0.42},
          "deviation_pic_max": 0.003, "naive_over_pic": [2.4, 9.0]}
@@ -96,7 +99,8 @@ class SinkSettings:
     seed: int = 0
     positions: tuple[int, ...] = POSITIONS
     repair_head: int = 32  # pic_head: the body's first tokens computed in place (EPIC's k)
-    repair_share: float = 0.10  # pic_blend: the share of the body's tokens computed in place
+    # pic_blend, pic_recent: the share of the body's tokens computed in place
+    repair_share: float = 0.10
     repair_check_layer: int = 1  # pic_blend: the layer whose c_KV deviation picks them
 
     def check(self, layers: int) -> None:
@@ -261,6 +265,9 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         gap = (in_place[check][:, :rank] - served[check][:, :rank]).double().norm(dim=-1)
         picked = most_deviating(gap.numpy(), settings.repair_share)
         paths["pic_blend"].append(tail_mass(blended(model, body, h_t, header, served, picked)))
+        # The recent rule: the same share, the body's tokens nearest the tail.
+        last = np.arange(body.size - int(settings.repair_share * body.size), body.size)
+        paths["pic_recent"].append(tail_mass(blended(model, body, h_t, header, served, last)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
         other = [r[:h_c] for r in contexts[(i + 1) % len(contexts)]]

@@ -71,7 +71,7 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
         # At p = 0 the chunk starts the prompt: W and S coincide by construction.
         assert anchoring["W"][0] == pytest.approx(anchoring["S"][0], abs=1e-4)
         assert set(carve["deviation"]) == {"pic", "naive", "pic_no_carve_out", "pic_head",
-                                           "pic_blend"}
+                                           "pic_blend", "pic_recent"}
         assert (report["settings"]["repair_share"],
                 report["settings"]["repair_check_layer"]) == (0.2, 1)
         # Layer 0's rows are position-and-token only: PIC is exact there.
@@ -84,11 +84,13 @@ def test_study_writes_png_and_json(study: str, model_dir: Path, tmp_path: Path,
 
 @pytest.mark.parametrize(("path", "repair", "whole"), [
     ("pic_head", {"repair_head": 0}, False), ("pic_head", {"repair_head": 256}, True),
-    ("pic_blend", {"repair_share": 0.0}, False), ("pic_blend", {"repair_share": 1.0}, True)])
+    ("pic_blend", {"repair_share": 0.0}, False), ("pic_blend", {"repair_share": 1.0}, True),
+    ("pic_recent", {"repair_share": 0.0}, False), ("pic_recent", {"repair_share": 1.0}, True)])
 def test_sink_repair_paths_span_pic_to_fresh(model_dir: Path, path: str, repair: dict,
                                              whole: bool) -> None:
     """The carve-out's repair paths compute some of the body's tokens in place (EPIC: its first
-    ``repair_head``; CacheBlend: the ``repair_share`` deviating most): none is the plain PIC
+    ``repair_head``; CacheBlend: the ``repair_share`` deviating most; recent: that share's
+    last tokens): none is the plain PIC
     path, the whole body the fresh path (up to float summation order) — the two references
     they must lie between."""
     model = load_model(model_dir)
