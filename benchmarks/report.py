@@ -1096,6 +1096,11 @@ def _repair_rankings(methods: set[str]) -> str:
         text += (" *signed r @LN*: the share r whose fresh c_KV most lowers the prompt tail's "
                  "attention error at layers 1 .. N, to first order (`recompute_rule` "
                  "\"signed\"; its check forward runs N layers).")
+    if "recent" in methods:
+        text += (" *recent r*: the share r of the reused tokens nearest the prompt's end "
+                 "(`recompute_rule` \"recent\"; no check forward), *+ EPIC k* with the first k "
+                 "of every reused run as well; its share is of the tokens the heads leave "
+                 "reused.")
     if methods & {"oracle", "gradient"}:
         text += (" *oracle r* and *gradient r* are bounds no server can afford: the share r "
                  "with the largest c_KV deviation from full recomputation summed over every "
@@ -1290,6 +1295,7 @@ def performance(results: Path = RESULTS) -> str:
         ("cpu-repair-*.json", lambda p: repair(_load(p), p.name)),  # its variants after it
         ("gpu-repair.json", lambda p: repair(_load(p), p.name)),
         ("gpu-repair-healed.json", lambda p: repair(_load(p), p.name)),
+        ("gpu-repair-recent-h100.json", lambda p: repair(_load(p), p.name)),
         ("gpu-heal.json", lambda p: heal(_load(p), p.name)),
         ("gpu-repair-ttft.json", lambda p: repair_ttft(_load(p), p.name)),
         ("gpu-repair-ttft-*.json", lambda p: repair_ttft(_load(p), p.name)),
