@@ -153,11 +153,8 @@ def _store_latent_kernel(KV_A, WEIGHT, CIS, CKV, KR, CKV_SLOTS, KR_SLOTS, Q_ROPE
                          QUERY: tl.constexpr, HEADS_P2: tl.constexpr, BY_HAND: tl.constexpr,
                          ABSORB: tl.constexpr, NOPE: tl.constexpr, ABS_RANK: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, RELEASE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
-    if RELEASE:
-        release_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     if ABSORB:  # programs past the tokens' each absorb one tile of the query
         if t >= tokens:
@@ -259,8 +256,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
                  interleaved: bool, ckv: torch.Tensor, kr: torch.Tensor, ckv_slots: torch.Tensor,
                  kr_slots: torch.Tensor, q_rope: torch.Tensor | None = None,
                  q_out: torch.Tensor | None = None, q_nope: torch.Tensor | None = None,
-                 w_uk: torch.Tensor | None = None, absorbed: torch.Tensor | None = None, *,
-                 release: bool = False) -> None:
+                 w_uk: torch.Tensor | None = None, absorbed: torch.Tensor | None = None) -> None:
     """Store the new tokens' latent rows in one layer of the pool: ``ckv[ckv_slots[t]] =
     rms_norm(kv_a[t, :rank]) · norm_weight`` and ``kr[kr_slots[t]] = kv_a[t, rank:]`` rotated
     by ``cis[t]`` — ``MLAttention.latent`` followed by ``PagedKV.store``.
@@ -284,11 +280,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
     nope columns of the q projection, W_UK's rows of kv_b_proj and the latent columns of the
     attention kernel's query buffer): also the absorbed query ``absorbed[t, h] = q_nope[t, h] @
     w_uk[h]`` — ``MLAttention._absorb``, a bmm of its own before — by more programs of the same
-    launch, in float32 tiles rounded once to absorbed's dtype.
-
-    ``release``: let the next launch start once this one's programs have waited, for a next
-    launch that reads what it can before its own wait (the attention's stored rows:
-    :func:`~irminsul.kernels.mla_attention.reads_ahead`)."""
+    launch, in float32 tiles rounded once to absorbed's dtype."""
     if kv_a.dim() != 2 or ckv.dim() != 2 or kr.dim() != 2:
         raise ValueError(f"kv_a {tuple(kv_a.shape)}, ckv {tuple(ckv.shape)} and kr "
                          f"{tuple(kr.shape)} must be 2-D (one layer's pool slices)")
@@ -331,7 +323,7 @@ def store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cis:
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), HALF=rope // 2,
         HALF_P2=triton.next_power_of_2(rope // 2), STEP=step, SHIFT=shift, QUERY=heads > 0,
         HEADS_P2=triton.next_power_of_2(max(heads, 1)), BY_HAND=interpreted(),
-        **absorb_meta, RELEASE=release, **pdl_args(kv_a.device),
+        **absorb_meta, **pdl_args(kv_a.device),
         num_warps=4 if rank <= 1024 else 8)
 
 

@@ -55,51 +55,6 @@ SHORT_FORWARD = 512
 # A split launch's merge releases the next launch early when asked (paged_mla_attention's
 # ``release``: W_UV's GEMV, which reads its weight before its wait). A switch for an A/B.
 MERGE_RELEASES = True
-# The split launch (decode batches below PIECES_FROM_BLOCKS blocks) reads its tables and the
-# first step's stored rows before it waits for the launch before it (the latent store, which
-# releases it early: reads_ahead), so those keys stream while the store still runs. A switch
-# for an A/B.
-READS_AHEAD = True
-
-
-@triton.jit
-def _key_rows(CKV, KR, KV_CKV, KV_KR, kv0, keys, key_ok, load, c_stride, r_stride,
-              RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr):
-    """A step's c_KV slots and the rows ``load`` selects: c_KV [N, RANK] and k_r [N, ROPE_P2]
-    (0 elsewhere)."""
-    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
-    c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
-    r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
-    c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=load[:, None], other=0.0)
-    k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
-                  mask=load[:, None] & (rdims < ROPE)[None, :], other=0.0)
-    return c_slot, r_slot, c, k_r
-
-
-@triton.jit
-def _attend_step(q_nope, q_r, c, k_r, c_slot, CKV, keys, key_ok, visible, c_stride, scale_log2,
-                 vcols, m_i, l_i, acc, RANK: tl.constexpr, DV: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """The online softmax's running max, sum and output, updated by one step of keys."""
-    # q_r·k_r is a plain dot product over the rope dims: the rotary's pair layout does not
-    # matter here (rows are stored rotated), so both are read whole and contiguous.
-    s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
-    s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-    # A step may run past its range's end (a split's or a chunk's): keys there are
-    # another program's, visible or not.
-    seen = (keys[None, :] < visible[:, None]) & key_ok[None, :]
-    s = tl.where(seen, s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DV == RANK:
-        v = c
-    else:
-        v = tl.load(CKV + c_slot[:, None] * c_stride + vcols[None, :], mask=key_ok[:, None],
-                    other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -109,14 +64,36 @@ def _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible, 
                  BLOCK_N: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of a block's rows over keys ``start:end`` of its request (entries ``kv0 +
     key`` of the slot lists): the running max, sum and output, updated."""
+    # q_r·k_r is a plain dot product over the rope dims: the rotary's pair layout does not
+    # matter here (rows are stored rotated), so both are read whole and contiguous.
+    dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
+    rope_ok = rdims < ROPE
     for n in range(start, end, BLOCK_N):
         keys = n + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        c_slot, _, c, k_r = _key_rows(CKV, KR, KV_CKV, KV_KR, kv0, keys, key_ok, key_ok,
-                                      c_stride, r_stride, RANK, ROPE, ROPE_P2)
-        m_i, l_i, acc = _attend_step(q_nope, q_r, c, k_r, c_slot, CKV, keys, key_ok, visible,
-                                     c_stride, scale_log2, vcols, m_i, l_i, acc, RANK, DV,
-                                     PRECISION)
+        c_slot = tl.load(KV_CKV + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
+        r_slot = tl.load(KV_KR + kv0 + keys, mask=key_ok, other=0).to(tl.int32).to(tl.int64)
+        c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=key_ok[:, None],
+                    other=0.0)
+        k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
+                      mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
+        s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
+        s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        # A step may run past its range's end (a split's or a chunk's): keys there are
+        # another program's, visible or not.
+        seen = (keys[None, :] < visible[:, None]) & key_ok[None, :]
+        s = tl.where(seen, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DV == RANK:
+            v = c
+        else:
+            v = tl.load(CKV + c_slot[:, None] * c_stride + vcols[None, :], mask=key_ok[:, None],
+                        other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -156,14 +133,10 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
                 RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
                 SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                PRECISION: tl.constexpr, READ_AHEAD: tl.constexpr,
+                PRECISION: tl.constexpr,
                 PDL: tl.constexpr):
-    if not READ_AHEAD:
-        wait_for_previous(PDL)
+    wait_for_previous(PDL)
     blk, split, vblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The tables are the host's (copied in before the forward's first launch), so with
-    # READ_AHEAD they are read before the wait, as are the rows of the first step's keys that
-    # earlier forwards stored: only the last nq keys of a request are this forward's.
     kv0, kvlen, row_ok, grow, visible = _block_rows(BLK_REQ, BLK_ROW0, REQ_Q0, REQ_NQ,
                                                     REQ_KV0, REQ_KVLEN, blk, heads, BLOCK_M)
     # Each request splits its own keys evenly over the launch's splits (in whole steps of 64
@@ -171,33 +144,12 @@ def _mla_kernel(Q, CKV, KR, OUT, LSE, KV_CKV, KV_KR,
     split_len = tl.cdiv(tl.cdiv(kvlen, tl.num_programs(1)), _SPLIT_ALIGN) * _SPLIT_ALIGN
     start = split * split_len
     end = tl.minimum(start + split_len, tl.max(tl.where(row_ok, visible, 0)))
+    q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked block stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     vcols = vblk * DV + tl.arange(0, DV)
-    rest = start  # where the loop's steps begin
-    if READ_AHEAD:
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < end
-        stored = kvlen - tl.load(REQ_NQ + tl.load(BLK_REQ + blk)).to(tl.int32)
-        old = key_ok & (keys < stored)
-        c_slot, r_slot, c, k_r = _key_rows(CKV, KR, KV_CKV, KV_KR, kv0, keys, key_ok, old,
-                                           c_stride, r_stride, RANK, ROPE, ROPE_P2)
-        wait_for_previous(PDL)
-        # This forward's rows of the step (the latent store's, just before): read now.
-        new = key_ok & (keys >= stored)
-        dims, rdims = tl.arange(0, RANK), tl.arange(0, ROPE_P2)
-        c = tl.load(CKV + c_slot[:, None] * c_stride + dims[None, :], mask=new[:, None], other=c)
-        k_r = tl.load(KR + r_slot[:, None] * r_stride + rdims[None, :],
-                      mask=new[:, None] & (rdims < ROPE)[None, :], other=k_r)
-        q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
-        m_i, l_i, acc = _attend_step(q_nope, q_r, c, k_r, c_slot, CKV, keys, key_ok, visible,
-                                     c_stride, scale_log2, vcols, m_i, l_i, acc, RANK, DV,
-                                     PRECISION)
-        rest = start + BLOCK_N
-    else:
-        q_nope, q_r = _load_query(Q, grow, row_ok, q_stride, RANK, ROPE, ROPE_P2)
-    m_i, l_i, acc = _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, rest, end, visible,
+    m_i, l_i, acc = _attend_keys(q_nope, q_r, CKV, KR, KV_CKV, KV_KR, kv0, start, end, visible,
                                  c_stride, r_stride, scale_log2, vcols, m_i, l_i, acc,
                                  RANK, ROPE, ROPE_P2, BLOCK_N, DV, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -565,18 +517,11 @@ def paged_mla_attention(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor,
         heads, scale * LOG2E, q.stride(1), ckv.stride(0),
         kr.stride(0), rows, RANK=rank, ROPE=rope, ROPE_P2=rope_p2,
         SPLIT=layout.splits > 1, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision, READ_AHEAD=READS_AHEAD,
-        **pdl_args(q.device),
+        BLOCK_N=tiles.block_n, DV=dv, PRECISION=precision, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if layout.splits > 1:
         out = merge_splits(out, lse, q.dtype, release=release and MERGE_RELEASES)
     return out.view(tokens, heads, rank)
-
-
-def reads_ahead(layout: PagedLayout) -> bool:
-    """Whether :func:`paged_mla_attention` over ``layout`` reads stored rows before it waits for
-    the launch before it: a launch that releases it early lets those reads overlap its work."""
-    return READS_AHEAD and layout.schedule is None
 
 
 def _scheduled(q: torch.Tensor, ckv: torch.Tensor, kr: torch.Tensor, layout: PagedLayout,

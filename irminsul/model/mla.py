@@ -228,7 +228,7 @@ class MLAttention(nn.Module):
         and stores the new latent rows and writes the attention query (its rope columns
         rotated, its latent part absorbed through W_UK); W_UV writes the o_proj's input layout
         directly; the same arithmetic as the torch ops they replace."""
-        from ..kernels import gemv, mla_attention, paged_mla_attention, store_latent
+        from ..kernels import gemv, paged_mla_attention, store_latent
 
         tokens = x.shape[0]
         joint = self._joined()
@@ -249,8 +249,7 @@ class MLAttention(nn.Module):
         store_latent(latent_in, norm.weight, norm.eps, cis,
                      self.rotary.interleaved, kv.ckv[self.layer], kv.kr[self.layer], kv.new_ckv,
                      kv.new_kr, q_rope=q[..., self.nope:], q_out=query[..., self.rank:],
-                     q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank],
-                     release=mla_attention.reads_ahead(kv.layout))
+                     q_nope=q[..., :self.nope], w_uk=w_uk, absorbed=query[..., :self.rank])
         uv_gemv = gemv.takes(tokens, x.dtype, w_uv)  # the merge lets it read W_UV meanwhile
         latent = paged_mla_attention(query, kv.ckv[self.layer], kv.kr[self.layer], kv.layout,
                                      self.scale, release=uv_gemv)
