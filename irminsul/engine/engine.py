@@ -9,6 +9,7 @@ same engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, Peers, StagedForward, resolve_backend
 from .repair import nearest_the_end
+from .sampler import NonFiniteLogits
 from .sequence import Prefill, Sequence
 
 # The live-PIC audit's recomputations run in a namespace of their own: requests' namespaces are
@@ -247,13 +249,17 @@ class Engine:
 
     def generate(self, tokens: Iterable[int], max_tokens: int, *, resets: Iterable[int] = (),
                  namespace: int = 0, stop: Iterable[int] = ()) -> tuple[list[int], Sequence]:
-        """Greedy decoding: up to ``max_tokens`` new tokens, stopping after a stop token."""
+        """Greedy decoding: up to ``max_tokens`` new tokens, stopping after a stop token. Raises
+        :class:`~.sampler.NonFiniteLogits` (the sequence's slots freed) where the logits give no
+        token to pick."""
         stop_ids = set(stop)
         seq, logits = self.prefill(tokens, resets, namespace=namespace)
         out: list[int] = []
         try:
             while len(out) < max_tokens:
                 token = int(logits.argmax())
+                if not math.isfinite(float(logits[token])):  # a NaN's or +inf's index, or all -inf
+                    raise NonFiniteLogits.after(len(out))
                 out.append(token)
                 if token in stop_ids or len(out) == max_tokens:
                     break

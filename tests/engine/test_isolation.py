@@ -226,3 +226,34 @@ def test_a_fault_finishing_a_request_fails_it_alone(model, clean, monkeypatch) -
     got, scheduler = _fails_alone(model, clean, "injected fault remembering")
     assert len(got["poison"]) == 11  # every token but the one whose finish failed
     assert scheduler.load().failed == 1 and not scheduler.engine.sequences
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_generate_refuses_non_finite_logits_and_frees_the_sequence(model, monkeypatch,
+                                                                   bad: str) -> None:
+    """The synchronous API's greedy loop: where a step's logits give no token (a NaN, a +inf,
+    all -inf) it raises NonFiniteLogits naming how far it got, instead of taking the NaN's
+    index or 0, and the sequence's slots are all back (the engine's own check)."""
+    from irminsul.engine.sampler import NonFiniteLogits
+
+    engine = Engine(model, EngineConfig(slots=600, mode="live"))
+    prompt = _prompts(1)[0]
+    want, _ = Engine(model, EngineConfig(slots=600, mode="live")).generate(prompt, 6)
+    extend, calls = engine.extend, []
+
+    def poisoned(seq, tokens):  # noqa: ANN001, ANN202
+        logits = extend(seq, tokens)
+        calls.append(1)
+        if len(calls) == 3:  # the third generated token's logits
+            logits = logits.clone()
+            logits[-1] = float(bad) if bad != "-inf" else -math.inf
+            if bad == "nan":
+                logits[-1, :5] = 1.0  # finite values before the NaN: argmax still takes it
+        return logits
+
+    monkeypatch.setattr(engine, "extend", poisoned)
+    with pytest.raises(NonFiniteLogits, match="after 3 generated tokens"):
+        engine.generate(prompt, 6)
+    engine.check()
+    monkeypatch.setattr(engine, "extend", extend)
+    assert engine.generate(prompt, 6)[0] == want  # the engine serves on, as before
