@@ -9,7 +9,6 @@ same engine.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -22,7 +21,7 @@ from .cache_manager import CacheManager, Span
 from .kv_pool import KVPool, unpack
 from .model_runner import ModelRunner, Peers, StagedForward, resolve_backend
 from .repair import nearest_the_end
-from .sampler import NonFiniteLogits
+from .sampler import greedy_token
 from .sequence import Prefill, Sequence
 
 # The live-PIC audit's recomputations run in a namespace of their own: requests' namespaces are
@@ -257,9 +256,7 @@ class Engine:
         out: list[int] = []
         try:
             while len(out) < max_tokens:
-                token = int(logits.argmax())
-                if not math.isfinite(float(logits[token])):  # a NaN's or +inf's index, or all -inf
-                    raise NonFiniteLogits.after(len(out))
+                token = greedy_token(logits, len(out))
                 out.append(token)
                 if token in stop_ids or len(out) == max_tokens:
                     break

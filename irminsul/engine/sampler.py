@@ -53,6 +53,17 @@ class NonFiniteLogits(ValueError):
                    "generated tokens; cannot pick the next")
 
 
+def greedy_token(logits: torch.Tensor, generated: int | None = None) -> int:
+    """The first index of the maximum of logits [vocab]. Raises :class:`NonFiniteLogits` where
+    that maximum is not a finite number (a NaN's or a +inf's index, or 0 of a row all -inf),
+    said after ``generated`` tokens where the caller knows how many."""
+    token = int(logits.argmax())
+    if not math.isfinite(float(logits[token])):
+        raise (NonFiniteLogits("the model's logits are not finite; cannot pick a token")
+               if generated is None else NonFiniteLogits.after(generated))
+    return token
+
+
 def greedy_tokens(rows: list[torch.Tensor]) -> torch.Tensor:
     """Greedy sampling of a batch, int64 [2, B] on the rows' device, nothing read back: each
     logits row's argmax (first index of the maximum), then 1 where the row's maximum is finite,
@@ -83,10 +94,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: np.random.Ge
     """One token id from logits [vocab]. Raises :class:`NonFiniteLogits` when the logits give
     no token to pick (the caller fails that request alone)."""
     if params.greedy:
-        token = int(logits.argmax())
-        if not math.isfinite(float(logits[token])):  # a NaN's or +inf's index, or 0 of all -inf
-            raise NonFiniteLogits("the model's logits are not finite; cannot pick a token")
-        return token
+        return greedy_token(logits)
     logits = logits.float()
     # Subtracting the maximum first keeps logits / T finite for any T >= GREEDY_BELOW.
     logits = (logits - logits.max()) / params.temperature

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from ..analysis.report import table
-from ..engine.repair import check_layer_fits, most_deviating, recompute_at
+from ..engine.repair import check_layer_fits, most_deviating, nearest_the_end, recompute_at
 from ..model import MLAModel
 from .attention import AttentionProbe
 from .plot import figure, save_png
@@ -265,8 +265,10 @@ def carve_out(model: MLAModel, text: AgentText, settings: SinkSettings, contexts
         gap = (in_place[check][:, :rank] - served[check][:, :rank]).double().norm(dim=-1)
         picked = most_deviating(gap.numpy(), settings.repair_share)
         paths["pic_blend"].append(tail_mass(blended(model, body, h_t, header, served, picked)))
-        # The recent rule: the same share, the body's tokens nearest the tail.
-        last = np.arange(body.size - int(settings.repair_share * body.size), body.size)
+        # The recent rule: the same share, the body's tokens nearest the tail, picked by the
+        # engine's ranking.
+        offsets = np.arange(body.size)
+        last = most_deviating(nearest_the_end(body, offsets, offsets), settings.repair_share)
         paths["pic_recent"].append(tail_mass(blended(model, body, h_t, header, served, last)))
         # Without the carve-out: header tokens [1, SINK) come from a prompt where they followed
         # h_c other tokens, rotated into place; the rest of the header is computed after them.
