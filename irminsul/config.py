@@ -70,6 +70,11 @@ class CacheConfig:
     # "recent": the reused tokens nearest the prompt's end, those the tail and the reply attend
     # to at the shortest distance; no check forward (recompute_check_layer unused).
     recompute_rule: str = "deviation"
+    # Repair's cap (0: none): at most this share of a prompt's reused tokens is computed, heads
+    # and share together. The share's tokens are kept and recompute_head shrinks, per prompt, to
+    # the largest k whose heads fit in what is left: where a prompt is many short reused runs
+    # (re-ranked documents) k tokens of each would compute far more than the share.
+    recompute_budget: float = 0.0
     # Heal (live): a finished sequence that was served reused rows is queued, and when the
     # engine is idle its rows from the first reused one on are computed again over the exact
     # rows before them and replace the reused ones in both indexes. A later turn then matches
@@ -87,6 +92,12 @@ class CacheConfig:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError(f"recompute_share must be in [0, 1], got {self.recompute_share}")
+        if not 0.0 <= self.recompute_budget <= 1.0:
+            raise ValueError(f"recompute_budget must be in [0, 1], got {self.recompute_budget}")
+        if self.recompute_budget and self.recompute_budget < self.recompute_share:
+            raise ValueError(f"recompute_budget ({self.recompute_budget}) is below "
+                             f"recompute_share ({self.recompute_share}): the share alone "
+                             "would exceed it")
         if self.heal_queue < 1:
             raise ValueError(f"heal_queue must be >= 1, got {self.heal_queue}")
         if self.recompute_rule not in ("deviation", "signed", "recent"):

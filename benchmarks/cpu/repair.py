@@ -27,6 +27,7 @@ GPU: its KL figures mean nothing).
     python benchmarks/cpu/repair.py [--heads 0 2 4 8 16 32] [--shares 0.05 0.10 0.15]
                                     [--check-layers 1] [--workloads agent_meta ...]
                                     [--requests 12] [--tokens 16]
+                                    [--recent 0.05] [--recent-heads 32] [--budgets 0 0.1]
                                     [--model DIR | --random-weights] [--device cpu|cuda] [--heal]
                                     [--out F]
 """
@@ -59,15 +60,18 @@ from irminsul.traffic.workloads import PATTERNS  # noqa: E402
 def settings(heads: list[int], shares: list[float], check_layers: list[int],
              oracle: list[float] | None = None,
              signed: list[float] | None = None, recent: list[float] | None = None,
-             recent_heads: list[int] | None = None) -> list[dict[str, Any]]:
+             recent_heads: list[int] | None = None,
+             budgets: list[float] | None = None) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
     out += [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
             for layer in check_layers for r in shares]
     out += [{"method": "signed", "recompute_share": r, "check_layer": layer}
             for layer in check_layers for r in signed or []]
-    out += [{"method": "recent", "recompute_share": r, "recompute_head": k, "check_layer": 1}
-            for k in recent_heads or [0] for r in recent or []]
+    out += [{"method": "recent", "recompute_share": r, "recompute_head": k, "check_layer": 1,
+             "recompute_budget": b}
+            for b in budgets or [0.0] for k in recent_heads or [0] for r in recent or []
+            if not b or (k and r <= b)]
     return out + [{"method": method, "recompute_share": r, "check_layer": 1}
                   for method in ("oracle", "gradient") for r in oracle or []]
 
@@ -77,7 +81,9 @@ def label(setting: dict[str, Any]) -> str:
         return f"EPIC k={setting['recompute_head']}"
     if setting["method"] == "recent":
         head = setting["recompute_head"]
-        return f"recent r={setting['recompute_share']:.0%}" + (f" + EPIC k={head}" if head else "")
+        budget = setting.get("recompute_budget", 0.0)
+        return (f"recent r={setting['recompute_share']:.0%}" + (f" + EPIC k={head}" if head else "")
+                + (f" within {budget:.0%}" if budget else ""))
     if setting["method"] in ("oracle", "gradient"):
         return f"{setting['method']} r={setting['recompute_share']:.0%}"
     layer = setting["check_layer"]
@@ -91,7 +97,7 @@ def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "recent":
         return CacheConfig(recompute_head=setting["recompute_head"],
                            recompute_share=setting["recompute_share"], recompute_rule="recent",
-                           heal=heal)
+                           recompute_budget=setting.get("recompute_budget", 0.0), heal=heal)
     # The oracles replace the deviation rule's check (oracle_deviation, gradient_deviation).
     rule = "signed" if setting["method"] == "signed" else "deviation"
     return CacheConfig(recompute_share=setting["recompute_share"], recompute_rule=rule,
@@ -319,6 +325,9 @@ def main() -> None:
                         "the prompt's end (recompute_rule 'recent')")
     parser.add_argument("--recent-heads", type=int, nargs="+", default=[0],
                         help="EPIC heads computed with each --recent share as well")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.0],
+                        help="recompute_budget of each --recent setting with heads (0: no cap; "
+                        "the heads shrink so heads and share stay within it)")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
                         help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
@@ -348,7 +357,7 @@ def main() -> None:
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
     repairs = settings(args.heads, args.shares, args.check_layers, args.oracle, args.signed,
-                       args.recent, args.recent_heads)
+                       args.recent, args.recent_heads, args.budgets)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:

@@ -124,6 +124,11 @@ def repair_options(parser: argparse.ArgumentParser) -> None:
                         "deviations at the check layer, the largest drops of the prompt "
                         "tail's attention error at layers 1 .. the check layer, or the reused "
                         "tokens nearest the prompt's end (no check; docs/quality.md)")
+    parser.add_argument("--recompute-budget", type=float, metavar="B",
+                        default=ENGINE.cache.recompute_budget,
+                        help="live mode, repair: compute at most this share of each prompt's "
+                        "reused tokens, heads and share together; the heads shrink to fit "
+                        "(0: no cap)")
     parser.add_argument("--recompute-check-layer", type=int, metavar="N",
                         default=ENGINE.cache.recompute_check_layer,
                         help="the check forward's layer (deviation) or last layer (signed); "
@@ -168,6 +173,7 @@ def repair_cache(args: argparse.Namespace) -> CacheConfig:
     return dataclasses.replace(ENGINE.cache, recompute_head=args.recompute_head,
                                recompute_share=args.recompute_share,
                                recompute_rule=args.recompute_rule,
+                               recompute_budget=args.recompute_budget,
                                recompute_check_layer=args.recompute_check_layer,
                                s1=ENGINE.cache.s1 and not args.no_sub_windows)
 

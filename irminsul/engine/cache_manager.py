@@ -35,7 +35,7 @@ from ..cache.registry import ChunkEntry
 from ..config import CacheConfig, Mode
 from .batch import ForwardBatch, Reuse
 from .kv_pool import KVPool, PoolExhausted, unpack
-from .repair import Deviation, recompute_deviating, recompute_heads
+from .repair import Deviation, heads_within, recompute_deviating, recompute_heads, reused_count
 from .sequence import Prefill, Sequence, Stretch
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class CacheManager:
         # tokens whose c_KV deviates most, computed instead.
         self.recompute_head = config.recompute_head if mode == "live" else 0
         self.recompute_share = config.recompute_share if mode == "live" else 0.0
+        self.recompute_budget = config.recompute_budget if mode == "live" else 0.0
         if self.recompute_share and latent_check is None:
             raise ValueError("recompute_share needs the runner's latent check")
         self.latent_check = latent_check
@@ -295,8 +296,13 @@ class CacheManager:
             if start == end - 1:
                 stretches.pop()
             stretches.append(["compute", end - 1, end, []])
-        if self.recompute_head:
-            stretches = recompute_heads(stretches, self.recompute_head)
+        head = self.recompute_head
+        if head and self.recompute_budget:  # the share's tokens first, the heads in what is left
+            reused = reused_count(stretches)
+            head = heads_within(stretches, head, int(self.recompute_budget * reused)
+                                - int(self.recompute_share * reused))
+        if head:
+            stretches = recompute_heads(stretches, head)
         if self.recompute_share:
             stretches = recompute_deviating(stretches, plan.tokens, self.recompute_share,
                                             self.latent_check, plan.prefix.handles)

@@ -394,3 +394,34 @@ def test_recent_rule_computes_the_last_reused_tokens_and_serves_them(model3, doc
     assert (logits - want).abs().max() <= 1e-4 * want.abs().max()
     engine.finish(prefill.seq)
     engine.check()
+
+
+def test_budget_shrinks_the_heads_to_what_the_share_leaves(model3, docs) -> None:
+    """recompute_budget=b caps heads and share together at floor(b · reused): the share's tokens
+    are kept and k shrinks. By hand: 550 reused tokens in two runs (B 250, A 300); b = 0.15
+    gives 82 tokens, the 10% share 55, so the heads get 27: k' = 13 (two runs, 26 tokens); the
+    share then computes floor(0.1 · (550 - 26)) = 52 tokens, the last of doc A."""
+    engine, prefill = planned(model3, docs, 0.1, recompute_head=32, recompute_rule="recent",
+                              recompute_budget=0.15)
+    start_b, start_a, end_a = H2, H2 + DOC_B, H2 + DOC_B + DOC_A
+    heads = set(range(start_b, start_b + 13)) | set(range(start_a, start_a + 13))
+    recent = set(range(end_a - 52, end_a))
+    reused = set(range(start_b, end_a))
+    assert positions_of(prefill, "reuse") == reused - heads - recent
+    assert positions_of(prefill, "compute") == set(range(len(docs[2]))) - (reused - heads - recent)
+    engine.abort_prefill(prefill)
+    engine.check()
+    # Without the cap the heads keep k = 32 (64 tokens) and the share takes 10% of the rest.
+    engine, prefill = planned(model3, docs, 0.1, recompute_head=32, recompute_rule="recent")
+    heads = set(range(start_b, start_b + 32)) | set(range(start_a, start_a + 32))
+    recent = set(range(end_a - int(0.1 * (550 - 64)), end_a))
+    assert positions_of(prefill, "reuse") == reused - heads - recent
+    engine.abort_prefill(prefill)
+    engine.check()
+
+
+def test_budget_below_the_share_is_refused() -> None:
+    with pytest.raises(ValueError, match="recompute_budget .* below recompute_share"):
+        CacheConfig(recompute_share=0.1, recompute_budget=0.05)
+    with pytest.raises(ValueError, match="recompute_budget must be in"):
+        CacheConfig(recompute_budget=1.5)
