@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .fp8 import dequantize_tile
 from .interpreter import interpreted
-from .launch import pdl_args, wait_for_previous
+from .launch import pdl_args, release_next, wait_for_previous
 
 # Up to this many assignments (T·k) the Triton kernel sorts them (each program a chunk of them,
 # every program counting all of them: one launch where a decode step's torch sort would be ten
@@ -211,8 +211,10 @@ def _down_kernel(H, W2, Y, SORTED, BLOCK_EXPERT, USED, WEIGHTS, n, dim, inter,
                  BC: tl.constexpr, SCALE_VEC: tl.constexpr, others,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 RELEASE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
+    if RELEASE:
+        release_next(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(USED):
         return
@@ -413,7 +415,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   shared: SharedExperts | None = None,
                   scales: ExpertScales | None = None, first: int | None = None,
                   routed: int | None = None, summed: bool = True,
-                  alignment: Alignment | None = None) -> torch.Tensor:
+                  alignment: Alignment | None = None, release: bool = False) -> torch.Tensor:
     """The routed experts' output [T, D] in x's dtype: Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)
     with expert_e(x) = w2[e] (silu(g) · u), [g; u] = w13[e] x — the same as
     :class:`~irminsul.model.moe.MoE`'s grouped-GEMM path. ``summed`` False: the terms of that
@@ -447,7 +449,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     :func:`~irminsul.kernels.router.route_aligned`), for the routed and shared experts, in
     blocks of the tiles' ``block_m``; not under expert parallel. If it sorted the shared
     experts first (its ``lead``), their gate/up programs start without waiting for the launch
-    before (which must then write nothing they read but the routing: the router's)."""
+    before (which must then write nothing they read but the routing: the router's).
+
+    ``release``: the down launch lets the next launch start once its programs have waited, for
+    a next launch that reads its weights first (the next layer's joint projection,
+    :func:`~irminsul.kernels.gemv.normed_gemv`)."""
     tokens, dim = x.shape
     experts, width, _ = w13.shape
     inter = width // 2
@@ -513,7 +519,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         dim, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         down, down.stride(0), experts, HAS_SHARED=shared is not None,
         S2=s2, s_stride_e=s2.stride(0), s_stride_n=s2.stride(1), others=others,
-        EVEN_K=inter % tiles.block_k == 0, **meta)
+        EVEN_K=inter % tiles.block_k == 0, RELEASE=release, **meta)
     if not summed:
         return y.view(tokens, topk, dim)
     if topk == 1:

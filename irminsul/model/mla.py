@@ -26,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .config import MLAConfig
 from .fp8 import FP8Linear
-from .norm import RMSNorm
+from .norm import PendingNorm, RMSNorm
 from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
@@ -186,13 +186,19 @@ class MLAttention(nn.Module):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
 
-    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
+                      pending: PendingNorm | None = None) -> torch.Tensor:
         """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
         new rows are stored first; then the kernel's spans attend in one launch reading the pool
-        in place, and each other span attends in torch to its context gathered from the pool."""
-        if self.kernels and kv.layout is not None and kv.kernel_tokens is None and not (
-                kv.gathered or kv.masked):
-            return self._forward_fused(x, positions, kv)
+        in place, and each other span attends in torch to its context gathered from the pool.
+        ``pending``: x is the residual stream, the add and norm before attention still to be
+        applied (only where :meth:`folds_norm` says so; the joint projection's launch applies
+        them)."""
+        if self._fused(kv):
+            return self._forward_fused(x, positions, kv, pending)
+        if pending is not None:
+            raise ValueError("a pending add + norm is applied only by the fused decode path "
+                             "(see folds_norm)")
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
@@ -221,8 +227,24 @@ class MLAttention(nn.Module):
                                                   spans.positions)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim))
 
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV
-                       ) -> torch.Tensor:
+    def _fused(self, kv: PagedKV) -> bool:
+        """Whether :meth:`forward_paged` over ``kv`` runs :meth:`_forward_fused`: kernels on and
+        every span in the attention kernel."""
+        return self.kernels and kv.layout is not None and kv.kernel_tokens is None and not (
+            kv.gathered or kv.masked)
+
+    def folds_norm(self, x: torch.Tensor, kv: PagedKV) -> bool:
+        """Whether :meth:`forward_paged` over ``x`` and ``kv`` takes the add + norm before it
+        as ``pending``: the fused path, with the joint projection a GEMV whose launch can norm
+        its row (:func:`~irminsul.kernels.gemv.normed_gemv`; ``gemv.FOLDS_NORM``)."""
+        if not self._fused(kv):
+            return False
+        from ..kernels import gemv
+
+        return gemv.FOLDS_NORM and self.reads_ahead(x)
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
+                       pending: PendingNorm | None = None) -> torch.Tensor:
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
         short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
         and stores the new latent rows and writes the attention query (its rope columns
@@ -232,11 +254,18 @@ class MLAttention(nn.Module):
 
         tokens = x.shape[0]
         joint = self._joined()
+        if pending is not None:  # x is the residual: the GEMV's programs add and norm it
+            if joint is None or not self._joint_gemv(x, joint):
+                raise ValueError("a pending add + norm needs the joint projection as a GEMV")
+            norm = pending.norm
+            both, _ = gemv.normed_gemv(x, pending.delta, norm.weight, norm.eps, joint["weight"],
+                                       pending.summed)
+        elif joint is not None:
+            both = (gemv.gemv(x, joint["weight"]) if self._joint_gemv(x, joint)
+                    else self._joint_projection(x, joint))
         if joint is None:
             q, latent_in = self._projected(x), self.kv_a_proj_with_mqa(x)
         else:
-            both = (gemv.gemv(x, joint["weight"]) if self._joint_gemv(x, joint)
-                    else self._joint_projection(x, joint))
             width = self._first().weight.shape[0]
             q, latent_in = self._projected(x, both[:, :width]), both[:, width:]
         cis = self.rotary.phasors(positions, x.device)

@@ -22,7 +22,7 @@ from .config import MLAConfig
 from .fp8 import FP8Linear
 from .mla import MLAttention
 from .moe import MLP, MoE, Router
-from .norm import RMSNorm
+from .norm import PendingNorm, RMSNorm
 from .paged import PagedKV
 from .rope import Rotary
 
@@ -55,18 +55,30 @@ class DecoderLayer(nn.Module):
         each residual add runs with the norm after it (one launch with kernels on). With kernels
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
         (:meth:`settle` sums them elsewhere)."""
-        h, x = (self.input_layernorm(x), x) if pending is None else self._add_norm(
-            self.input_layernorm, x, pending, release=self.self_attn.reads_ahead(x))
-        attended = self._summed(self.self_attn.forward_paged(h, positions, kv))
+        folds = self.kernels and self.self_attn.folds_norm(x, kv)
+        if pending is None:
+            attended = self.self_attn.forward_paged(self.input_layernorm(x), positions, kv)
+        elif folds:  # the joint projection's launch adds and norms (one launch fewer)
+            summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            attended = self.self_attn.forward_paged(
+                x, positions, kv, PendingNorm(pending, self.input_layernorm, summed))
+            x = summed
+        else:
+            h, x = self._add_norm(self.input_layernorm, x, pending,
+                                  release=self.self_attn.reads_ahead(x))
+            attended = self.self_attn.forward_paged(h, positions, kv)
+        attended = self._summed(attended)
         if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
                 and self.mlp.dispatch is None):
             # The norm's launch also writes its output widened to float32, which the router
             # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
             # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
-            # 1 on an H200).
+            # 1 on an H200). Where the next layer folds that add + norm into its joint
+            # projection, the experts' last launch releases it so its programs read their
+            # weights meanwhile (the same batch: this layer's answer is the next one's).
             widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
             h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
-            return x, self.mlp(h, terms=True, widened=widened)
+            return x, self.mlp(h, terms=True, widened=widened, release=folds)
         h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 

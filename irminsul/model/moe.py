@@ -216,11 +216,13 @@ class MoE(nn.Module):
         return ExpertScales(self.w13_scale_inv, self.w2_scale_inv, self.block)
 
     def forward(self, x: torch.Tensor, terms: bool = False,
-                widened: torch.Tensor | None = None) -> torch.Tensor:
+                widened: torch.Tensor | None = None, release: bool = False) -> torch.Tensor:
         """The block's output [T, D]; ``terms``: where the fused kernel runs with the shared MLP
         folded in, its terms [T, J, D] instead (each assignment's weighted expert output, J =
         top-k + shared widths), which sum to the output (the caller sums them). ``widened``:
-        ``x.float()``, already computed (the router reads it instead of casting x)."""
+        ``x.float()``, already computed (the router reads it instead of casting x).
+        ``release``: the fused kernel's last launch lets the next one start early (one that
+        reads its weights first)."""
         routed_input = x if widened is None else widened
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("MoE experts are not fused; call fuse() after loading weights")
@@ -247,7 +249,7 @@ class MoE(nn.Module):
             out = fused_experts(x, self.w13, self.w2, weights, ids, tiles=tiles, shared=shared,
                                 scales=self.expert_scales(), first=self.expert_first,
                                 routed=self.gate.experts, summed=not terms or shared is None,
-                                alignment=alignment)
+                                alignment=alignment, release=release)
             return out if shared is not None or self.shared_experts is None else (
                 out + self.shared_experts(x))
         weights, ids = self.gate(routed_input)

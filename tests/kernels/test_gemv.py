@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from irminsul.kernels import gemv as gemv_module
-from irminsul.kernels.gemv import fits, gemv, tiles
+from irminsul.kernels.gemv import fits, gemv, normed_gemv, tiles
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,9 +111,48 @@ def test_refusals_name_what_is_wrong(monkeypatch) -> None:
     assert not fits(x[:1], w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, terms", [(1, 0), (1, 8), (3, 3)])
+def test_normed_gemv_matches_torch_add_norm_then_float64(dtype: torch.dtype, rows: int,
+                                                         terms: int) -> None:
+    """normed_gemv against torch: summed = residual + delta (a MoE's terms summed first, 0: a
+    plain [T, K] delta), then F.rms_norm of it times w in float64; the sum written once."""
+    g = torch.Generator().manual_seed(10 * rows + terms)
+    k, n, eps = 256, 200, 1e-6
+    residual = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(*((rows, terms, k) if terms else (rows, k)), generator=g).to(DEVICE,
+                                                                                      dtype)
+    weight = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)  # float32, as a checkpoint's
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    y, summed = normed_gemv(residual, delta, weight, eps, w)
+    want_summed = residual + (delta.sum(1) if terms else delta)
+    torch.testing.assert_close(summed, want_summed, rtol=0, atol=0)
+    normed = torch.nn.functional.rms_norm(want_summed, (k,), weight.to(dtype), eps)
+    check(y, reference(normed, w), dtype)
+    out = torch.zeros_like(summed)  # or into a buffer the caller holds
+    normed_gemv(residual, delta, weight, eps, w, out)
+    assert torch.equal(out, summed)
+
+
+def test_normed_gemv_refusals_name_what_is_wrong() -> None:
+    residual, w = torch.zeros(1, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
+    weight = torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        normed_gemv(residual, torch.zeros(1, 48, device=DEVICE), weight, 1e-6, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        normed_gemv(residual, residual, torch.ones(48, device=DEVICE), 1e-6, w)
+    with pytest.raises(ValueError, match="summed is"):
+        normed_gemv(residual, residual, weight, 1e-6, w, torch.zeros(2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="not a GEMV shape"):
+        normed_gemv(torch.zeros(17, 64, device=DEVICE), torch.zeros(17, 64, device=DEVICE),
+                    weight, 1e-6, w)
+
+
 def test_engine_decode_through_the_gemv_equals_cublas_path(tmp_path, monkeypatch) -> None:
     """The attention's projections at decode (joint, W_UV, o_proj) through the GEMV give the
-    logits of the path without it; the GEMV ran three times a layer per decode step."""
+    logits of the path without it, with the add + norm before the joint projection folded into
+    its launch (from the second layer on) or not; the GEMV ran three times a layer per decode
+    step."""
     import numpy as np
     from fixtures.tiny_models import build
 
@@ -124,17 +163,27 @@ def test_engine_decode_through_the_gemv_equals_cublas_path(tmp_path, monkeypatch
     build("v2_lite_like", tmp_path, layers=2)
     model = load_model(tmp_path, device=DEVICE)
     prompt = np.arange(3, 43) % model.config.vocab_size
-    calls = []
-    real = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    logits = {}
-    for limit in (0, 16):
+    calls = {"gemv": 0, "normed_gemv": 0}
+    for name in calls:
+        real = getattr(gemv_module, name)
+        monkeypatch.setattr(gemv_module, name,
+                            lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+                                _name, calls[_name] + 1) or _real(*a, **k))
+    logits, counts = {}, {}
+    for limit, folds in ((0, True), (16, False), (16, True)):
         monkeypatch.setattr(gemv_module, "MAX_TOKENS", limit)
+        monkeypatch.setattr(gemv_module, "FOLDS_NORM", folds)
         engine = Engine(model, EngineConfig(slots=200, mode="off", kernels=True))
         seq, first = engine.prefill(prompt)
         steps = [first] + [engine.extend(seq, [token])[-1] for token in (5, 9, 2)]
         engine.finish(seq, remember=False)
         engine.check()
-        logits[limit] = torch.stack(steps)
-    assert len(calls) == 3 * 2 * 3  # three projections, two layers, three steps
-    torch.testing.assert_close(logits[16], logits[0], rtol=1e-4, atol=1e-4)
+        logits[limit, folds] = torch.stack(steps)
+        counts[limit, folds] = dict(calls)
+        calls.update(gemv=0, normed_gemv=0)
+    # Three projections, two layers, three steps; folded, the second layer's joint one norms.
+    assert counts[16, False] == {"gemv": 3 * 2 * 3, "normed_gemv": 0}
+    assert counts[16, True] == {"gemv": 5 * 3, "normed_gemv": 3}
+    assert counts[0, True] == {"gemv": 0, "normed_gemv": 0}
+    torch.testing.assert_close(logits[16, False], logits[0, True], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[16, True], logits[0, True], rtol=1e-4, atol=1e-4)
