@@ -272,7 +272,11 @@ async def _forward(router: _Router, request: Request, path: str, raw: bytes,
     session = request.headers.get(router.config.session_header) or None
     analysis = await asyncio.get_running_loop().run_in_executor(
         router.workers, _analyse, router, raw, chat, session, chunkings)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    # As the client sent them, in bytes: HTTP allows bytes above 0x7F in a value (obs-text, a
+    # client's UTF-8 name, say), which httpx refuses in a value given as text (it encodes text
+    # as ASCII); repeated headers stay repeated.
+    headers = [(k, v) for k, v in request.headers.raw
+               if k.decode("latin-1").lower() not in HOP_BY_HOP]
     tried: set[str] = set()
     resent = False
     while True:  # until a backend takes the request (each refused connection: the next best)

@@ -32,6 +32,7 @@ class FakeBackend:
         self.index_delay = index_delay
         self.polls = 0  # index polls received
         self.posts = 0  # POSTs answered
+        self.heads: list[bytes] = []  # the head (request line and headers) of each POST read
         self.dropped = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -75,6 +76,7 @@ class FakeBackend:
                         return
                 elif method == b"POST":
                     with self._lock:
+                        self.heads.append(head)
                         drop = self.drop_reused and served > 0 and not self.dropped
                         self.dropped += drop
                     if drop:
@@ -113,6 +115,23 @@ def _requests_metric(url: str) -> dict[str, float]:
     return {status: float(value) for status, value in re.findall(
         r'^irminsul:router_requests_total\{backend="[^"]*",status="(\d+)"\} (\S+)$', text,
         re.MULTILINE)}
+
+
+def test_a_header_value_outside_ascii_is_forwarded_as_sent() -> None:
+    """HTTP allows bytes 0x80-0xFF in a header value (obs-text; a client's UTF-8 name, say),
+    and the server ignores headers it does not read. The repro: the router passed the values
+    to httpx as text, which encodes them as ASCII, so such a request got a plain-text 500 and
+    never reached a backend."""
+    note = "Zoë’s agent".encode()  # UTF-8, two bytes of it above 0x7F
+    with fake() as backend, router([backend.url]) as r:
+        response = httpx.post(f"{r.url}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
+                              headers={"x-note": note})
+        assert response.status_code == 200, response.text
+        assert response.content == BODY
+        assert backend.posts == 1
+        # The backend got the value byte for byte, not re-encoded.
+        assert b"\r\nx-note: " + note + b"\r\n" in backend.heads[0] + b"\r\n"
 
 
 def test_a_pooled_connection_closed_as_the_request_arrives_is_retried() -> None:
