@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+VERSION_DIGITS = 20  # the most digits of an index version the server may hold (2**64 - 1)
 
 
 @dataclass
@@ -219,9 +220,12 @@ def create_app(async_engine: AsyncEngine, renderer: ChatRenderer, model_name: st
         if since is not None and not (since.isascii() and since.isdigit()):
             raise RequestError(f"since must be a version number, got {since!r}", param="since",
                                code="invalid_value")
+        # A version is a count of changes: a number of more digits than 2**64 has is none this
+        # process holds, and is answered as one (the whole index), not read (int() refuses a
+        # string of over 4,300 digits).
+        version = None if since is None or len(since) > VERSION_DIGITS else int(since)
         try:
-            digest = await index.digest(request.query_params.get("generation"),
-                                        None if since is None else int(since))
+            digest = await index.digest(request.query_params.get("generation"), version)
         except EngineError as err:
             raise RequestError(str(err), status=503, kind="server_error",
                                code="engine_unavailable") from err

@@ -334,3 +334,19 @@ def test_a_seed_out_of_range_is_not_a_context_length_error(server: Server) -> No
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "seed"
     assert error["code"] != "context_length_exceeded"
+
+
+def test_an_index_poll_since_a_version_of_thousands_of_digits_gets_the_whole_index(
+        server: Server) -> None:
+    """The repro: ``since`` of 5,000 digits passed the digits check, and int() refuses a
+    string of more than 4,300 (Python's limit): a plain-text 500 and a traceback in the log.
+    It names no version the server holds, so the answer is the whole index, as for any such
+    version."""
+    internal = server.errors(500)
+    base = httpx.get(f"{server.url}/irminsul/index").json()
+    response = httpx.get(f"{server.url}/irminsul/index",
+                         params={"generation": base["generation"], "since": "9" * 5000})
+    assert response.status_code == 200, response.text
+    digest = response.json()
+    assert digest["generation"] == base["generation"] and digest["full"] is True
+    assert server.errors(500) == internal
