@@ -257,3 +257,46 @@ def test_generate_refuses_non_finite_logits_and_frees_the_sequence(model, monkey
     engine.check()
     monkeypatch.setattr(engine, "extend", extend)
     assert engine.generate(prompt, 6)[0] == want  # the engine serves on, as before
+
+
+def test_a_fault_committing_a_prefill_leaves_no_slot_registered_uncounted(tmp_path,
+                                                                       monkeypatch) -> None:
+    """Inserting a prefilled prompt into the prefix index raises (the fault the test above
+    injects at a finish, here at the prefill's commit, after its chunks were registered): that
+    request fails alone, and the registry holds nothing of it uncounted. It used to keep the
+    chunks naming slots the failed request gave back, so a later prompt reusing the document
+    was served whatever another request wrote there next. By hand: one layer, where live PIC
+    reuse is exact, so that prompt's logits must be the cache-off engine's."""
+    from irminsul.cache.planner import Planner
+
+    build("v3_like", tmp_path, layers=1)
+    model = load_model(tmp_path)
+    rng = np.random.default_rng(8)
+    doc = rng.integers(0, 97, 160)
+    first = np.concatenate([rng.integers(0, 97, 40), doc])
+    other = rng.integers(0, 97, 200)
+    moved = np.concatenate([rng.integers(0, 97, 70), doc, rng.integers(0, 97, 5)])
+    real = Planner.remember
+
+    def faulty(self, tokens, handles, namespace=0, exact=None):
+        if np.array_equal(tokens, first):  # its prefill's commit
+            raise RuntimeError("injected fault inserting the prompt")
+        return real(self, tokens, handles, namespace, exact)
+
+    monkeypatch.setattr(Planner, "remember", faulty)
+    engine = Engine(model, EngineConfig(slots=1000, mode="live"))
+    scheduler = Scheduler(engine, batch_tokens=512, chunk_tokens=512)
+    errors = []
+    for prompt, resets in ((first, [40]), (other, [])):  # the second takes the freed slots
+        scheduler.add(prompt, SamplingParams(max_tokens=4), resets=resets)
+        while scheduler.has_work():
+            errors += [out.error for out in scheduler.step() if out.error is not None]
+            scheduler.check()  # every slot's count equals its references
+    assert len(errors) == 1 and "injected fault inserting the prompt" in errors[0]
+    assert not engine.sequences
+    seq, logits = engine.prefill(moved, [70, 70 + doc.size])
+    assert seq.stats.pic_tokens > 0  # something was reused from the registry
+    engine.finish(seq)
+    engine.check()
+    _, want = Engine(model, EngineConfig(slots=1000, mode="off")).prefill(moved)
+    assert (logits - want).abs().max() <= 1e-4 * want.abs().max()
