@@ -42,7 +42,10 @@ MAX_TOKENS = 1
 PRELOAD = True  # load the weight tile before waiting for the previous grid (False: after)
 TILE_BYTES = 64 * 1024  # the most weight one program holds in registers
 MAX_ROWS = 16  # rows of x one launch takes (a decode batch's tokens)
-FOLDS_NORM = True  # the add + norm before the joint projection runs in its launch (normed_gemv)
+# The add + norm before the joint projection run in its launch (normed_gemv), the MoE's down
+# releasing it. Off until a GPU A/B says it pays: written and tested under the interpreter in a
+# session that got no GPU (docs/design.md, "The input norm in the joint projection's launch").
+FOLDS_NORM = False
 
 
 @triton.jit
