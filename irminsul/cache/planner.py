@@ -366,20 +366,31 @@ class Planner:
                 freed.append(self.registry.move(entry, handles[at:end], at))
         return Commit([new, *held], [old, *freed])
 
-    def commit(self, plan: Plan, handles: np.ndarray, exact: int | None = None) -> Commit:
+    def commit(self, plan: Plan, handles: np.ndarray, exact: int | None = None,
+               apply: Callable[[Commit], None] | None = None) -> Commit:
         """Register the missed chunks, insert the prompt in the radix tree, evict to capacity.
 
         ``handles`` holds one handle per prompt token (what the engine now stores for each);
         ``exact``: how many leading tokens have exact rows (default all; see :meth:`remember`).
         The result says which handles the indexes took a reference to and which they dropped,
-        so an engine can keep its slot reference counts exact.
+        so an engine can keep its slot reference counts exact. ``apply``: given, each step's
+        part of it is handed over as soon as that index holds it (and the result is empty):
+        were the radix insert to raise after the chunks were registered, the registry's new
+        references would otherwise go uncounted, and the slots they name be given back and
+        computed over while the entries still serve them.
         """
         handles = np.asarray(handles, dtype=np.int64)
         if handles.shape != plan.tokens.shape:
             raise ValueError(f"need one handle per prompt token: {handles.shape} vs "
                              f"{plan.tokens.shape}")
         held = self.register_misses(plan, handles)
+        if apply is not None:
+            apply(Commit(held, []))
+            held = []
         done = self.remember(plan.tokens, handles, plan.namespace, exact)
+        if apply is not None:
+            apply(done)
+            return Commit([], [])
         return Commit(held + done.held, done.freed)
 
     def remember(self, tokens: np.ndarray, handles: np.ndarray, namespace: int = 0,

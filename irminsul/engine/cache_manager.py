@@ -191,17 +191,10 @@ class CacheManager:
         if self.heal:  # what a heal may move (Planner.healed)
             prefill.seq.sources = _whole_sources(prefill.plan)
         try:
-            plan, handles = prefill.plan, prefill.seq.handles
-            if handles.shape != plan.tokens.shape:  # before either index takes anything
-                raise ValueError(f"need one handle per prompt token: {handles.shape} vs "
-                                 f"{plan.tokens.shape}")
-            # Planner.commit in two steps, each index's new references counted as soon as it
-            # holds them: were the radix insert to raise after the chunks were registered, the
-            # entries would name slots uncounted, which the failed request then gives back,
-            # and serve whatever is computed there next as the chunks' rows.
-            self._apply(Commit(self.planner.register_misses(plan, handles), []))
-            self._apply(self.planner.remember(plan.tokens, handles, plan.namespace,
-                                              prefill.seq.exact))
+            # Each index's new references counted as soon as it holds them (a fault part-way
+            # must not leave entries naming slots the failed request then gives back).
+            self.planner.commit(prefill.plan, prefill.seq.handles, prefill.seq.exact,
+                                apply=self._apply)
             if self.store is not None:  # off the request path: rows handed to a thread
                 self.store.publish(prefill.plan, self.planner.registry, self.pool)
         finally:
