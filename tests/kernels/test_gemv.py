@@ -115,8 +115,9 @@ def test_refusals_name_what_is_wrong(monkeypatch) -> None:
 @pytest.mark.parametrize("rows, terms", [(1, 0), (1, 8), (3, 3)])
 def test_normed_gemv_matches_torch_add_norm_then_float64(dtype: torch.dtype, rows: int,
                                                          terms: int) -> None:
-    """normed_gemv against torch: summed = residual + delta (a MoE's terms summed first, 0: a
-    plain [T, K] delta), then F.rms_norm of it times w in float64; the sum written once."""
+    """normed_gemv against torch: summed = residual + delta (a MoE's terms summed first, in
+    order, 0: a plain [T, K] delta), then F.rms_norm of it times w in float64; the sum written
+    once."""
     g = torch.Generator().manual_seed(10 * rows + terms)
     k, n, eps = 256, 200, 1e-6
     residual = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
@@ -125,7 +126,12 @@ def test_normed_gemv_matches_torch_add_norm_then_float64(dtype: torch.dtype, row
     weight = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)  # float32, as a checkpoint's
     w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
     y, summed = normed_gemv(residual, delta, weight, eps, w)
-    want_summed = residual + (delta.sum(1) if terms else delta)
+    # The terms summed one after another in float32, rounded once: torch's own sum of a float32
+    # tensor takes another order on a GPU, which float32 shows (bfloat16's rounding hides it).
+    terms_sum = torch.zeros(rows, k, device=DEVICE)
+    for j in range(terms):
+        terms_sum += delta[:, j].float()
+    want_summed = residual + (terms_sum.to(dtype) if terms else delta)
     torch.testing.assert_close(summed, want_summed, rtol=0, atol=0)
     normed = torch.nn.functional.rms_norm(want_summed, (k,), weight.to(dtype), eps)
     check(y, reference(normed, w), dtype)
