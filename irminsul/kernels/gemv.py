@@ -14,8 +14,6 @@ while it still runs — what the MoE's shared experts do beside the router.
 
 :func:`normed_gemv` also folds the residual add + RMSNorm before a decode layer's first
 projection into its launch: one dependent launch and one round trip of x fewer a layer.
-:func:`gemv_add_norm` folds the one after its attention into o_proj's launch, whose last program
-to finish adds and norms the row.
 
 ``y = x · wᵀ`` per batch entry: ``x`` [B, T, K], ``w`` [B, N, K], ``y`` [B, T, N], any strides
 (a head-major view of the attention output, a strided output buffer: no copies). Products and
@@ -23,13 +21,10 @@ sums in float32, rounded once to the output's dtype: what cuBLAS computes, in an
 summation. Only shapes whose tile fits (:func:`tiles`) run here; the caller keeps cuBLAS for
 the rest (DeepSeek-V3's 7168-wide K, prefill sizes).
 
-:data:`MAX_TOKENS`, :data:`PRELOAD`, :data:`FOLDS_NORM` and :data:`FOLDS_NORM_AFTER` are switches
-a benchmark flips for an A/B.
+:data:`MAX_TOKENS`, :data:`PRELOAD` and :data:`FOLDS_NORM` are switches a benchmark flips for an A/B.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -51,23 +46,18 @@ MAX_ROWS = 16  # rows of x one launch takes (a decode batch's tokens)
 # releasing it. H100, batch 1: 2.67 -> 2.61 ms a step at 4K, 2.94 -> 2.86 at 16K (docs/design.md,
 # "The input norm in the joint projection's launch").
 FOLDS_NORM = True
-# The add + norm after the attention run in o_proj's launch (gemv_add_norm). Written in a
-# session whose GPU time was scarce: off until an A/B says it pays.
-FOLDS_NORM_AFTER = False
 
 
 @triton.jit
 def _normed_row(X, t, sxt, sxk, DELTA, sd0, sd1, sd2, NORM_W, SUMMED, eps, ks, write,
-                K: tl.constexpr, TERMS: tl.constexpr, BY_HAND: tl.constexpr,
-                VOLATILE: tl.constexpr):
+                K: tl.constexpr, TERMS: tl.constexpr, BY_HAND: tl.constexpr):
     """Row t of norm(x + Σ delta) as float32 (rounded to x's dtype first, as
     :func:`~.fused_norm.add_rms_norm` rounds it), the rounded sum written to SUMMED where
-    ``write``: that kernel's arithmetic, step for step. ``VOLATILE``: delta was written by other
-    programs of this launch (read past L1)."""
+    ``write``: that kernel's arithmetic, step for step."""
     dtype = SUMMED.dtype.element_ty
     d = tl.zeros([K], tl.float32)
     for j in tl.static_range(TERMS):
-        d += tl.load(DELTA + t * sd0 + j * sd1 + ks * sd2, volatile=VOLATILE).to(tl.float32)
+        d += tl.load(DELTA + t * sd0 + j * sd1 + ks * sd2).to(tl.float32)
     if TERMS > 1:
         d = _round(d, dtype, BY_HAND).to(tl.float32)
     summed = _round(tl.load(X + t * sxt + ks * sxk).to(tl.float32) + d, dtype, BY_HAND)
@@ -82,11 +72,9 @@ def _normed_row(X, t, sxt, sxk, DELTA, sd0, sd1, sd2, NORM_W, SUMMED, eps, ks, w
 @triton.jit
 def _gemv_kernel(X, W, Y, rows, n, sxb, sxt, sxk, swb, swn, swk, syb, syt, syn,
                  DELTA, sd0, sd1, sd2, NORM_W, SUMMED, eps,
-                 RESIDUAL, srt, srk, AFTER_W, AFTER_SUMMED, NORMED, WIDENED, after_eps, COUNTER,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                  PRELOAD: tl.constexpr, RELEASE: tl.constexpr, BY_HAND: tl.constexpr,
-                 NORM: tl.constexpr, TERMS: tl.constexpr, AFTER: tl.constexpr,
-                 N_AFTER: tl.constexpr, FLOAT: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, TERMS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K)
@@ -103,25 +91,12 @@ def _gemv_kernel(X, W, Y, rows, n, sxb, sxt, sxk, swb, swn, swk, syb, syt, syn,
         if t < rows:
             if NORM:  # every program norms the row itself; the first writes the sum
                 x = _normed_row(X, t, sxt, sxk, DELTA, sd0, sd1, sd2, NORM_W, SUMMED, eps, ks,
-                                tl.program_id(0) == 0, K, TERMS, BY_HAND, False)
+                                tl.program_id(0) == 0, K, TERMS, BY_HAND)
             else:
                 x = tl.load(X + b * sxb + t * sxt + ks * sxk).to(tl.float32)
             y = tl.sum(w.to(tl.float32) * x[None, :], 1)
             tl.store(Y + b * syb + t * syt + cols * syn,
                      _round(y, Y.dtype.element_ty, BY_HAND), mask=ok)
-    if AFTER:  # the last program to finish adds the residual and norms each whole row (B = 1)
-        tl.debug_barrier()  # every thread's columns stored before the count says so
-        done = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            ns = tl.arange(0, N_AFTER)
-            for t in tl.static_range(ROWS):
-                if t < rows:
-                    h = _normed_row(RESIDUAL, t, srt, srk, Y, syt, 0, syn, AFTER_W,
-                                    AFTER_SUMMED, after_eps, ns, True, N_AFTER, 1, BY_HAND, True)
-                    tl.store(NORMED + t * N_AFTER + ns, h.to(NORMED.dtype.element_ty))
-                    if FLOAT:  # the rounded values widened: the router's input
-                        tl.store(WIDENED + t * N_AFTER + ns, h)
-            tl.atomic_xchg(COUNTER, 0)  # ready for the next launch
 
 
 def tiles(n: int, k: int, batch: int, dtype: torch.dtype, device: torch.device
@@ -187,41 +162,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     return out
 
 
-# (residual [T, N], norm weight [N], eps, summed, normed [T, N], widened [T, N] float32 or None)
-After = tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
 def _launch(x3: torch.Tensor, w3: torch.Tensor, y3: torch.Tensor, release: bool,
-            norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
-            after: After | None = None) -> None:
+            norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> None:
     """The kernel over [B, T, K] · [B, N, K]ᵀ → [B, T, N]; ``norm`` (terms [T, J, K], norm
-    weight, eps, summed [T, K]; B = 1): x is a residual the add + norm still apply to;
-    ``after`` (B = 1): the add + norm its output then goes through (:func:`gemv_add_norm`)."""
+    weight, eps, summed [T, K]; B = 1): x is a residual the add + norm still apply to."""
     rows, k = x3.shape[-2:]
     n = w3.shape[-2]
     block, warps = tiles(n, k, w3.shape[0], w3.dtype, w3.device)
     terms, norm_w, eps, summed = norm if norm is not None else (x3, x3, 0.0, x3)
-    residual, after_w, after_eps, after_summed, normed, widened = (
-        after if after is not None else (x3[0], x3, 0.0, x3, x3, None))
     _gemv_kernel[(triton.cdiv(n, block), w3.shape[0])](
         x3, w3, y3, rows, n, *x3.stride(), *w3.stride(), *y3.stride(),
         terms, *(terms.stride() if norm is not None else (0, 0, 0)), norm_w, summed, eps,
-        residual, *residual.stride(), after_w, after_summed, normed,
-        normed if widened is None else widened, after_eps,
-        _counter(x3.device) if after is not None else x3,
         K=k, BLOCK_N=block, ROWS=triton.next_power_of_2(rows), PRELOAD=PRELOAD, RELEASE=release,
         BY_HAND=interpreted(), NORM=norm is not None,
-        TERMS=terms.shape[1] if norm is not None else 1, AFTER=after is not None,
-        N_AFTER=n if after is not None else 1, FLOAT=widened is not None,
-        **pdl_args(x3.device), num_warps=warps)
-
-
-@functools.cache
-def _counter(device: torch.device) -> torch.Tensor:
-    """The programs-done count of :func:`gemv_add_norm`'s launches on ``device``: zero between
-    launches (the last program resets it); launches on one device run one at a time (the
-    engine's stream), so one count serves them all. Not the router's: a count of its own."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+        TERMS=terms.shape[1] if norm is not None else 1, **pdl_args(x3.device),
+        num_warps=warps)
 
 
 def normed_gemv(residual: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
@@ -263,43 +218,3 @@ def normed_gemv(residual: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
     _launch(residual[None], w[None], out[None], False,
             (terms, norm_weight.contiguous(), eps, summed))
     return out, summed
-
-
-def gemv_add_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float, normed: torch.Tensor,
-                  summed: torch.Tensor, widened: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x · wᵀ`` (returned), then ``summed = residual + y`` and ``normed =
-    F.rms_norm(summed, (N,), norm_weight, eps)`` (:func:`~.fused_norm.add_rms_norm`'s
-    arithmetic, step for step; ``widened``: a float32 copy of ``normed``), in one launch — the
-    residual add + norm after a decode layer's o_proj folded into its GEMV. The last of the
-    launch's programs to finish (an atomic count) reads the whole row y back and does the add
-    and norm, where they were a launch of their own. ``x`` [T, K], ``w`` [N, K] with N a power
-    of two; ``residual`` [T, N] any strides; ``normed``, ``summed`` (and ``widened``)
-    contiguous [T, N] buffers the caller holds. Raises ValueError where :func:`takes` is False
-    or the shapes do not fit."""
-    if x.dim() != 2 or w.dim() != 2 or residual.dim() != 2:
-        raise ValueError(f"x {tuple(x.shape)}, w {tuple(w.shape)} and residual "
-                         f"{tuple(residual.shape)}: want [T, K], [N, K] and [T, N]")
-    tokens, n = x.shape[0], w.shape[0]
-    if not takes(tokens, x.dtype, w) or x.shape[1] != w.shape[1]:
-        raise ValueError(f"{tokens} rows of {x.dtype} {tuple(x.shape)} times w {w.dtype} "
-                         f"{tuple(w.shape)}: not a GEMV shape (see takes)")
-    if n & (n - 1) or tuple(residual.shape) != (tokens, n) or residual.dtype != x.dtype:
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not fit: want "
-                         f"{x.dtype} {(tokens, n)}, N a power of two (one program norms a row)")
-    if tuple(norm_weight.shape) != (n,):
-        raise ValueError(f"norm weight {tuple(norm_weight.shape)}, want [{n}]")
-    for name, buffer, dtype in (("normed", normed, x.dtype), ("summed", summed, x.dtype),
-                                ("widened", widened, torch.float32)):
-        if buffer is not None and (tuple(buffer.shape) != (tokens, n) or buffer.dtype != dtype
-                                   or not buffer.is_contiguous()):
-            raise ValueError(f"{name} is {buffer.dtype} {tuple(buffer.shape)}, want a "
-                             f"contiguous {dtype} {(tokens, n)}")
-    tensors = [x, w, residual, norm_weight, normed, summed] + ([widened] if widened is not None
-                                                               else [])
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("x, w, residual, norm weight and the buffers must share a device")
-    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    _launch(x[None], w[None], out[None], False,
-            after=(residual, norm_weight.contiguous(), eps, summed, normed, widened))
-    return out

@@ -26,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .config import MLAConfig
 from .fp8 import FP8Linear
-from .norm import NormAfter, PendingNorm, RMSNorm
+from .norm import PendingNorm, RMSNorm
 from .paged import PagedKV
 from .rope import Rotary, softmax_scale
 
@@ -187,20 +187,18 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.v_dim)), rows
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
-                      pending: PendingNorm | None = None, after: NormAfter | None = None
-                      ) -> torch.Tensor:
+                      pending: PendingNorm | None = None) -> torch.Tensor:
         """Attention output [T, D] of a batch of spans whose keys live in the pool ``kv``: the
         new rows are stored first; then the kernel's spans attend in one launch reading the pool
         in place, and each other span attends in torch to its context gathered from the pool.
         ``pending``: x is the residual stream, the add and norm before attention still to be
         applied (only where :meth:`folds_norm` says so; the joint projection's launch applies
-        them). ``after``: the add + norm after attention, which o_proj's launch applies (only
-        where :meth:`folds_norm_after` says so)."""
+        them)."""
         if self._fused(kv):
-            return self._forward_fused(x, positions, kv, pending, after)
-        if pending is not None or after is not None:
+            return self._forward_fused(x, positions, kv, pending)
+        if pending is not None:
             raise ValueError("a pending add + norm is applied only by the fused decode path "
-                             "(see folds_norm and folds_norm_after)")
+                             "(see folds_norm)")
         q_nope, q_rope = self._query(x, positions)
         rows = self.latent(x, positions)
         kv.store(self.layer, rows)
@@ -245,31 +243,8 @@ class MLAttention(nn.Module):
 
         return gemv.FOLDS_NORM and self.reads_ahead(x)
 
-    def folds_norm_after(self, x: torch.Tensor, kv: PagedKV) -> bool:
-        """Whether :meth:`forward_paged` over ``x`` and ``kv`` takes the add + norm after it as
-        ``after``: the fused path, with o_proj a plain weight whose GEMV can add and norm its
-        output rows (:func:`~irminsul.kernels.gemv.gemv_add_norm`: its width a power of two;
-        ``gemv.FOLDS_NORM_AFTER``)."""
-        if not self._fused(kv):
-            return False
-        from ..kernels import gemv
-
-        width = self.o_proj.weight.shape[0]
-        return (gemv.FOLDS_NORM_AFTER and self._o_gemv(x.shape[0], x.dtype)
-                and not width & (width - 1))
-
-    def _o_gemv(self, tokens: int, dtype: torch.dtype) -> bool:
-        """Whether o_proj over ``tokens`` rows of ``dtype`` runs as the GEMV: a plain,
-        bias-free weight of a decode-sized batch."""
-        from ..kernels import gemv
-
-        o_proj = self.o_proj
-        return (type(o_proj) is nn.Linear and o_proj.bias is None
-                and gemv.takes(tokens, dtype, o_proj.weight))
-
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
-                       pending: PendingNorm | None = None, after: NormAfter | None = None
-                       ) -> torch.Tensor:
+                       pending: PendingNorm | None = None) -> torch.Tensor:
         """:meth:`forward_paged` of a batch whose every span attends in the kernel (decode steps,
         short spans), in few launches — a decode step is launch-bound: one kernel norms, rotates
         and stores the new latent rows and writes the attention query (its rope columns
@@ -310,18 +285,14 @@ class MLAttention(nn.Module):
         # o_proj's input [T, H·V], written by W_UV head by head through a [H, T, V] view.
         out = x.new_empty(tokens, self.heads * self.v_dim)
         per_head = out.view(tokens, self.heads, self.v_dim).transpose(0, 1)
-        o_gemv = self._o_gemv(tokens, x.dtype)
-        if after is not None and not o_gemv:
-            raise ValueError("an add + norm after attention needs o_proj as a GEMV")
+        o_proj = self.o_proj
+        o_gemv = (type(o_proj) is nn.Linear and o_proj.bias is None
+                  and gemv.fits(out, o_proj.weight))
         if uv_gemv:  # it lets o_proj's launch read its weight meanwhile
             gemv.gemv(latent.transpose(0, 1), w_uv, out=per_head, release=o_gemv)
         else:
             torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=per_head)
-        if after is not None:  # its last program adds the residual and norms
-            norm = after.norm
-            return gemv.gemv_add_norm(out, self.o_proj.weight, after.residual, norm.weight,
-                                      norm.eps, after.normed, after.summed, after.widened)
-        return gemv.gemv(out, self.o_proj.weight) if o_gemv else self.o_proj(out)
+        return gemv.gemv(out, o_proj.weight) if o_gemv else o_proj(out)
 
     def _joint_gemv(self, x: torch.Tensor, joint: dict[str, torch.Tensor]) -> bool:
         """Whether the joint projection of ``x`` runs as :func:`~irminsul.kernels.gemv.gemv`

@@ -22,7 +22,7 @@ from .config import MLAConfig
 from .fp8 import FP8Linear
 from .mla import MLAttention
 from .moe import MLP, MoE, Router
-from .norm import NormAfter, PendingNorm, RMSNorm
+from .norm import PendingNorm, RMSNorm
 from .paged import PagedKV
 from .rope import Rotary
 
@@ -56,39 +56,30 @@ class DecoderLayer(nn.Module):
         on, a MoE's pending output is its terms [T, J, D], which that launch sums as well
         (:meth:`settle` sums them elsewhere)."""
         folds = self.kernels and self.self_attn.folds_norm(x, kv)
-        before: PendingNorm | None = None
         if pending is None:
-            h = self.input_layernorm(x)
+            attended = self.self_attn.forward_paged(self.input_layernorm(x), positions, kv)
         elif folds:  # the joint projection's launch adds and norms (one launch fewer)
-            h, summed = x, torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            before, x = PendingNorm(pending, self.input_layernorm, summed), summed
+            summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            attended = self.self_attn.forward_paged(
+                x, positions, kv, PendingNorm(pending, self.input_layernorm, summed))
+            x = summed
         else:
             h, x = self._add_norm(self.input_layernorm, x, pending,
                                   release=self.self_attn.reads_ahead(x))
-        # The norm's launch also writes its output widened to float32, which the router
-        # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed by
-        # the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch 1 on
-        # an H200). Where the next layer folds that add + norm into its joint projection, the
-        # experts' last launch releases it so its programs read their weights meanwhile (the
-        # same batch: this layer's answer is the next one's).
-        moe = (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
-               and self.mlp.dispatch is None)
-        widened = torch.empty(x.shape, dtype=torch.float32, device=x.device) if moe else None
-        after: NormAfter | None = None
-        if self.kernels and self.reduce is None and self.self_attn.folds_norm_after(x, kv):
-            # o_proj's launch adds and norms (one launch fewer); with tensor parallelism the
-            # output is a partial sum until reduced, so never there.
-            normed, summed = (torch.empty(x.shape, dtype=x.dtype, device=x.device)
-                              for _ in range(2))
-            after = NormAfter(x, self.post_attention_layernorm, normed, summed, widened)
-        attended = self.self_attn.forward_paged(h, positions, kv, before, after)
-        if after is not None:
-            h, x = after.normed, after.summed
-        else:
-            h, x = self._add_norm(self.post_attention_layernorm, x, self._summed(attended),
-                                  widened)
-        if moe:
+            attended = self.self_attn.forward_paged(h, positions, kv)
+        attended = self._summed(attended)
+        if (self.kernels and self.reduce is None and isinstance(self.mlp, MoE)
+                and self.mlp.dispatch is None):
+            # The norm's launch also writes its output widened to float32, which the router
+            # reads (its cast was a launch of its own); the experts' terms [T, J, D] are summed
+            # by the next add + norm launch (their sum was one too: ~4.8 µs per layer at batch
+            # 1 on an H200). Where the next layer folds that add + norm into its joint
+            # projection, the experts' last launch releases it so its programs read their
+            # weights meanwhile (the same batch: this layer's answer is the next one's).
+            widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            h, x = self._add_norm(self.post_attention_layernorm, x, attended, widened)
             return x, self.mlp(h, terms=True, widened=widened, release=folds)
+        h, x = self._add_norm(self.post_attention_layernorm, x, attended)
         return x, self._summed(self.mlp(h))
 
     @staticmethod

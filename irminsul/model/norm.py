@@ -34,18 +34,3 @@ class PendingNorm:
     delta: torch.Tensor  # [T, D], or [T, J, D] terms summed first (a MoE's outputs)
     norm: RMSNorm
     summed: torch.Tensor  # [T, D], contiguous
-
-
-@dataclass
-class NormAfter:
-    """The residual add and RMSNorm after a layer's attention, for the launch of its output
-    projection to apply (:func:`~irminsul.kernels.gemv.gemv_add_norm`): ``summed`` receives
-    ``residual + y`` (y the projection's output), ``normed`` ``norm(summed)``, and ``widened``,
-    where given, ``normed`` as float32 (the MoE router's input). One launch fewer a decode
-    layer."""
-
-    residual: torch.Tensor  # [T, D]
-    norm: RMSNorm
-    normed: torch.Tensor  # [T, D], contiguous
-    summed: torch.Tensor  # [T, D], contiguous
-    widened: torch.Tensor | None = None  # [T, D] float32, contiguous

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from irminsul.kernels import gemv as gemv_module
-from irminsul.kernels.gemv import fits, gemv, gemv_add_norm, normed_gemv, tiles
+from irminsul.kernels.gemv import fits, gemv, normed_gemv, tiles
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,63 +154,11 @@ def test_normed_gemv_refusals_name_what_is_wrong() -> None:
                     weight, 1e-6, w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, widen", [(1, True), (3, False)])
-def test_gemv_add_norm_matches_torch_matmul_add_norm(dtype: torch.dtype, rows: int,
-                                                       widen: bool) -> None:
-    """gemv_add_norm against torch: y against a float64 matmul, summed = residual + y (torch's
-    add of the y returned), normed = F.rms_norm(summed) times the weight rounded to the dtype
-    (and within an ulp of float64 by hand), widened = normed.float(); twice in a row, so a
-    count the last program failed to reset would show in the second launch."""
-    g = torch.Generator().manual_seed(rows)
-    k, n, eps = 128, 256, 1e-6  # n columns over several programs: the last one norms
-    for round_ in range(2):
-        x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
-        w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
-        wide = (4 * torch.randn(rows, n + 8, generator=g)).to(DEVICE, dtype)
-        residual = wide[:, 8:]  # a strided view: strides followed
-        weight = (1 + 0.1 * torch.randn(n, generator=g)).to(DEVICE)
-        normed = torch.full((rows, n), float("nan"), device=DEVICE).to(dtype)
-        summed = torch.full((rows, n), float("nan"), device=DEVICE).to(dtype)
-        widened = torch.full((rows, n), float("nan"), device=DEVICE) if widen else None
-        y = gemv_add_norm(x, w, residual, weight, eps, normed, summed, widened)
-        check(y, reference(x, w), dtype)
-        assert torch.equal(summed, residual + y), round_
-        want = torch.nn.functional.rms_norm(summed, (n,), weight.to(dtype), eps)
-        check(normed, want.double(), dtype)
-        s = summed.double().cpu()
-        by_hand = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * \
-            weight.to(dtype).double().cpu()
-        check(normed, by_hand, dtype)
-        if widen:
-            assert torch.equal(widened, normed.float())
-
-
-def test_gemv_add_norm_refusals_name_what_is_wrong() -> None:
-    x, w = torch.zeros(1, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
-    residual, weight = torch.zeros(1, 32, device=DEVICE), torch.ones(32, device=DEVICE)
-    buffers = (torch.zeros(1, 32, device=DEVICE), torch.zeros(1, 32, device=DEVICE))
-    with pytest.raises(ValueError, match="power of two"):
-        gemv_add_norm(x, torch.zeros(48, 64, device=DEVICE), torch.zeros(1, 48, device=DEVICE),
-                      torch.ones(48, device=DEVICE), 1e-6, *buffers)
-    with pytest.raises(ValueError, match="residual"):
-        gemv_add_norm(x, w, torch.zeros(2, 32, device=DEVICE), weight, 1e-6, *buffers)
-    with pytest.raises(ValueError, match="norm weight"):
-        gemv_add_norm(x, w, residual, torch.ones(16, device=DEVICE), 1e-6, *buffers)
-    with pytest.raises(ValueError, match="widened is"):
-        gemv_add_norm(x, w, residual, weight, 1e-6, *buffers, torch.zeros(1, 32, device=DEVICE,
-                                                                          dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="not a GEMV shape"):
-        gemv_add_norm(torch.zeros(17, 64, device=DEVICE), w, torch.zeros(17, 32, device=DEVICE),
-                      weight, 1e-6, *buffers)
-
-
 def test_engine_decode_through_the_gemv_equals_cublas_path(tmp_path, monkeypatch) -> None:
     """The attention's projections at decode (joint, W_UV, o_proj) through the GEMV give the
     logits of the path without it, with the add + norm before the joint projection folded into
-    its launch (from the second layer on) or not, and the one after the attention folded into
-    o_proj's (a dense layer and a MoE layer) or not; the GEMV ran three times a layer per
-    decode step."""
+    its launch (from the second layer on) or not; the GEMV ran three times a layer per decode
+    step."""
     import numpy as np
     from fixtures.tiny_models import build
 
@@ -221,33 +169,27 @@ def test_engine_decode_through_the_gemv_equals_cublas_path(tmp_path, monkeypatch
     build("v2_lite_like", tmp_path, layers=2)
     model = load_model(tmp_path, device=DEVICE)
     prompt = np.arange(3, 43) % model.config.vocab_size
-    calls = {"gemv": 0, "normed_gemv": 0, "gemv_add_norm": 0}
+    calls = {"gemv": 0, "normed_gemv": 0}
     for name in calls:
         real = getattr(gemv_module, name)
         monkeypatch.setattr(gemv_module, name,
                             lambda *a, _real=real, _name=name, **k: calls.__setitem__(
                                 _name, calls[_name] + 1) or _real(*a, **k))
     logits, counts = {}, {}
-    arms = ((0, True, True), (16, False, False), (16, True, False), (16, False, True),
-            (16, True, True))
-    for limit, before, after in arms:
+    for limit, folds in ((0, True), (16, False), (16, True)):
         monkeypatch.setattr(gemv_module, "MAX_TOKENS", limit)
-        monkeypatch.setattr(gemv_module, "FOLDS_NORM", before)
-        monkeypatch.setattr(gemv_module, "FOLDS_NORM_AFTER", after)
+        monkeypatch.setattr(gemv_module, "FOLDS_NORM", folds)
         engine = Engine(model, EngineConfig(slots=200, mode="off", kernels=True))
         seq, first = engine.prefill(prompt)
         steps = [first] + [engine.extend(seq, [token])[-1] for token in (5, 9, 2)]
         engine.finish(seq, remember=False)
         engine.check()
-        logits[limit, before, after] = torch.stack(steps)
-        counts[limit, before, after] = dict(calls)
-        calls.update(gemv=0, normed_gemv=0, gemv_add_norm=0)
-    # Three projections, two layers, three steps; folded before, the second layer's joint one
-    # norms; folded after, both layers' o_proj do.
-    assert counts[16, False, False] == {"gemv": 3 * 2 * 3, "normed_gemv": 0, "gemv_add_norm": 0}
-    assert counts[16, True, False] == {"gemv": 5 * 3, "normed_gemv": 3, "gemv_add_norm": 0}
-    assert counts[16, False, True] == {"gemv": 4 * 3, "normed_gemv": 0, "gemv_add_norm": 2 * 3}
-    assert counts[16, True, True] == {"gemv": 3 * 3, "normed_gemv": 3, "gemv_add_norm": 2 * 3}
-    assert counts[0, True, True] == {"gemv": 0, "normed_gemv": 0, "gemv_add_norm": 0}
-    for arm in arms[1:]:
-        torch.testing.assert_close(logits[arm], logits[0, True, True], rtol=1e-4, atol=1e-4)
+        logits[limit, folds] = torch.stack(steps)
+        counts[limit, folds] = dict(calls)
+        calls.update(gemv=0, normed_gemv=0)
+    # Three projections, two layers, three steps; folded, the second layer's joint one norms.
+    assert counts[16, False] == {"gemv": 3 * 2 * 3, "normed_gemv": 0}
+    assert counts[16, True] == {"gemv": 5 * 3, "normed_gemv": 3}
+    assert counts[0, True] == {"gemv": 0, "normed_gemv": 0}
+    torch.testing.assert_close(logits[16, False], logits[0, True], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[16, True], logits[0, True], rtol=1e-4, atol=1e-4)
