@@ -13,6 +13,8 @@ from irminsul.model.fp8 import FP8Linear
 from irminsul.model.mla import MLAttention
 from irminsul.model.rope import Rotary
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: CUDA, or the interpreter
+
 FIELDS = dict(model_type="deepseek_v2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
               num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
               v_head_dim=8, intermediate_size=32, max_position_embeddings=512, rope_theta=1e4)
@@ -75,13 +77,14 @@ def test_fp8_projections_join_on_a_scale_block() -> None:
     gives each projection's own output (the kernel, as with kernels on)."""
     module = attention(q_lora_rank=32)
     fp8_pair(module, 32, (16, 16))
+    module.to(DEVICE)
     module.q_a_proj.kernels = module.kv_a_proj_with_mqa.kernels = True
     module.join_projections()
     joints = module._joined()
     assert joints is not None and set(joints) == {"weight", "weight_scale_inv"}
     assert joints["weight"].shape == (56, 32) and joints["weight_scale_inv"].shape == (4, 2)
     assert module.q_a_proj.weight_scale_inv.data_ptr() == joints["weight_scale_inv"].data_ptr()
-    x = torch.randn(3, 32)
+    x = torch.randn(3, 32, device=DEVICE)
     both = module._joint_projection(x, joints)
     torch.testing.assert_close(both, torch.cat([module.q_a_proj(x),
                                                 module.kv_a_proj_with_mqa(x)], 1))
