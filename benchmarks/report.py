@@ -1101,6 +1101,11 @@ def _repair_rankings(methods: set[str]) -> str:
                  "(`recompute_rule` \"recent\"; no check forward), *+ EPIC k* with the first k "
                  "of every reused run as well; its share is of the tokens the heads leave "
                  "reused.")
+    if "attended" in methods:
+        text += (" *attended r* is an emulation of a rule no server runs yet (docs/quality.md): "
+                 "the share r the prompt's last token attends to most over the served rows, "
+                 "scored from a full forward whose cost is not in *compute* (its *prefill* is "
+                 "that forward's wall time); its *target* is that emulation's.")
     if methods & {"oracle", "gradient"}:
         text += (" *oracle r* and *gradient r* are bounds no server can afford: the share r "
                  "with the largest c_KV deviation from full recomputation summed over every "

@@ -8,6 +8,9 @@ rotated by δ:
 * CacheBlend-style, ``recompute_share`` = r: the share r of the reused tokens whose c_KV at layer
   1 deviates most from a fresh computation (a check forward of the prompt through layer 0).
 
+and, to see what rankings no server has yet would buy, two oracles (``--oracle``) and an
+emulated two-pass rule (``--attended``: :func:`attended_ranking`).
+
 For each workload (the five partition-shift patterns, as ``bench serve`` builds them from the
 shipped samples) and each setting, every request is served in order by a persistent live
 engine (so each request sees what the earlier ones registered, as in serving) and compared with
@@ -28,6 +31,7 @@ GPU: its KL figures mean nothing).
                                     [--check-layers 1] [--workloads agent_meta ...]
                                     [--requests 12] [--tokens 16]
                                     [--recent 0.05] [--recent-heads 32] [--budgets 0 0.1]
+                                    [--attended 0.05]
                                     [--model DIR | --random-weights] [--device cpu|cuda] [--heal]
                                     [--out F]
 """
@@ -61,7 +65,8 @@ def settings(heads: list[int], shares: list[float], check_layers: list[int],
              oracle: list[float] | None = None,
              signed: list[float] | None = None, recent: list[float] | None = None,
              recent_heads: list[int] | None = None,
-             budgets: list[float] | None = None) -> list[dict[str, Any]]:
+             budgets: list[float] | None = None,
+             attended: list[float] | None = None) -> list[dict[str, Any]]:
     """The repair settings measured, no repair (EPIC k = 0) first: every ratio is against it."""
     out = [{"method": "epic", "recompute_head": k} for k in sorted(set(heads) | {0})]
     out += [{"method": "cacheblend", "recompute_share": r, "check_layer": layer}
@@ -72,6 +77,10 @@ def settings(heads: list[int], shares: list[float], check_layers: list[int],
              "recompute_budget": b}
             for b in budgets or [0.0] for k in recent_heads or [0] for r in recent or []
             if not b or (k and r <= b)]
+    out += [{"method": "attended", "recompute_share": r, "recompute_head": k, "check_layer": 1,
+             "recompute_budget": b}
+            for b in budgets or [0.0] for k in recent_heads or [0] for r in attended or []
+            if not b or (k and r <= b)]
     return out + [{"method": method, "recompute_share": r, "check_layer": 1}
                   for method in ("oracle", "gradient") for r in oracle or []]
 
@@ -79,10 +88,11 @@ def settings(heads: list[int], shares: list[float], check_layers: list[int],
 def label(setting: dict[str, Any]) -> str:
     if setting["method"] == "epic":
         return f"EPIC k={setting['recompute_head']}"
-    if setting["method"] == "recent":
+    if setting["method"] in ("recent", "attended"):
         head = setting["recompute_head"]
         budget = setting.get("recompute_budget", 0.0)
-        return (f"recent r={setting['recompute_share']:.0%}" + (f" + EPIC k={head}" if head else "")
+        return (f"{setting['method']} r={setting['recompute_share']:.0%}"
+                + (f" + EPIC k={head}" if head else "")
                 + (f" within {budget:.0%}" if budget else ""))
     if setting["method"] in ("oracle", "gradient"):
         return f"{setting['method']} r={setting['recompute_share']:.0%}"
@@ -94,7 +104,7 @@ def label(setting: dict[str, Any]) -> str:
 def cache_config(setting: dict[str, Any], heal: bool = False) -> CacheConfig:
     if setting["method"] == "epic":
         return CacheConfig(recompute_head=setting["recompute_head"], heal=heal)
-    if setting["method"] == "recent":
+    if setting["method"] in ("recent", "attended"):  # attended: its ranking replaces recent's
         return CacheConfig(recompute_head=setting["recompute_head"],
                            recompute_share=setting["recompute_share"], recompute_rule="recent",
                            recompute_budget=setting.get("recompute_budget", 0.0), heal=heal)
@@ -208,6 +218,42 @@ def gradient_deviation(model: MLAModel, engine: Engine,
     engine.cache.latent_check = deviation
 
 
+def attended_ranking(model: MLAModel, engine: Engine) -> None:
+    """Replace the engine's ranking by an emulation of a two-pass rule no server runs yet: each
+    reused token scored by the attention the prompt's last token pays it over the served rows,
+    summed over the layers above 0 (mean over heads). The served state is emulated as
+    :func:`gradient_deviation` emulates it — a full forward's rows, the reused tokens' c_KV
+    swapped for the cached rows they are served — so its cost (a full prefill) is not counted;
+    a server would take the scores from the PIC prefill itself and then compute the picked
+    tokens and the tail again."""
+    ckv = engine.runner.ckv
+    rank = ckv.shape[2]
+    body = model.model
+    from irminsul.studies.attention import AttentionProbe
+
+    def score(prompt: Any, positions: Any, slots: Any) -> Any:
+        length = prompt.size - 1  # the context of the last token
+        latents = model.forward(torch.as_tensor(prompt[:length], dtype=torch.long),
+                                torch.arange(length)).latents
+        inside = positions < length
+        where = torch.as_tensor(positions[inside], dtype=torch.long)
+        at = torch.as_tensor(slots[inside], dtype=torch.long, device=ckv.device)
+        context = []
+        for layer, fresh in enumerate(latents):
+            served = fresh.clone()
+            served[where, :rank] = ckv[layer, at].to(fresh.dtype).to(fresh.device)
+            context.append(served)
+        last = torch.as_tensor(prompt[length:], dtype=torch.long)
+        with torch.no_grad(), AttentionProbe(model) as probe:
+            x = body.embed_tokens(last)
+            for layer, rows in zip(body.layers, context):
+                x, _ = layer(x, torch.arange(length, length + 1), [rows], [1], None)
+        received = sum(p[:, 0, :length].mean(0).double().cpu() for p in probe.layers[1:])
+        return received.numpy()[np.minimum(positions, length - 1)]
+
+    engine.cache.latent_check = score
+
+
 def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: list[dict],
             requests: int, tokens: int, heal: bool = False) -> dict[str, Any]:
     """Per setting: mean KL, argmax match, first divergence and prefill time over the requests
@@ -225,6 +271,8 @@ def measure(model: MLAModel, renderer: ChatRenderer, workload: str, repairs: lis
                                             cache=cache_config(setting, heal)))
         if setting["method"] == "oracle":
             oracle_deviation(model, engine)
+        if setting["method"] == "attended":
+            attended_ranking(model, engine)
         if setting["method"] == "gradient":
             gradient_deviation(model, engine, {p.tokens.astype(np.int64).tobytes(): ref
                                                for (_, p), ref
@@ -326,8 +374,12 @@ def main() -> None:
     parser.add_argument("--recent-heads", type=int, nargs="+", default=[0],
                         help="EPIC heads computed with each --recent share as well")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.0],
-                        help="recompute_budget of each --recent setting with heads (0: no cap; "
-                        "the heads shrink so heads and share stay within it)")
+                        help="recompute_budget of each --recent or --attended setting with heads "
+                        "(0: no cap; the heads shrink so heads and share stay within it)")
+    parser.add_argument("--attended", type=float, nargs="*", default=[],
+                        help="shares recomputed by an emulated two-pass rule: the reused tokens "
+                        "the prompt's last token attends to most over the served rows (with "
+                        "--recent-heads and --budgets as the recent rule)")
     parser.add_argument("--check-layers", type=int, nargs="+", default=[1],
                         help="values of recompute_check_layer for CacheBlend-style repair")
     parser.add_argument("--workloads", nargs="+", default=list(PATTERNS), choices=PATTERNS)
@@ -357,7 +409,7 @@ def main() -> None:
         model = load_model(directory, dtype=dtype, device=args.device)
         renderer, name = ChatRenderer.from_dir(directory), directory.name
     repairs = settings(args.heads, args.shares, args.check_layers, args.oracle, args.signed,
-                       args.recent, args.recent_heads, args.budgets)
+                       args.recent, args.recent_heads, args.budgets, args.attended)
     started = time.perf_counter()
     workloads = []
     for workload in args.workloads:

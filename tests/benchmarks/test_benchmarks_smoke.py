@@ -248,15 +248,17 @@ def test_planner_quality_runs(tmp_path: Path) -> None:
 
 
 def test_repair_oracles_run(tmp_path: Path) -> None:
-    """Both oracle rankings recompute the share they are given; at r = 1 they recompute every
-    reused token and serve what full recomputation computes."""
+    """Both oracle rankings and the emulated attended rule recompute the share they are given;
+    at r = 1 they recompute every reused token and serve what full recomputation computes."""
     results = _run_benchmark("repair", "--workloads", "sysvar", "--requests", "3", "--heads", "0",
-                             "--shares", "--oracle", "0.5", "1", "--tokens", "2", tmp_path=tmp_path)
+                             "--shares", "--oracle", "0.5", "1", "--attended", "0.5", "1",
+                             "--tokens", "2", tmp_path=tmp_path, timeout=600)
     (workload,) = results["workloads"]
     assert workload["requests_with_hits"] > 0
     none, *oracles = workload["rows"]
     assert [(r["method"], r["recompute_share"]) for r in oracles] == [
-        ("oracle", 0.5), ("oracle", 1.0), ("gradient", 0.5), ("gradient", 1.0)]
+        ("attended", 0.5), ("attended", 1.0), ("oracle", 0.5), ("oracle", 1.0),
+        ("gradient", 0.5), ("gradient", 1.0)]
     assert none["kl"] > 1e-6
     for row in oracles:
         if row["recompute_share"] == 1.0:
