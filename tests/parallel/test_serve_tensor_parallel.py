@@ -186,7 +186,10 @@ def test_two_ranks_answer_as_one_process_and_stop_cleanly(tmp_path: Path, one_th
     with tensor_parallel(model_dir, tmp_path / "serve.log", gate_cache=tmp_path,
                          extra=extra) as server:
         got = answers(server.url)
-        assert audited(server.url, want[0]) == pytest.approx(want, rel=1e-4, abs=1e-9)
+        # Two ranks add their partial outputs in another order: float32 rounding moves a KL of
+        # ~6e-5 by ~1e-4 of itself (1.1e-4 in one CI run); a follower serving other rows than
+        # rank 0 would move it by orders of magnitude.
+        assert audited(server.url, want[0]) == pytest.approx(want, rel=1e-3, abs=1e-9)
         [follower] = server.followers()
         server.process.send_signal(signal.SIGINT)  # a normal stop
         assert server.process.wait(30) == 0, server.text()[-3000:]
