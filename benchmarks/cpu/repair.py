@@ -171,6 +171,27 @@ def oracle_deviation(model: MLAModel, engine: Engine) -> None:
     engine.cache.latent_check = deviation
 
 
+def served_state(model: MLAModel, ckv: torch.Tensor, prompt: Any, positions: Any, slots: Any
+                 ) -> tuple[int, Any, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The oracles' emulation of what a prompt's context is served: a full forward of the
+    prompt but its last token, each layer's rows fresh but the reused tokens' c_KV, which are
+    the cached rows at ``slots``. (length, which ``positions`` lie inside it, those positions,
+    the fresh rows per layer, the served rows per layer.)"""
+    rank = ckv.shape[2]
+    length = prompt.size - 1  # the context; the last prompt token reads it
+    latents = model.forward(torch.as_tensor(prompt[:length], dtype=torch.long),
+                            torch.arange(length)).latents
+    inside = positions < length
+    where = torch.as_tensor(positions[inside], dtype=torch.long)
+    at = torch.as_tensor(slots[inside], dtype=torch.long, device=ckv.device)
+    served = []
+    for layer, fresh in enumerate(latents):
+        rows = fresh.clone()
+        rows[where, :rank] = ckv[layer, at].to(fresh.dtype).to(fresh.device)
+        served.append(rows)
+    return length, inside, where, list(latents), served
+
+
 def gradient_deviation(model: MLAModel, engine: Engine,
                        references: dict[bytes, tuple[list[int], torch.Tensor]]) -> None:
     """Replace the engine's check forward by a second oracle: each reused token ranked by how
@@ -185,19 +206,12 @@ def gradient_deviation(model: MLAModel, engine: Engine,
 
     def deviation(prompt: Any, positions: Any, slots: Any) -> Any:
         continuation, reference = references[np.asarray(prompt, dtype=np.int64).tobytes()]
-        length = prompt.size - 1  # the context; the last prompt token starts the continuation
-        latents = model.forward(torch.as_tensor(prompt[:length], dtype=torch.long),
-                                torch.arange(length)).latents
-        inside = positions < length
-        where = torch.as_tensor(positions[inside], dtype=torch.long)
-        at = torch.as_tensor(slots[inside], dtype=torch.long, device=ckv.device)
-        context, deltas = [], []
-        for layer, fresh in enumerate(latents):
-            served = fresh.clone()
-            cached = ckv[layer, at].to(fresh.dtype).cpu()
-            served[where, :rank] = cached
-            deltas.append(fresh[where, :rank] - cached)
-            context.append(served.requires_grad_(True))
+        # The last prompt token starts the continuation.
+        length, inside, where, latents, context = served_state(model, ckv, prompt, positions,
+                                                                slots)
+        deltas = [fresh[where, :rank] - served[where, :rank]
+                  for fresh, served in zip(latents, context)]
+        context = [served.requires_grad_(True) for served in context]
         ids = torch.as_tensor([int(prompt[-1]), *continuation[:-1]], dtype=torch.long)
         at_positions = torch.arange(length, length + ids.numel())
         with torch.enable_grad():
@@ -227,22 +241,11 @@ def attended_ranking(model: MLAModel, engine: Engine) -> None:
     a server would take the scores from the PIC prefill itself and then compute the picked
     tokens and the tail again."""
     ckv = engine.runner.ckv
-    rank = ckv.shape[2]
     body = model.model
     from irminsul.studies.attention import AttentionProbe
 
     def score(prompt: Any, positions: Any, slots: Any) -> Any:
-        length = prompt.size - 1  # the context of the last token
-        latents = model.forward(torch.as_tensor(prompt[:length], dtype=torch.long),
-                                torch.arange(length)).latents
-        inside = positions < length
-        where = torch.as_tensor(positions[inside], dtype=torch.long)
-        at = torch.as_tensor(slots[inside], dtype=torch.long, device=ckv.device)
-        context = []
-        for layer, fresh in enumerate(latents):
-            served = fresh.clone()
-            served[where, :rank] = ckv[layer, at].to(fresh.dtype).to(fresh.device)
-            context.append(served)
+        length, _, _, _, context = served_state(model, ckv, prompt, positions, slots)
         last = torch.as_tensor(prompt[length:], dtype=torch.long)
         with torch.no_grad(), AttentionProbe(model) as probe:
             x = body.embed_tokens(last)
